@@ -1,0 +1,38 @@
+# The README's commands. Every target creates .venv and installs the project when needed, so a fresh
+# machine needs nothing but Python 3.10+.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv train demo test bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: 2.13.0 is the CPU build this machine class has on disk.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/dflash train --target tiny --data demo --run-dir runs/default --max-time 300
+
+demo: $(STAMP)
+	bash scripts/demo.sh
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python scripts/bench_telemetry.py
+	$(BIN)/python scripts/bench_pipeline.py
+	$(BIN)/python scripts/bench_tui.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check dflash dflash_tui tests scripts
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,59 @@
+"""`dflash` command line: one subcommand per module in dflash/commands.
+
+Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and is imported only
+when its command runs, so `dflash stats` never pays for importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module under dflash.commands, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("train", "train a DFlash drafter (pipelined, instrumented)"),
+    "eval": ("eval", "speculative decoding with a drafter: tau, acceptance, lossless check"),
+    "export": ("export", "export a checkpoint in the reference (z-lab) drafter format"),
+    "stats": ("stats", "print the per-category summary of a telemetry.jsonl recording"),
+    "data": ("data", "dataset tools: regenerate responses with the target, build the demo set"),
+    "target": ("target", "target tools: build the built-in tiny target"),
+}
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_) in COMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    # Only the chosen command's module is imported (and its arguments registered).
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if first in COMMANDS:
+        sub.choices[first] = p = argparse.ArgumentParser(prog=f"dflash {first}", description=COMMANDS[first][1])
+        importlib.import_module(f"dflash.commands.{COMMANDS[first][0]}").add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(f"dflash.commands.{COMMANDS[args.command][0]}")
+    try:
+        return int(module.run(args) or 0)
+    except CliError as e:
+        print(f"dflash {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The telemetry wire format: the only module the trainer and dflash-top share.
+
+Frames are newline-delimited JSON objects tagged by ``"type"``. They are defined once here as msgspec
+Structs so that encoding is fast on the trainer side and decoding validates on the client side. New
+optional fields may be added without bumping ``PROTO`` (decoders ignore unknown fields); a change that
+breaks old readers must bump it. See docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+PROTO = 1
+#: A frame longer than this is rejected by readers (a snapshot of 8 workers x 12 categories is ~20 KB).
+MAX_FRAME_BYTES = 4 * 1024 * 1024
+
+
+class ProtocolError(ValueError):
+    """A frame that is not valid telemetry; the message says what was wrong."""
+
+
+class CategoryStats(msgspec.Struct, omit_defaults=True):
+    """Timing of one category in one worker over a window (seconds)."""
+
+    n: int
+    total: float
+    mean: float
+    p50: float
+    p95: float
+    max: float
+    #: fraction of the window's wall time this worker spent in this category
+    share: float = 0.0
+    #: device-side (CUDA event) time for the same spans, when resolved
+    device: DeviceStats | None = None
+
+
+class DeviceStats(msgspec.Struct, omit_defaults=True):
+    n: int
+    total: float
+    mean: float
+    p50: float
+    p95: float
+    max: float
+
+
+class ThreadSample(msgspec.Struct):
+    tid: int  # native thread id, as `top -H` and py-spy's os_thread_id show it
+    name: str
+    cpu_percent: float
+
+
+class GpuSample(msgspec.Struct, omit_defaults=True):
+    index: int
+    name: str
+    util_percent: float | None = None
+    mem_used: int | None = None
+    mem_total: int | None = None
+    power_w: float | None = None
+    temp_c: float | None = None
+    sm_clock_mhz: float | None = None
+    #: memory used on this GPU by the trainer's process
+    process_mem: int | None = None
+
+
+class SystemSample(msgspec.Struct, omit_defaults=True):
+    cpu_percent: float = 0.0
+    rss_bytes: int = 0
+    threads: list[ThreadSample] = []
+    gpus: list[GpuSample] = []
+    #: why `gpus` is empty (e.g. "no NVIDIA driver"); None when GPUs were read
+    gpu_error: str | None = None
+
+
+class Bottleneck(msgspec.Struct, omit_defaults=True):
+    #: "target-bound", "drafter-bound", "data-bound", "balanced" or "unknown"
+    verdict: str
+    reason: str = ""
+    evidence: dict[str, float] = {}
+
+
+class Hello(msgspec.Struct, tag_field="type", tag="hello", omit_defaults=True):
+    proto: int
+    run: str
+    pid: int
+    host: str
+    rank: int = 0
+    world_size: int = 1
+    workers: list[str] = []
+    #: native thread id (as a string, JSON keys are strings) -> Python thread name
+    threads: dict[str, str] = {}
+    started: float = 0.0
+    interval_s: float = 1.0
+    run_dir: str | None = None
+
+
+class Snapshot(msgspec.Struct, tag_field="type", tag="snapshot", omit_defaults=True):
+    seq: int
+    t: float
+    interval_s: float
+    #: worker -> category -> stats over this window
+    workers: dict[str, dict[str, CategoryStats]] = {}
+    #: worker -> fraction of the window not covered by any category
+    untracked: dict[str, float] = {}
+    #: worker -> category -> stats since the start of the run
+    cumulative: dict[str, dict[str, CategoryStats]] = {}
+    #: monotonically increasing totals (tokens, samples, steps, ...)
+    counters: dict[str, float] = {}
+    #: per-second rates of the counters over this window
+    rates: dict[str, float] = {}
+    #: last values (loss, lr, queue depths, ...)
+    gauges: dict[str, float] = {}
+    #: training metrics (per-position accuracy as a list, simulated tau, ...)
+    metrics: dict[str, Union[float, list[float]]] = {}
+    system: SystemSample | None = None
+    bottleneck: Bottleneck | None = None
+    #: cross-rank view, published by rank 0 in multi-rank runs
+    cluster: dict[str, Any] | None = None
+
+
+class Event(msgspec.Struct, tag_field="type", tag="event", omit_defaults=True):
+    t: float
+    #: "checkpoint", "eval", "warning", "error", "info"
+    kind: str
+    message: str
+    data: dict[str, Any] = {}
+
+
+class Request(msgspec.Struct, tag_field="type", tag="request", omit_defaults=True):
+    id: int
+    #: "stacks" or "ptrace_allow"
+    op: str
+    args: dict[str, Any] = {}
+
+
+class Reply(msgspec.Struct, tag_field="type", tag="reply", omit_defaults=True):
+    id: int
+    op: str
+    ok: bool
+    error: str | None = None
+    data: Any = None
+
+
+class Bye(msgspec.Struct, tag_field="type", tag="bye", omit_defaults=True):
+    t: float
+    reason: str = "shutdown"
+
+
+Frame = Union[Hello, Snapshot, Event, Request, Reply, Bye]
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Frame)
+
+
+def encode(frame: Frame) -> bytes:
+    """One frame as a JSON line (with the trailing newline)."""
+    return _encoder.encode(frame) + b"\n"
+
+
+def decode(line: bytes | str) -> Frame:
+    """Parse one line into a frame, or raise ProtocolError saying what is wrong with it."""
+    if isinstance(line, str):
+        line = line.encode()
+    if len(line) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(line)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    line = line.strip()
+    if not line:
+        raise ProtocolError("empty frame")
+    try:
+        return _decoder.decode(line)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"invalid frame: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"malformed frame (not JSON): {e}") from None
+
+
+def to_builtins(frame: Frame) -> dict[str, Any]:
+    """A frame as plain dicts/lists (for --json output and tests)."""
+    return msgspec.to_builtins(frame)
