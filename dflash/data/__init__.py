@@ -1,0 +1,34 @@
+"""Datasets for drafter training: formats, the demo set, regeneration with the target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash.data.formats import DataError, Sample, iter_rows, load_samples, prompt_of
+
+__all__ = ["DataError", "Sample", "iter_rows", "load_samples", "prompt_of", "resolve_data", "load_prompts"]
+
+
+def resolve_data(spec: str) -> Path:
+    """`demo` or a path to a JSONL file."""
+    if spec == "demo":
+        from dflash.data.demo import demo_path
+
+        return demo_path()
+    path = Path(spec)
+    if not path.is_file():
+        raise DataError(f"{spec}: no such data file (give a .jsonl path or 'demo')")
+    return path
+
+
+def load_prompts(spec: str, tokenizer, limit: int, skip: int = 0) -> list[list[int]]:
+    """Token-id prompts for evaluation: rows `skip`..`skip+limit` of a dataset."""
+    path = resolve_data(spec)
+    prompts = []
+    for lineno, row in iter_rows(path):
+        if lineno <= skip:
+            continue
+        prompts.append(prompt_of(row, tokenizer, f"{path}:{lineno}"))
+        if len(prompts) >= limit:
+            break
+    return prompts

@@ -8,7 +8,10 @@ breaks old readers must bump it. See docs/protocol.md.
 
 from __future__ import annotations
 
-from typing import Any, Union
+import os
+import re
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -99,6 +102,8 @@ class Snapshot(msgspec.Struct, tag_field="type", tag="snapshot", omit_defaults=T
     seq: int
     t: float
     interval_s: float
+    #: measured length of this window in seconds (interval_s is only the target); 0 when unknown
+    window_s: float = 0.0
     #: worker -> category -> stats over this window
     workers: dict[str, dict[str, CategoryStats]] = {}
     #: worker -> fraction of the window not covered by any category
@@ -112,7 +117,10 @@ class Snapshot(msgspec.Struct, tag_field="type", tag="snapshot", omit_defaults=T
     #: last values (loss, lr, queue depths, ...)
     gauges: dict[str, float] = {}
     #: training metrics (per-position accuracy as a list, simulated tau, ...)
-    metrics: dict[str, Union[float, list[float]]] = {}
+    metrics: dict[str, float | list[float]] = {}
+    #: "<map>.<name>" -> "nan"/"inf"/... for counters, rates, gauges or metrics whose value was not
+    #: finite: JSON cannot carry NaN, so such values leave their map and are named here instead
+    nonfinite: dict[str, str] = {}
     system: SystemSample | None = None
     bottleneck: Bottleneck | None = None
     #: cross-rank view, published by rank 0 in multi-rank runs
@@ -147,7 +155,7 @@ class Bye(msgspec.Struct, tag_field="type", tag="bye", omit_defaults=True):
     reason: str = "shutdown"
 
 
-Frame = Union[Hello, Snapshot, Event, Request, Reply, Bye]
+Frame = Hello | Snapshot | Event | Request | Reply | Bye
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Frame)
@@ -178,3 +186,37 @@ def decode(line: bytes | str) -> Frame:
 def to_builtins(frame: Frame) -> dict[str, Any]:
     """A frame as plain dicts/lists (for --json output and tests)."""
     return msgspec.to_builtins(frame)
+
+
+# --- where the sockets live (shared so that dflash-top finds what the trainer creates) ---------------
+
+_SOCKET_RE = re.compile(r"^(?P<run>.+)-(?P<pid>\d+)(?:-r(?P<rank>\d+))?\.sock$")
+
+
+class SocketName(NamedTuple):
+    run: str
+    pid: int
+    rank: int | None
+
+
+def default_socket_dir() -> Path:
+    """`$XDG_RUNTIME_DIR/dflash` when that is set (a per-user tmpfs), else `/tmp/dflash-<uid>`."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return Path(xdg) / "dflash"
+    return Path(f"/tmp/dflash-{os.getuid()}")
+
+
+def socket_filename(run: str, pid: int, rank: int | None = None) -> str:
+    """`<run>-<pid>[-r<rank>].sock`, with the run name reduced to safe characters."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", run).strip(".") or "run"
+    return f"{safe}-{pid}" + (f"-r{rank}" if rank is not None else "") + ".sock"
+
+
+def parse_socket_filename(name: str) -> SocketName | None:
+    """The run, pid and rank encoded in a socket file name, or None for other files."""
+    m = _SOCKET_RE.match(name)
+    if not m:
+        return None
+    rank = m.group("rank")
+    return SocketName(m.group("run"), int(m.group("pid")), int(rank) if rank is not None else None)

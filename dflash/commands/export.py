@@ -1,0 +1,36 @@
+"""`dflash export CKPT --out DIR`: a training checkpoint -> the reference (z-lab) drafter format."""
+
+from __future__ import annotations
+
+import argparse
+
+from dflash.cli import CliError
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "keep": None}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint file, run directory with *.pt checkpoints, or an export dir")
+    p.add_argument("--out", required=True, help="directory to write config.json + model.safetensors into")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
+                   help="weight dtype (bf16 as the reference's released drafters; keep = as trained)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from dflash.model.export import DrafterLoadError, export_drafter, load_drafter
+
+    try:
+        drafter = load_drafter(args.checkpoint)
+    except DrafterLoadError as e:
+        raise CliError(str(e)) from e
+    name = _DTYPES[args.dtype]
+    try:
+        out = export_drafter(drafter, args.out, getattr(torch, name) if name else None)
+    except OSError as e:
+        raise CliError(f"cannot write {args.out}: {e.strerror or e}") from e
+    c = drafter.config
+    print(f"exported {drafter.num_parameters() / 1e6:.2f}M-parameter drafter ({c.num_layers} layers, block "
+          f"{c.block_size}, taps {c.target_layer_ids}, mask id {c.mask_token_id}) to {out}")
+    return 0

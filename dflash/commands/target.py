@@ -1,0 +1,29 @@
+"""`dflash target build-tiny`: (re)build the built-in tiny target from the standard library's source."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    b = sub.add_parser("build-tiny", help="train the tiny Qwen3 target on the stdlib source (fixed seed)")
+    b.add_argument("--out", type=Path, default=None, help="output dir (default: the package's shipped copy)")
+    b.add_argument("--max-time", type=float, default=None, help="stop training after this many seconds")
+    b.add_argument("--steps", type=int, default=None, help="optimizer steps (the cosine schedule spans them)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash.model.tiny import TinyRecipe, build_tiny
+
+    recipe = TinyRecipe()
+    if args.max_time is not None:
+        recipe.max_time_s = args.max_time
+    if args.steps is not None:
+        recipe.steps = args.steps
+    out = args.out or Path(__file__).resolve().parent.parent / "model" / "tiny"
+    info = build_tiny(out, recipe, log=lambda s: print(s, flush=True))
+    print(json.dumps(info, indent=2))
+    return 0

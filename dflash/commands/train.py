@@ -1,0 +1,51 @@
+"""`dflash train`: flags override the TOML config, which overrides the built-in recipe defaults."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dflash.cli import CliError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--config", type=Path, help="TOML file with training settings (keys as in config.json of a run)")
+    a("--target", help="HF model directory or 'tiny' (the built-in target)")
+    a("--data", help="JSONL dataset or 'demo'")
+    a("--run-dir", help="where checkpoints, config.json and telemetry.jsonl go (default runs/default)")
+    a("--max-steps", type=int)
+    a("--max-time", type=float, help="stop after this many seconds of training")
+    a("--resume", action="store_true", help="continue from the newest checkpoint in the run dir")
+    a("--no-telemetry", dest="telemetry", action="store_false", default=None, help="turn telemetry off entirely")
+    a("--telemetry-interval", type=float, help="seconds between telemetry snapshots (default 1)")
+    a("--log-every", type=float, help="seconds between log lines (default 10)")
+    a("--target-devices", help="comma-separated, one target worker each: cpu, cuda:0,cuda:1, ...")
+    a("--drafter-device", help="cpu or cuda:N")
+    a("--pipeline", choices=["on", "off"], help="off: target forward then drafter step in one loop")
+    a("--batch-size", type=int)
+    a("--lr", type=float)
+    a("--drafter-layers", type=int)
+    a("--block-size", type=int)
+    a("--num-anchors", type=int)
+    a("--max-seq-len", type=int)
+    a("--threads-per-worker", type=int, help="torch intra-op threads per worker thread")
+    a("--checkpoint-every", type=float, help="seconds between checkpoints")
+    a("--eval-every", type=float, help="seconds between in-training evaluations (0: only at the end)")
+    a("--eval-prompts", type=int, help="prompts in each evaluation (0: none)")
+    a("--socket-dir", help="directory for the telemetry socket")
+    a("--seed", type=int)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash.train.config import ConfigError, load_toml, make_config
+    from dflash.train.trainer import train
+
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "resume")}
+    if args.pipeline is not None:
+        overrides["pipeline"] = args.pipeline == "on"
+    try:
+        cfg = make_config(load_toml(args.config) if args.config else {}, overrides)
+    except ConfigError as e:
+        raise CliError(str(e)) from None
+    return train(cfg, resume=args.resume)

@@ -1,0 +1,380 @@
+"""The DFlash drafter: a few Qwen3-style decoder layers that fill a whole block of masked slots at once.
+
+Read top to bottom: config, the pieces (RMSNorm, RoPE, attention, MLP, layer), then the model.
+
+What makes it a *DFlash* drafter rather than a small language model:
+
+* It has no embedding and no LM head of its own. Its input is the target's (frozen) embedding of a block
+  ``[anchor token, MASK, MASK, ...]`` and its output goes through the target's (frozen) LM head.
+* It conditions on the target: the target's hidden states at a few tap layers are concatenated and
+  projected by ``fc`` + RMSNorm (``hidden_norm``) to one *context feature* per context position. In every
+  layer that feature is projected by the layer's own ``k_proj``/``v_proj`` into extra keys and values that
+  the block's queries attend to, next to the block's own keys and values. The context feature never
+  flows through the layers itself; it only ever appears as keys/values.
+* Inside a block attention is bidirectional, so all masked slots are predicted in one pass.
+
+Parameter names match the public reference (z-lab/dflash ``DFlashDraftModel``) one to one, so
+``state_dict()`` *is* the exported ``model.safetensors`` (see export.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Loss-decay gamma per block size, as the DFlash paper trains them; other sizes interpolate.
+_GAMMA_BY_BLOCK = {8: 4.0, 10: 5.0, 16: 7.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """gamma for ``exp(-(k-1)/gamma)``: the paper's 4/5/7 for blocks of 8/10/16, linear in between/beyond."""
+    if block_size in _GAMMA_BY_BLOCK:
+        return _GAMMA_BY_BLOCK[block_size]
+    points = sorted(_GAMMA_BY_BLOCK.items())
+    (x0, y0), (x1, y1) = (points[0], points[1]) if block_size < points[1][0] else (points[-2], points[-1])
+    return max(1.0, y0 + (block_size - x0) * (y1 - y0) / (x1 - x0))
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """The reference's tap layers: ``num_taps`` evenly spaced from layer 1 to layer N-3 (rounded).
+
+    One tap takes the middle layer. Layer ids follow the Hugging Face ``hidden_states`` convention used
+    by the reference and the serving engines: id ``i`` is the *output* of decoder layer ``i``
+    (``hidden_states[i + 1]``). Two departures, both only for targets far shallower than any real one
+    (the reference would produce repeated or invalid ids there): targets with fewer than 4 layers are
+    spread over layers 0..N-2, and repeated ids are dropped.
+    """
+    if num_target_layers < 1 or num_taps < 1:
+        raise ValueError(f"need at least one target layer and one tap (got {num_target_layers}, {num_taps})")
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end < start:
+        start, end = 0, max(0, num_target_layers - 2)
+    span = end - start
+    ids = [int(round(start + i * span / (num_taps - 1))) for i in range(num_taps)]
+    return sorted(set(ids))
+
+
+def _cfg(config, name: str, default=None):
+    """Read a field from a transformers config object or a plain dict."""
+    if isinstance(config, dict):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def rope_theta_of(config) -> float:
+    """RoPE base of a transformers config: ``rope_parameters`` (transformers 5) or ``rope_theta`` (4.x)."""
+    params = _cfg(config, "rope_parameters") or _cfg(config, "rope_scaling") or {}
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta or _cfg(config, "rope_theta") or 10000.0)
+
+
+@dataclass
+class DrafterConfig:
+    """Everything needed to build a drafter; stored in checkpoints as ``dataclasses.asdict``.
+
+    ``hidden_size`` equals the target's: the drafter reads the target's embeddings and feeds the target's
+    LM head. ``target_layer_ids`` are the target layers tapped for the context feature.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int] = field(default_factory=list)
+    mask_token_id: int = 0
+    block_size: int = 16
+    gamma: float | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.gamma is None:
+            self.gamma = default_gamma(self.block_size)
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be at least 2 (anchor + one masked slot), got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary (0..{self.vocab_size - 1})")
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config,
+        num_layers: int = 1,
+        block_size: int = 16,
+        target_layer_ids: list[int] | None = None,
+        *,
+        mask_token_id: int,
+        gamma: float | None = None,
+        intermediate_size: int | None = None,
+    ) -> DrafterConfig:
+        """A drafter shaped like the target's layers (as the reference's drafters are).
+
+        Without ``target_layer_ids`` the taps follow the reference's rule with one tap per drafter layer
+        (the released drafters tie the two); pass ``Target.layer_ids`` to keep target and drafter in step.
+        """
+        n_target = int(_cfg(target_config, "num_hidden_layers"))
+        hidden = int(_cfg(target_config, "hidden_size"))
+        heads = int(_cfg(target_config, "num_attention_heads"))
+        head_dim = _cfg(target_config, "head_dim") or hidden // heads
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(intermediate_size or _cfg(target_config, "intermediate_size") or 4 * hidden),
+            num_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(_cfg(target_config, "num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            vocab_size=int(_cfg(target_config, "vocab_size")),
+            num_target_layers=n_target,
+            target_layer_ids=list(target_layer_ids or default_target_layer_ids(n_target, num_layers)),
+            mask_token_id=int(mask_token_id),
+            block_size=block_size,
+            gamma=gamma,
+            rms_norm_eps=float(_cfg(target_config, "rms_norm_eps") or 1e-6),
+            rope_theta=rope_theta_of(target_config),
+            max_position_embeddings=int(_cfg(target_config, "max_position_embeddings") or 40960),
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DrafterConfig:
+        """Inverse of ``dataclasses.asdict``; unknown keys (from newer versions) are ignored."""
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# --------------------------------------------------------------------------------------------------
+# Pieces
+# --------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Default RoPE (no scaling), cos/sin for arbitrary integer positions."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, S, head_dim/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, S, head_dim]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+_compiled_flex = None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+    """Attention of q [B, Hq, Q, D] over k, v [B, Hkv, K, D].
+
+    ``mask`` is None (everything visible), a boolean tensor broadcastable to [B, 1, Q, K] (True =
+    visible; runs ``scaled_dot_product_attention``), or a FlexAttention ``BlockMask`` (runs
+    ``flex_attention``, compiled on CUDA; on CPU torch only runs it uncompiled and forward-only).
+    """
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        global _compiled_flex
+        from torch.nn.attention.flex_attention import flex_attention
+
+        fn = flex_attention
+        if q.is_cuda:
+            if _compiled_flex is None:
+                _compiled_flex = torch.compile(flex_attention)
+            fn = _compiled_flex
+        return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    if q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class Attention(nn.Module):
+    """Block self-attention whose keys/values are [context feature ; block], as in the reference."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, s, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, ctx, rope_q, rope_ctx, mask, cache: list | None = None) -> torch.Tensor:
+        """x: block states [B, Q, H]; ctx: context feature [B, C, H] (C may be 0).
+
+        With ``cache`` (a one-element list holding this layer's context keys/values, or None), the new
+        context's keys/values are appended to it and the block attends to all cached context: the
+        incremental form used while decoding. The block's own keys/values are never cached.
+        """
+        b, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, *rope_q)
+        k_blk, v_blk = self._kv(x, *rope_q)
+        k_ctx, v_ctx = self._kv(ctx, *rope_ctx)
+        if cache is not None:
+            if cache[0] is not None:
+                k_ctx, v_ctx = torch.cat([cache[0][0], k_ctx], dim=2), torch.cat([cache[0][1], v_ctx], dim=2)
+            cache[0] = (k_ctx, v_ctx)
+        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
+        # Under autocast the norms/RoPE promote q and k to float32 while v stays bf16; attention
+        # kernels (flex in particular, which autocast does not cover) need one dtype.
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        out = attend(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_q, rope_ctx, mask, cache=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_ctx, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# --------------------------------------------------------------------------------------------------
+# The drafter
+# --------------------------------------------------------------------------------------------------
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash drafter. ``forward`` maps block embeddings + target context to final hidden states."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
+        self.fc = nn.Linear(len(config.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary = Rotary(config.head_dim, config.rope_theta)
+        self.apply(self._init)
+
+    def _init(self, m: nn.Module) -> None:
+        # As the reference (transformers' Qwen3 init): normal(0, 0.02) linears, unit norms.
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=self.config.initializer_range)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def context_feature(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, C, len(taps) * H] concatenated tap states -> [B, C, H] context feature."""
+        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        target_hidden: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_positions: torch.Tensor,
+        mask=None,
+        cache: list | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states [B, Q, H] for the block tokens (apply the target's LM head for logits).
+
+        noise_embeds:  [B, Q, H]  target embeddings of the block tokens ([anchor, MASK, ...] per block;
+                                  training packs many blocks side by side)
+        target_hidden: [B, C, L*H] tap-layer hidden states of the context positions
+        positions:     [B, Q]     absolute positions of the block tokens (anchor position + slot)
+        ctx_positions: [B, C]     absolute positions of the context
+        mask:          None (every query sees every key), bool [B, 1, Q, C+Q] (True = visible; keys are
+                       context first, then block tokens), or a FlexAttention BlockMask of that layout
+        cache:         list from ``new_cache()`` for incremental decoding; the given context is appended
+        """
+        x = noise_embeds.to(self.fc.weight.dtype)
+        ctx = self.context_feature(target_hidden)
+        rope_q = self.rotary(positions, x.dtype)
+        rope_ctx = self.rotary(ctx_positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, rope_q, rope_ctx, mask, None if cache is None else cache[i])
+        return self.norm(x)
+
+    def new_cache(self) -> list:
+        """Per-layer context key/value cache for decoding (block keys/values are never kept)."""
+        return [[None] for _ in self.layers]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def mask_token_embedding_ok(embed_weight: torch.Tensor, token_id: int) -> bool:
+    """A zero embedding row makes every masked slot's first-layer query zero (uniform attention, equal
+    outputs for all slots): a one-layer drafter could then only predict one token per block."""
+    row = embed_weight[token_id].float()
+    return bool(row.norm() > 1e-6 * math.sqrt(row.numel()))

@@ -1,0 +1,208 @@
+"""Drafters on disk: the reference (z-lab) export format, and our training checkpoints.
+
+Export directory (what SGLang/vLLM and z-lab's ``DFlashDraftModel.from_pretrained`` read):
+
+    config.json        a Qwen3 config (the drafter's own layers) plus ``architectures:
+                       ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers`` and
+                       ``dflash_config: {mask_token_id, target_layer_ids}``; training-only settings
+                       (gamma) go under ``dflash_trainer``, which other readers ignore.
+    model.safetensors  the drafter's state_dict as is: ``layers.N.self_attn.q_proj.weight``, ...,
+                       ``fc.weight``, ``hidden_norm.weight``, ``norm.weight`` (no embedding, no LM
+                       head: those are the target's).
+
+Training checkpoints (written by dflash/train/checkpoint.py) are ``torch.save``d dicts holding
+``drafter_config`` (``dataclasses.asdict(DrafterConfig)``) and ``drafter`` (the state_dict).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from dflash.model.drafter import DFlashDrafter, DrafterConfig, default_gamma
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+class DrafterLoadError(ValueError):
+    """A drafter path that is neither a checkpoint nor an export; the message is one line."""
+
+
+def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
+    """The reference's config.json for a drafter (Qwen3 fields + DFlash fields)."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "attention_bias": cfg.attention_bias,
+        "attention_dropout": 0.0,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": cfg.hidden_size,
+        "initializer_range": cfg.initializer_range,
+        "intermediate_size": cfg.intermediate_size,
+        "layer_types": ["full_attention"] * cfg.num_layers,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "max_window_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_hidden_layers": cfg.num_layers,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "rope_theta": cfg.rope_theta,  # transformers 4.x readers
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": cfg.vocab_size,
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "dflash_trainer": {"gamma": cfg.gamma},
+    }
+
+
+def config_from_hf(d: dict) -> DrafterConfig:
+    """DrafterConfig from a reference-format config.json (ours or z-lab's released drafters).
+
+    DFlash fields are read from ``dflash_config`` first, then the top level, as the reference does.
+    """
+    dc = d.get("dflash_config") or {}
+
+    def pick(name, default=None):
+        return dc.get(name, d.get(name, default))
+
+    block = int(pick("block_size", 16))
+    heads = int(d["num_attention_heads"])
+    layer_ids = pick("target_layer_ids")
+    if layer_ids is None:
+        raise DrafterLoadError("config.json has no dflash_config.target_layer_ids")
+    rope = d.get("rope_parameters") or {}
+    return DrafterConfig(
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=int(d["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+        vocab_size=int(d["vocab_size"]),
+        num_target_layers=int(pick("num_target_layers", max(layer_ids) + 1)),
+        target_layer_ids=list(layer_ids),
+        mask_token_id=int(pick("mask_token_id", 0)),
+        block_size=block,
+        gamma=float((d.get("dflash_trainer") or {}).get("gamma") or default_gamma(block)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta") or d.get("rope_theta") or 10000.0),
+        max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+        attention_bias=bool(d.get("attention_bias", False)),
+        initializer_range=float(d.get("initializer_range", 0.02)),
+    )
+
+
+def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` in the reference format; ``dtype`` None keeps the
+    drafter's own (exact round trip), the reference releases bfloat16."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = drafter.state_dict()
+    dtype = dtype or next(iter(state.values())).dtype
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
+    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    (out / CONFIG_NAME).write_text(json.dumps(hf_config(drafter.config, dtype), indent=2) + "\n")
+    return out
+
+
+def load_exported(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """Load an export directory (ours or a z-lab DFlash drafter) back into a DFlashDrafter."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        d = json.loads((path / CONFIG_NAME).read_text())
+    except (OSError, ValueError) as e:
+        raise DrafterLoadError(f"{path}: unreadable {CONFIG_NAME} ({e})") from e
+    arch = (d.get("architectures") or ["DFlashDraftModel"])[0]
+    if arch != "DFlashDraftModel":
+        raise DrafterLoadError(f"{path}: architecture {arch!r} is not a plain DFlashDraftModel")
+    cfg = config_from_hf(d)
+    state = load_file(str(path / WEIGHTS_NAME))
+    return _build(cfg, state, str(path), dtype)
+
+
+def _build(cfg: DrafterConfig, state: dict, where: str, dtype: torch.dtype | None) -> DFlashDrafter:
+    drafter = DFlashDrafter(cfg)
+    result = drafter.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        missing, extra = result.missing_keys[:3], result.unexpected_keys[:3]
+        raise DrafterLoadError(f"{where}: weights do not match the config (missing {missing}, unexpected {extra})")
+    dtype = dtype or next(iter(state.values())).dtype
+    return drafter.to(dtype)
+
+
+def find_checkpoint(directory: Path) -> Path | None:
+    """The checkpoint to use in a run directory: ``latest.pt``, else the ``step-<n>.pt`` (the trainer's
+    naming) or ``checkpoint-<n>.pt`` with the highest n, else the newest ``*.pt`` — searched in the
+    directory itself, then in its ``checkpoints/``."""
+    for d in (directory, directory / "checkpoints"):
+        if not d.is_dir():
+            continue
+        if (d / "latest.pt").is_file():
+            return d / "latest.pt"
+        stepped = [(int(m.group(1)), p) for p in d.glob("*.pt")
+                   if (m := re.fullmatch(r"(?:checkpoint|step)-(\d+)\.pt", p.name))]
+        if stepped:
+            return max(stepped)[1]
+        any_pt = sorted(d.glob("*.pt"), key=lambda p: p.stat().st_mtime)
+        if any_pt:
+            return any_pt[-1]
+    return None
+
+
+def load_checkpoint_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """The drafter inside a training checkpoint file."""
+    path = Path(path)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        # Checkpoints may hold non-tensor training state (e.g. numpy RNG state); they are our own files.
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise DrafterLoadError(f"{path}: not a readable checkpoint ({str(e).splitlines()[0][:120]})") from e
+    if not isinstance(ckpt, dict) or "drafter_config" not in ckpt or "drafter" not in ckpt:
+        raise DrafterLoadError(f"{path}: not a dflash checkpoint (no 'drafter_config'/'drafter' entries)")
+    cfg = DrafterConfig.from_dict(ckpt["drafter_config"])
+    return _build(cfg, ckpt["drafter"], str(path), dtype)
+
+
+def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """A drafter from any of: an export directory, a checkpoint file, or a run directory holding
+    checkpoints (see ``find_checkpoint``)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DrafterLoadError(f"drafter {str(path)!r}: no such file or directory")
+    if p.is_file():
+        return load_checkpoint_drafter(p, dtype)
+    if (p / CONFIG_NAME).is_file() and (p / WEIGHTS_NAME).is_file():
+        return load_exported(p, dtype)
+    ckpt = find_checkpoint(p)
+    if ckpt is None:
+        found = ", ".join(sorted(x.name for x in p.iterdir())[:8]) or "nothing"
+        raise DrafterLoadError(
+            f"drafter {str(path)!r}: neither an export ({CONFIG_NAME} + {WEIGHTS_NAME}) nor a directory with "
+            f"*.pt checkpoints (found {found})"
+        )
+    return load_checkpoint_drafter(ckpt, dtype)
+
+
+def checkpoint_dict(drafter: DFlashDrafter) -> dict:
+    """The two entries a training checkpoint must hold for ``load_drafter`` to read it."""
+    return {"drafter_config": asdict(drafter.config), "drafter": drafter.state_dict()}

@@ -1,0 +1,274 @@
+"""The built-in default target: a small Qwen3 language model that dflash trains itself.
+
+Nothing can be downloaded where dflash runs its demo and tests, yet a drafter can only be judged against
+a *real* language model: a target whose greedy output loops makes any drafter look good and hides
+label-offset or context-leak bugs. So dflash ships a tiny Qwen3-architecture model with a byte-level BPE
+tokenizer, both trained here on the Python standard library's own source (present wherever Python is),
+saved with ``save_pretrained`` so ``load_target`` loads it like any Hugging Face model.
+
+``dflash target build-tiny`` rebuilds it (fixed seed); the result is committed as package data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import sysconfig
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>", "<|pad|>"]
+# A ChatML-style template so `{"messages": [...]}` data works on the tiny target like on Qwen models.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Directories of the standard library that are test suites, vendored tools or generated tables:
+# they are large and unlike ordinary code, so leaving them out keeps the corpus small and typical.
+_SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "ensurepip", "turtledemo", "encodings"}
+
+
+@dataclass
+class TinyRecipe:
+    vocab_size: int = 2048
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    seq_len: int = 256
+    batch_size: int = 16
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 200
+    weight_decay: float = 0.1
+    steps: int = 3000
+    max_time_s: float = 3000.0
+    seed: int = 1234
+    heldout_every: int = 40  # one file in this many (by path hash) is held out for evaluation
+
+
+def tiny_target_dir(build_if_missing: bool = True) -> Path:
+    """Where the shipped tiny target lives; rebuilt there (minutes to an hour) only if it is missing."""
+    path = Path(__file__).with_name("tiny")
+    if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
+        if not build_if_missing:
+            raise FileNotFoundError(f"the tiny target is missing at {path}; run `dflash target build-tiny`")
+        print(f"dflash: the built-in tiny target is missing at {path}; building it now", file=sys.stderr)
+        build_tiny(path, TinyRecipe(), log=lambda s: print(s, file=sys.stderr))
+    return path
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's own .py sources, sorted so every machine sees the same order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root).parts
+        if any(part in _SKIP_DIRS for part in rel[:-1]) or p.stat().st_size > 400_000:
+            continue
+        files.append(p)
+    return files
+
+
+def split_files(files: list[Path], every: int) -> tuple[list[Path], list[Path]]:
+    """Deterministic train/held-out split by a hash of the file's name relative to the stdlib root."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, held = [], []
+    for p in files:
+        h = int(hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest(), 16)
+        (held if h % every == 0 else train).append(p)
+    return train, held
+
+
+def read_text(p: Path) -> str:
+    return p.read_text(encoding="utf-8", errors="replace")
+
+
+def train_tokenizer(files: list[Path], vocab_size: int):
+    """Byte-level BPE (as GPT-2/Qwen use) so any text, in any encoding, round-trips."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((read_text(p) for p in files), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        mask_token="<|mask|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def encode_files(tokenizer, files: list[Path]):
+    """All files as one token stream, documents separated by end-of-text."""
+    import torch
+
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for p in files:
+        ids.extend(tokenizer(read_text(p), add_special_tokens=False)["input_ids"])
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def bigram_loss(train_ids, held_ids, vocab: int) -> float:
+    """Held-out nats/token of an add-0.1 smoothed bigram model: the bar a real LM must clear."""
+    import torch
+
+    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
+    counts.index_add_(0, train_ids[:-1] * vocab + train_ids[1:], torch.ones(len(train_ids) - 1, dtype=torch.float64))
+    counts = counts.view(vocab, vocab) + 0.1
+    logp = (counts / counts.sum(1, keepdim=True)).log()
+    return float(-logp[held_ids[:-1], held_ids[1:]].mean())
+
+
+def make_model(recipe: TinyRecipe, tokenizer):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        head_dim=recipe.head_dim,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def heldout_loss(model, held_ids, seq_len: int, max_windows: int = 64) -> float:
+    import torch
+
+    n = min(max_windows, (len(held_ids) - 1) // seq_len)
+    x = held_ids[: n * seq_len].view(n, seq_len)
+    y = held_ids[1 : n * seq_len + 1].view(n, seq_len)
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, n, 16):
+            logits = model(input_ids=x[i : i + 16]).logits
+            total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y[i : i + 16].flatten(), reduction="sum"))
+    model.train()
+    return total / (n * seq_len)
+
+
+def greedy_distinct(model, held_ids, prompts: int = 16, prompt_len: int = 48, new_tokens: int = 96) -> float:
+    """Mean number of distinct tokens in greedy continuations: low means the model loops."""
+    import torch
+
+    model.eval()
+    stride = max(1, (len(held_ids) - prompt_len) // prompts)
+    distinct = []
+    with torch.no_grad():
+        for i in range(prompts):
+            prompt = held_ids[i * stride : i * stride + prompt_len].unsqueeze(0)
+            out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            distinct.append(len(set(out[0, prompt_len:].tolist())))
+    model.train()
+    return sum(distinct) / len(distinct)
+
+
+def build_tiny(out_dir: Path, recipe: TinyRecipe, log: Callable[[str], None] = print) -> dict:
+    """Train the tokenizer and the model, measure them, and save both (fp16) to out_dir."""
+    import torch
+
+    t_start = time.time()
+    torch.manual_seed(recipe.seed)
+    train_files, held_files = split_files(stdlib_files(), recipe.heldout_every)
+    log(f"corpus: {len(train_files)} train files, {len(held_files)} held-out files")
+    tokenizer = train_tokenizer(train_files, recipe.vocab_size)
+    train_ids = encode_files(tokenizer, train_files)
+    held_ids = encode_files(tokenizer, held_files)
+    log(f"tokens: {len(train_ids):,} train, {len(held_ids):,} held out (vocab {len(tokenizer)})")
+    bigram = bigram_loss(train_ids, held_ids, len(tokenizer))
+    log(f"bigram baseline: {bigram:.3f} nats/token held out")
+
+    model = make_model(recipe, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {n_params / 1e6:.2f}M parameters")
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=recipe.lr, betas=(0.9, 0.95),
+    )
+    gen = torch.Generator().manual_seed(recipe.seed)
+    T, B = recipe.seq_len, recipe.batch_size
+    t0 = time.time()
+    step, tokens = 0, 0
+    while True:
+        progress = max(step / recipe.steps, (time.time() - t0) / recipe.max_time_s)
+        if progress >= 1.0:
+            break
+        if step < recipe.warmup_steps:
+            lr = recipe.lr * (step + 1) / recipe.warmup_steps
+        else:
+            lr = recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        starts = torch.randint(0, len(train_ids) - T - 1, (B,), generator=gen)
+        x = torch.stack([train_ids[s : s + T] for s in starts])
+        y = torch.stack([train_ids[s + 1 : s + T + 1] for s in starts])
+        # fp32: on these CPUs bf16 autocast measured slower than plain fp32 for a model this small.
+        logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens += B * T
+        if step % 100 == 0:
+            dt = time.time() - t0
+            log(f"step {step} loss {loss.item():.3f} lr {lr:.2e} {tokens / dt:,.0f} tok/s {dt / 60:.1f} min")
+        if step % 1000 == 0:
+            log(f"  held-out loss {heldout_loss(model, held_ids, T):.3f}")
+
+    train_s = time.time() - t0
+    held = heldout_loss(model, held_ids, T)
+    distinct = greedy_distinct(model, held_ids)
+    log(f"final: held-out {held:.3f} nats/token (bigram {bigram:.3f}), greedy distinct {distinct:.1f}/96")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.half().save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    info = {
+        "recipe": asdict(recipe),
+        "parameters": n_params,
+        "steps": step,
+        "train_tokens_seen": tokens,
+        "corpus_train_tokens": len(train_ids),
+        "corpus_heldout_tokens": len(held_ids),
+        "heldout_loss": round(held, 4),
+        "bigram_heldout_loss": round(bigram, 4),
+        "greedy_distinct_per_96": round(distinct, 2),
+        "train_seconds": round(train_s, 1),
+        "build_seconds": round(time.time() - t_start, 1),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+    }
+    (out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info

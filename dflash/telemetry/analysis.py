@@ -1,0 +1,125 @@
+"""Which pipeline stage bounds throughput, decided from per-worker time shares.
+
+The pipeline is data -> target workers -> hidden-state queue -> drafter workers. In steady state the
+slowest stage runs flat out and the stages next to it wait on the queues between them, so the waits
+name the bottleneck:
+
+* targets waiting for batches (`batch_queue_wait`)         -> data-bound
+* drafters waiting for hidden states (`hs_queue_wait`)     -> target-bound
+* targets blocked putting hidden states (`hs_queue_put`)   -> drafter-bound
+
+A slow data stage starves the targets and, through them, the drafters too; so when targets starve
+for batches at least as much as they block on puts, the verdict is data-bound even if the drafters
+also wait. The rules are documented in docs/telemetry.md; torch-free on purpose (dflash-top and
+`dflash stats` run it on recordings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from dflash.telemetry.protocol import Bottleneck, CategoryStats
+
+#: a wait above this share of a worker's wall time counts as starving/blocked
+THRESHOLD = 0.20
+#: below this much timed work per pipeline worker there is nothing to judge (start-up, eval pauses)
+MIN_TRACKED = 0.05
+
+TARGET_BUSY = ("target_forward", "pack_hidden", "h2d")
+DRAFTER_BUSY = ("drafter_forward", "drafter_backward", "optimizer_step", "h2d")
+
+
+def role_of(worker: str) -> str | None:
+    """"target", "drafter" or "data" from the worker naming convention, else None."""
+    if worker.startswith("target"):
+        return "target"
+    if worker.startswith("drafter"):
+        return "drafter"
+    if worker.startswith(("batch-producer", "data")):
+        return "data"
+    return None
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _share(cats: Mapping[str, CategoryStats], names: tuple[str, ...]) -> float:
+    return sum(cats[n].share for n in names if n in cats)
+
+
+def analyze(
+    workers: Mapping[str, Mapping[str, CategoryStats]], threshold: float = THRESHOLD
+) -> Bottleneck:
+    """The bottleneck verdict for one window (or a merged range) of per-worker stats."""
+    by_role: dict[str, list[Mapping[str, CategoryStats]]] = {"target": [], "drafter": [], "data": []}
+    for name, cats in workers.items():
+        role = role_of(name)
+        if role is not None:
+            by_role[role].append(cats)
+    targets, drafters, data = by_role["target"], by_role["drafter"], by_role["data"]
+
+    target_starve = _mean([_share(c, ("batch_queue_wait",)) for c in targets])
+    target_blocked = _mean([_share(c, ("hs_queue_put",)) for c in targets])
+    drafter_starve = _mean([_share(c, ("hs_queue_wait",)) for c in drafters])
+    evidence = {
+        "target.batch_queue_wait": round(target_starve, 4),
+        "target.hs_queue_put": round(target_blocked, 4),
+        "drafter.hs_queue_wait": round(drafter_starve, 4),
+        "target.busy": round(_mean([_share(c, TARGET_BUSY) for c in targets]), 4),
+        "drafter.busy": round(_mean([_share(c, DRAFTER_BUSY) for c in drafters]), 4),
+        "targets": float(len(targets)),
+        "drafters": float(len(drafters)),
+        "threshold": threshold,
+    }
+    if data:
+        evidence["data.busy"] = round(_mean([sum(cs.share for cs in c.values()) for c in data]), 4)
+
+    pipeline = targets + drafters
+    tracked = _mean([sum(cs.share for cs in c.values()) for c in pipeline])
+    if not pipeline or tracked < MIN_TRACKED:
+        why = (
+            "no target-N or drafter-N workers reported timings"
+            if not pipeline
+            else f"too little timed work to judge ({tracked:.0%} of pipeline workers' time)"
+        )
+        return Bottleneck(verdict="unknown", reason=why, evidence=evidence)
+
+    if targets and target_starve >= threshold and target_starve >= target_blocked:
+        return Bottleneck(
+            verdict="data-bound",
+            reason=(
+                f"targets wait {target_starve:.0%} of their time for batches (batch_queue_wait): the data "
+                "producer limits throughput; speed up loading/collation or add producers"
+            ),
+            evidence=evidence,
+        )
+    if max(drafter_starve, target_blocked) >= threshold:
+        if drafters and drafter_starve >= target_blocked:
+            return Bottleneck(
+                verdict="target-bound",
+                reason=(
+                    f"drafters wait {drafter_starve:.0%} of their time for hidden states (hs_queue_wait) "
+                    f"while targets block only {target_blocked:.0%}: the target forward limits throughput; "
+                    "add target workers/GPUs or batch the target more"
+                ),
+                evidence=evidence,
+            )
+        return Bottleneck(
+            verdict="drafter-bound",
+            reason=(
+                f"targets spend {target_blocked:.0%} of their time blocked on a full hidden-state queue "
+                f"(hs_queue_put) while drafters wait only {drafter_starve:.0%}: drafter training limits "
+                "throughput; add drafter workers or make the drafter step cheaper"
+            ),
+            evidence=evidence,
+        )
+    worst = max(
+        ("batch_queue_wait", target_starve), ("hs_queue_wait", drafter_starve), ("hs_queue_put", target_blocked),
+        key=lambda kv: kv[1],
+    )
+    return Bottleneck(
+        verdict="balanced",
+        reason=f"no stage waits more than {threshold:.0%} of its time (largest: {worst[0]} {worst[1]:.0%})",
+        evidence=evidence,
+    )

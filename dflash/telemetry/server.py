@@ -1,0 +1,743 @@
+"""TelemetryServer: publishes ProfileStats over a Unix socket and records it to telemetry.jsonl.
+
+One daemon thread owns everything (listener, clients, recorder, sampler) and runs a selector loop
+over non-blocking sockets, so no lock is shared with the trainer beyond ProfileStats' own. The loop
+drains the stats every interval, encodes the snapshot once and hands the same bytes to each client.
+A client that stops reading only fills its own bounded queue, whose oldest frames are dropped: the
+trainer never waits for a reader.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import ctypes
+import errno
+import logging
+import os
+import selectors
+import socket
+import stat
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from dflash.telemetry.analysis import analyze
+from dflash.telemetry.protocol import (
+    PROTO,
+    Bye,
+    Event,
+    Hello,
+    ProtocolError,
+    Reply,
+    Request,
+    Snapshot,
+    decode,
+    default_socket_dir,
+    encode,
+    parse_socket_filename,
+    socket_filename,
+)
+from dflash.telemetry.recorder import Recorder
+from dflash.telemetry.stats import ProfileStats
+from dflash.telemetry.summary import Summary, to_snapshot
+from dflash.telemetry.system import SystemSampler
+
+log = logging.getLogger("dflash.telemetry")
+
+#: a request line longer than this is discarded with an error reply (requests are tiny)
+MAX_REQUEST_BYTES = 64 * 1024
+#: frames queued per client before the oldest are dropped (~64 snapshots: about a minute at 1 s)
+QUEUE_FRAMES = 64
+#: stacks replies per client per second (each walks every thread's frames while holding the GIL)
+STACKS_PER_S = 5.0
+#: how long close() keeps trying to deliver `bye` to clients that are slow to read
+CLOSE_FLUSH_S = 0.5
+#: events repeated to a client that joins late (checkpoints, warnings)
+RECENT_EVENTS = 16
+#: AF_UNIX sun_path holds 108 bytes including the terminating NUL
+_SUN_PATH_MAX = 107
+PR_SET_PTRACER = 0x59616D61
+_CRED = struct.Struct("3i")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (EPERM means it exists but is not ours)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def ensure_socket_dir(path: Path) -> Path:
+    """Create the socket directory 0700 and refuse one that another user owns (on a shared /tmp
+    someone could pre-create /tmp/dflash-<uid> to watch or spoof our sockets)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeError(f"telemetry socket directory {path} is not a directory; remove it or pass socket_dir")
+    if st.st_uid != os.getuid():
+        raise RuntimeError(
+            f"telemetry socket directory {path} belongs to uid {st.st_uid}, not to you ({os.getuid()}); "
+            "remove it or pass another socket_dir"
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+def clean_stale_sockets(directory: Path) -> list[Path]:
+    """Remove socket files whose owning pid is dead (a trainer killed with SIGKILL leaves one)."""
+    removed = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        info = parse_socket_filename(p.name)
+        if info is None or info.pid == os.getpid() or pid_alive(info.pid):
+            continue
+        try:
+            p.unlink()
+            removed.append(p)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("cannot remove stale telemetry socket %s: %s", p, e)
+    return removed
+
+
+def _socket_listening(path: Path) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(0.5)
+    try:
+        s.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def thread_map() -> dict[int, str]:
+    """native thread id -> Python thread name, for every live Python thread."""
+    return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+
+
+def python_stacks(max_depth: int = 128) -> list[dict[str, Any]]:
+    """Every Python thread's stack, innermost frame first (as py-spy dump prints it): the fallback
+    view when py-spy cannot attach."""
+    threads = {t.ident: t for t in threading.enumerate()}
+    out = []
+    frames = sys._current_frames()
+    try:
+        for ident, frame in frames.items():
+            t = threads.get(ident)
+            stack = []
+            f = frame
+            while f is not None and len(stack) < max_depth:
+                code = f.f_code
+                stack.append({"file": code.co_filename, "line": f.f_lineno or 0, "function": code.co_name})
+                f = f.f_back
+            out.append(
+                {
+                    "tid": (t.native_id if t is not None else None) or 0,
+                    "ident": ident,
+                    "name": t.name if t is not None else f"thread-{ident}",
+                    "daemon": bool(t.daemon) if t is not None else False,
+                    "frames": stack,
+                }
+            )
+    finally:
+        del frames  # frames keep their locals alive
+    out.sort(key=lambda d: (d["name"] != "MainThread", d["name"]))
+    return out
+
+
+def ptrace_allow(peer_pid: int, peer_uid: int) -> tuple[bool, dict[str, Any], str | None]:
+    """Let `peer_pid` (and its children, e.g. the py-spy it spawns) ptrace this process on Yama
+    systems with ptrace_scope=1. EINVAL means Yama is not restricting ptrace: nothing to do."""
+    scope: int | None = None
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = int(f.read().strip())
+    except (OSError, ValueError):
+        pass
+    data: dict[str, Any] = {"pid": peer_pid, "ptrace_scope": scope}
+    if scope == 3:
+        return False, data, "ptrace_scope=3: ptrace is disabled on this machine; use the 'stacks' request"
+    if scope == 2 and peer_uid != 0:
+        return False, data, "ptrace_scope=2: only root (CAP_SYS_PTRACE) may attach; run py-spy with sudo"
+    if not sys.platform.startswith("linux"):
+        return True, {**data, "message": "not needed: no Yama on this platform"}, None
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(peer_pid), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    if rc == 0:
+        return True, {**data, "message": f"pid {peer_pid} and its children may now ptrace pid {os.getpid()}"}, None
+    err = ctypes.get_errno()
+    if err == errno.EINVAL:
+        return True, {**data, "message": "not needed: Yama ptrace restrictions are not active"}, None
+    return False, data, f"prctl(PR_SET_PTRACER) failed: {os.strerror(err)}"
+
+
+def _encodable(value: Any) -> bool:
+    try:
+        msgspec.json.encode(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+class _Client:
+    __slots__ = ("sock", "fd", "pid", "uid", "inbuf", "outq", "cur", "dropped", "skipping", "writing", "last_stacks")
+
+    def __init__(self, sock: socket.socket, pid: int, uid: int, queue_frames: int) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.pid = pid
+        self.uid = uid
+        self.inbuf = bytearray()
+        self.outq: collections.deque[bytes] = collections.deque(maxlen=queue_frames)
+        self.cur: memoryview | None = None  # the frame being written; never dropped half-sent
+        self.dropped = 0
+        self.skipping = False  # discarding the rest of an oversized request line
+        self.writing = False
+        self.last_stacks = 0.0
+
+
+class TelemetryServer:
+    """Serves live telemetry for one trainer process (one rank) and records it.
+
+    Start it after creating the ProfileStats; while it runs it owns `stats.drain()` (read the latest
+    window with `latest()` or the `on_publish` hook instead of draining yourself).
+    """
+
+    def __init__(
+        self,
+        run: str,
+        stats: ProfileStats,
+        interval_s: float = 1.0,
+        run_dir: str | os.PathLike[str] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        socket_dir: str | os.PathLike[str] | None = None,
+        *,
+        system: bool = True,
+        nvml: bool = True,
+        queue_frames: int = QUEUE_FRAMES,
+        max_clients: int = 64,
+        on_publish: Callable[[Summary, Snapshot], None] | None = None,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError("interval_s must be positive")
+        self.run = run
+        self.stats = stats
+        self.interval_s = float(interval_s)
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.rank = rank
+        self.world_size = world_size
+        self.socket_dir = Path(socket_dir) if socket_dir is not None else default_socket_dir()
+        self._system = system
+        self._nvml = nvml
+        self._queue_frames = max(1, queue_frames)
+        self._max_clients = max_clients
+        self._on_publish = on_publish
+        self._pid = os.getpid()
+        self._host = socket.gethostname()
+        self._started_t = time.time()
+        self.path = self._make_path()
+
+        self._clients: dict[int, _Client] = {}
+        self._sel: selectors.BaseSelector | None = None
+        self._listener: socket.socket | None = None
+        self._inode: tuple[int, int] | None = None
+        self._wake_r = self._wake_w = -1
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._close_lock = threading.Lock()
+        self._closed = False
+        self._io_done = False
+        self._reason = "shutdown"
+        self._commands: collections.deque[bytes] = collections.deque()
+        self._recent_events: collections.deque[bytes] = collections.deque(maxlen=RECENT_EVENTS)
+        self._recorder: Recorder | None = None
+        self._sampler: SystemSampler | None = None
+        self._sampler_failed = False
+        self._seq = 0
+        self._last_snapshot: bytes | None = None
+        self._latest: Summary | None = None
+        self._accept_paused = False
+        self.dropped_frames = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    def _make_path(self) -> Path:
+        rank = self.rank if (self.world_size > 1 or self.rank) else None
+        name = socket_filename(self.run, self._pid, rank)
+        tail = f"-{self._pid}" + (f"-r{rank}" if rank is not None else "") + ".sock"
+        head = name[: -len(tail)]
+        budget = _SUN_PATH_MAX - len(os.fsencode(str(self.socket_dir))) - 1 - len(tail)
+        if budget < 1:
+            raise RuntimeError(
+                f"socket directory {self.socket_dir} is too long for a Unix socket path; pass a shorter socket_dir"
+            )
+        # only the run part is shortened: pid and rank must stay parseable
+        return self.socket_dir / (head[:budget] + tail)
+
+    def start(self) -> TelemetryServer:
+        """Bind the socket, write `hello` to the recording and start the publisher thread."""
+        if self._closed:
+            raise RuntimeError("this TelemetryServer was closed; create a new one")
+        if self._thread is not None:
+            return self
+        self._started_t = time.time()
+        ensure_socket_dir(self.socket_dir)
+        clean_stale_sockets(self.socket_dir)
+        if self.path.exists() or self.path.is_symlink():
+            if _socket_listening(self.path):
+                raise RuntimeError(
+                    f"a telemetry server for run {self.run!r} (rank {self.rank}) already listens at {self.path}"
+                )
+            self.path.unlink()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(str(self.path))
+            os.chmod(self.path, 0o600)
+            listener.listen(64)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
+        st = os.stat(self.path)
+        self._inode = (st.st_dev, st.st_ino)
+        self._listener = listener
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(listener, selectors.EVENT_READ, self._accept)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
+
+        if self.run_dir is not None:
+            try:
+                self._recorder = Recorder(self.run_dir / "telemetry.jsonl")
+                self._recorder.write(encode(self._hello()))
+                self._recorder.flush()
+            except OSError as e:
+                log.error("cannot record telemetry to %s: %s", self.run_dir, e)
+                self._recorder = None
+        if self._system:
+            try:
+                self._sampler = SystemSampler(nvml=self._nvml)
+            except Exception as e:  # psutil refusing /proc in a locked-down container
+                log.warning("system sampling disabled: %s", e)
+        self._thread = threading.Thread(target=self._run, name="dflash-telemetry", daemon=True)
+        self._thread.start()
+        atexit.register(self._atexit)
+        return self
+
+    def __enter__(self) -> TelemetryServer:
+        return self.start()
+
+    def __exit__(self, et: object, ev: object, tb: object) -> None:
+        self.close(reason="error" if et is not None else "shutdown")
+
+    def _atexit(self) -> None:
+        self.close(reason="exit")
+
+    def close(self, reason: str = "shutdown") -> None:
+        """Publish a last snapshot, send `bye`, remove the socket and close the recording.
+
+        Idempotent. In a forked child (DataLoader workers) it does nothing: the socket is the
+        parent's.
+        """
+        if os.getpid() != self._pid:
+            return
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._reason = reason
+        try:
+            atexit.unregister(self._atexit)
+        except Exception:
+            pass
+        t = self._thread
+        if t is not None and t.is_alive():
+            self._stop.set()
+            self._wake()
+            t.join(timeout=5.0)
+            if t.is_alive():
+                log.warning("telemetry thread did not stop within 5 s")
+        else:
+            self._shutdown_io(final=False)  # never started, or the loop died (then this is a no-op)
+
+    @property
+    def clients(self) -> int:
+        """Connected clients (approximate when read from another thread)."""
+        return len(self._clients)
+
+    def latest(self) -> Summary | None:
+        """The most recently published window (for the trainer's log line)."""
+        return self._latest
+
+    def publish_event(self, kind: str, message: str, **data: Any) -> None:
+        """Send an event (checkpoint, eval, warning, ...) to clients and the recording. Thread-safe;
+        encoding happens here so that bad data fails in the caller's frame."""
+        if self._closed:
+            return
+        ev = Event(t=time.time(), kind=kind, message=message, data=data)
+        try:
+            frame = encode(ev)
+        except (TypeError, ValueError):
+            # keep what JSON can carry, show the rest as repr (a Path, a tensor, ...)
+            ev.data = {k: v if _encodable(v) else repr(v) for k, v in data.items()}
+            frame = encode(ev)
+        self._commands.append(frame)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"\0")
+            except (BlockingIOError, OSError):
+                pass  # pipe full: a wake-up is already pending (or we are shutting down)
+
+    # --- the loop -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:
+            log.exception("telemetry loop failed; the trainer continues without live telemetry")
+        finally:
+            self._shutdown_io(final=True)
+
+    def _loop(self) -> None:
+        sel = self._sel
+        assert sel is not None
+        next_pub = time.monotonic() + self.interval_s
+        while not self._stop.is_set():
+            timeout = max(0.0, next_pub - time.monotonic())
+            for key, mask in sel.select(timeout):
+                try:
+                    key.data(key, mask)
+                except Exception:
+                    log.exception("telemetry: error while serving a client")
+            self._drain_commands()
+            now = time.monotonic()
+            if now >= next_pub:
+                self._publish()
+                next_pub += self.interval_s
+                if next_pub <= now:  # fell behind (suspended, huge GC): skip, do not burst
+                    next_pub = now + self.interval_s
+
+    def _on_wake(self, key: selectors.SelectorKey, mask: int) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            frame = self._commands.popleft()
+            self._recent_events.append(frame)
+            self._broadcast(frame)
+            if self._recorder is not None:
+                self._recorder.write(frame)
+
+    def _publish(self) -> None:
+        """Drain, sample, analyse, encode once, fan out. Any failure costs one window, not the loop."""
+        try:
+            summary = self.stats.drain()
+            tmap = thread_map()
+            system = None
+            if self._sampler is not None:
+                try:
+                    system = self._sampler.sample(tmap)
+                except Exception as e:
+                    if not self._sampler_failed:
+                        log.warning("system sample failed: %s", e)
+                        self._sampler_failed = True
+            self._seq += 1
+            snap = to_snapshot(summary, self._seq, self.interval_s, system, analyze(summary.workers))
+            data = encode(snap)
+        except Exception:
+            log.exception("telemetry snapshot failed")
+            return
+        self._latest = summary
+        self._last_snapshot = data
+        self._broadcast(data)
+        if self._recorder is not None:
+            self._recorder.write(data)
+            self._recorder.flush()
+        if self._on_publish is not None:
+            try:
+                self._on_publish(summary, snap)
+            except Exception:
+                log.exception("telemetry on_publish hook failed")
+        if self._accept_paused and not self._io_done and self._sel is not None and self._listener is not None:
+            self._sel.register(self._listener, selectors.EVENT_READ, self._accept)
+            self._accept_paused = False
+
+    def _hello(self) -> Hello:
+        return Hello(
+            proto=PROTO,
+            run=self.run,
+            pid=self._pid,
+            host=self._host,
+            rank=self.rank,
+            world_size=self.world_size,
+            workers=self.stats.worker_names(),
+            threads={str(k): v for k, v in thread_map().items()},
+            started=self._started_t,
+            interval_s=self.interval_s,
+            run_dir=str(self.run_dir) if self.run_dir is not None else None,
+        )
+
+    # --- clients ------------------------------------------------------------------------------------
+
+    def _accept(self, key: selectors.SelectorKey, mask: int) -> None:
+        assert self._listener is not None and self._sel is not None
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                # e.g. EMFILE: the listener stays readable, so stop polling it until the next publish
+                log.warning("telemetry: accept failed (%s); pausing accepts for one interval", e)
+                self._sel.unregister(self._listener)
+                self._accept_paused = True
+                return
+            conn.setblocking(False)
+            try:
+                pid, uid, _gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+            except OSError:
+                conn.close()
+                continue
+            if uid != os.getuid() and uid != 0:
+                self._refuse(conn, f"peer uid {uid} is not the trainer's uid {os.getuid()} (or root)")
+                continue
+            if len(self._clients) >= self._max_clients:
+                self._refuse(conn, f"too many telemetry clients (limit {self._max_clients})")
+                continue
+            c = _Client(conn, pid, uid, self._queue_frames)
+            self._clients[c.fd] = c
+            self._sel.register(conn, selectors.EVENT_READ, self._on_client)
+            self._send(c, encode(self._hello()))
+            for ev in self._recent_events:
+                self._send(c, ev)
+            if self._last_snapshot is not None:
+                self._send(c, self._last_snapshot)
+
+    @staticmethod
+    def _refuse(conn: socket.socket, why: str) -> None:
+        try:
+            conn.send(encode(Reply(id=0, op="connect", ok=False, error=why)), socket.MSG_NOSIGNAL)
+        except OSError:
+            pass
+        conn.close()
+
+    def _drop(self, c: _Client) -> None:
+        if self._clients.pop(c.fd, None) is None:
+            return
+        if self._sel is not None:
+            try:
+                self._sel.unregister(c.sock)
+            except (KeyError, ValueError, OSError):
+                pass
+        try:
+            c.sock.close()
+        except OSError:
+            pass
+
+    def _want_write(self, c: _Client, on: bool) -> None:
+        if c.writing == on or self._sel is None:
+            return
+        c.writing = on
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
+        self._sel.modify(c.sock, events, self._on_client)
+
+    def _send(self, c: _Client, data: bytes) -> None:
+        """Queue one frame for a client, writing straight away when nothing is pending."""
+        if c.cur is None and not c.outq:
+            try:
+                n = c.sock.send(data, socket.MSG_NOSIGNAL)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError:
+                self._drop(c)
+                return
+            if n == len(data):
+                return
+            c.cur = memoryview(data)[n:]
+            self._want_write(c, True)
+            return
+        if len(c.outq) == c.outq.maxlen:
+            c.dropped += 1
+            self.dropped_frames += 1
+        c.outq.append(data)  # a full deque drops its oldest frame
+        self._want_write(c, True)
+
+    def _broadcast(self, data: bytes) -> None:
+        for c in list(self._clients.values()):
+            self._send(c, data)
+
+    def _flush(self, c: _Client) -> None:
+        while True:
+            if c.cur is None:
+                if not c.outq:
+                    self._want_write(c, False)
+                    return
+                c.cur = memoryview(c.outq.popleft())
+            try:
+                n = c.sock.send(c.cur, socket.MSG_NOSIGNAL)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._drop(c)
+                return
+            c.cur = c.cur[n:] if n < len(c.cur) else None
+
+    def _on_client(self, key: selectors.SelectorKey, mask: int) -> None:
+        c = self._clients.get(key.fd)
+        if c is None:
+            return
+        if mask & selectors.EVENT_WRITE:
+            self._flush(c)
+            if c.fd not in self._clients:
+                return
+        if mask & selectors.EVENT_READ:
+            self._read(c)
+
+    def _read(self, c: _Client) -> None:
+        try:
+            data = c.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(c)
+            return
+        if not data:  # peer closed; a half-sent request dies with it
+            self._drop(c)
+            return
+        c.inbuf += data
+        while c.fd in self._clients:
+            i = c.inbuf.find(b"\n")
+            if i < 0:
+                if len(c.inbuf) > MAX_REQUEST_BYTES:
+                    c.inbuf.clear()
+                    if not c.skipping:
+                        c.skipping = True
+                        self._reply(c, 0, "", False, error=f"request line exceeds {MAX_REQUEST_BYTES} bytes; discarded")
+                return
+            line = bytes(c.inbuf[:i])
+            del c.inbuf[: i + 1]
+            if c.skipping:  # the tail of an oversized line
+                c.skipping = False
+                continue
+            self._handle_line(c, line)
+
+    def _reply(self, c: _Client, id_: int, op: str, ok: bool, data: Any = None, error: str | None = None) -> None:
+        self._send(c, encode(Reply(id=id_, op=op, ok=ok, error=error, data=data)))
+
+    def _handle_line(self, c: _Client, line: bytes) -> None:
+        if not line.strip():
+            return  # a bare newline from an interactive socat
+        try:
+            frame = decode(line)
+        except ProtocolError as e:
+            self._reply(c, 0, "", False, error=str(e))
+            return
+        if not isinstance(frame, Request):
+            tag = type(frame).__struct_config__.tag
+            self._reply(c, 0, "", False, error=f"expected a 'request' frame from a client, got '{tag}'")
+            return
+        op = frame.op
+        try:
+            if op == "stacks":
+                now = time.monotonic()
+                if now - c.last_stacks < 1.0 / STACKS_PER_S:
+                    self._reply(c, frame.id, op, False, error=f"stacks requested too often (at most {STACKS_PER_S:g}/s)")
+                    return
+                c.last_stacks = now
+                self._reply(c, frame.id, op, True, data={"pid": self._pid, "t": time.time(), "threads": python_stacks()})
+            elif op == "ptrace_allow":
+                ok, data, err = ptrace_allow(c.pid, c.uid)
+                self._reply(c, frame.id, op, ok, data=data, error=err)
+            else:
+                self._reply(c, frame.id, op, False, error=f"unknown op {op!r} (known: stacks, ptrace_allow)")
+        except Exception as e:  # a request must never take the server down
+            log.exception("telemetry request %s failed", op)
+            self._reply(c, frame.id, op, False, error=f"{op} failed: {e}")
+
+    # --- shutdown -----------------------------------------------------------------------------------
+
+    def _shutdown_io(self, final: bool) -> None:
+        """Last snapshot, bye, best-effort delivery, then release everything. Runs once."""
+        if self._io_done:
+            return
+        self._io_done = True
+        try:
+            if self._sel is not None and self._listener is not None and not self._accept_paused:
+                self._sel.unregister(self._listener)
+                self._accept_paused = True
+            self._drain_commands()
+            if final:
+                self._publish()
+            bye = encode(Bye(t=time.time(), reason=self._reason))
+            self._broadcast(bye)
+            deadline = time.monotonic() + CLOSE_FLUSH_S
+            while self._sel is not None and time.monotonic() < deadline:
+                pending = [c for c in self._clients.values() if c.cur is not None or c.outq]
+                if not pending:
+                    break
+                for key, _mask in self._sel.select(max(0.0, deadline - time.monotonic())):
+                    c = self._clients.get(key.fd)
+                    if c is not None:
+                        self._flush(c)
+            if self._recorder is not None:
+                self._recorder.write(bye)
+        except Exception:
+            log.exception("telemetry shutdown")
+        finally:
+            for c in list(self._clients.values()):
+                self._drop(c)
+            if self._listener is not None:
+                self._listener.close()
+                self._unlink_own_socket()
+            if self._sel is not None:
+                self._sel.close()
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            self._wake_r = self._wake_w = -1
+            if self._recorder is not None:
+                self._recorder.close()
+            if self._sampler is not None:
+                self._sampler.close()
+
+    def _unlink_own_socket(self) -> None:
+        """Remove our socket file, but not one another server bound at the same path since."""
+        try:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._inode:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("cannot remove telemetry socket %s: %s", self.path, e)

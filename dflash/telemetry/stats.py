@@ -1,0 +1,592 @@
+"""ProfileStats: per-worker, per-category timing that is cheap enough to leave on.
+
+Design (why it is shaped like this):
+
+* The hot path is a worker handle bound once per thread. `add` appends a `(category, seconds)`
+  tuple to the handle's plain list and checks its length: no lock, no dict update. A list append is
+  atomic under the GIL (and under the per-object lock of free-threaded builds).
+* `drain()` takes what is there with `n = len(buf); items = buf[:n]; del buf[:n]`. Each of those is
+  one C-level list operation; appends that land between them go past index n and survive the `del`,
+  so no sample is lost or counted twice, and the list object never changes under a worker that
+  holds a reference to it (a swap of the attribute would race with a worker that had already loaded
+  the old list).
+* Memory stays bounded when nobody drains: once a buffer holds `fold_at` samples the worker folds it
+  into exact running n/total/max plus a fixed-size reservoir (for percentiles) under the lock.
+* CUDA spans record start/end events and queue them; `drain()` resolves them with `event.query()`
+  and never synchronizes (the worker never waits on the GPU for telemetry).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from dflash.telemetry.protocol import CategoryStats, DeviceStats
+from dflash.telemetry.summary import MetricValue, Summary, category_stats, percentile, untracked_of
+
+_perf = time.perf_counter
+
+#: raw samples a worker buffers before folding them itself (only reached when nobody drains often)
+FOLD_AT = 16384
+#: reservoir of a window whose worker had to fold (windows that did not fold keep every sample)
+RESERVOIR = 2048
+#: reservoir behind cumulative percentiles (p95 rank error ~0.7%; re-sorted at most every 5% of growth)
+CUM_RESERVOIR = 1024
+#: unresolved CUDA span pairs kept per worker before the oldest are dropped
+CUDA_BACKLOG = 4096
+
+
+def _take(buf: list) -> list:
+    """Remove and return the items present now, leaving any appended concurrently (see module doc)."""
+    n = len(buf)
+    if not n:
+        return []
+    items = buf[:n]
+    del buf[:n]
+    return items
+
+
+class _Acc:
+    """Exact n/total/max plus a uniform reservoir sample for percentiles.
+
+    Past the fill phase it uses Li's "Algorithm L": it draws how many items to skip before the next
+    replacement, so a long stream costs O(cap * log(n / cap)) random draws instead of one per item
+    (a fold happens on a worker's thread; it must stay cheap).
+    """
+
+    __slots__ = ("n", "total", "max", "sample", "cap", "_w", "_next", "_pct")
+
+    def __init__(self, cap: int = RESERVOIR) -> None:
+        self.n = 0
+        self.total = 0.0
+        self.max = 0.0
+        self.sample: list[float] = []
+        self.cap = cap
+        self._w = 0.0
+        self._next = 0  # 1-based stream index of the next item that enters the reservoir
+        self._pct: tuple[int, float, float] | None = None
+
+    def percentiles(self) -> tuple[float, float]:
+        """(p50, p95) of the sample.
+
+        The sample is sorted in place (a reservoir's slot order carries no meaning, and a sorted
+        list with a few new values re-sorts in near-linear time). Once the reservoir is a subsample,
+        the result is reused until n has grown by 5%: percentiles of a long stream move slowly, and
+        re-sorting 96 reservoirs every interval was the publisher's largest cost.
+        """
+        pct = self._pct
+        n = self.n
+        if pct is None or (n != pct[0] and (n <= self.cap or n - pct[0] > pct[0] // 20)):
+            self.sample.sort()
+            pct = self._pct = (n, percentile(self.sample, 0.50), percentile(self.sample, 0.95))
+        return pct[1], pct[2]
+
+    def stats(self, wall_s: float, device: DeviceStats | None = None) -> CategoryStats:
+        p50, p95 = self.percentiles()
+        return category_stats(self.n, self.total, self.max, p50, p95, wall_s, device)
+
+    def device_stats(self) -> DeviceStats:
+        p50, p95 = self.percentiles()
+        return DeviceStats(
+            n=self.n, total=self.total, mean=self.total / self.n if self.n else 0.0, p50=p50, p95=p95, max=self.max
+        )
+
+    @classmethod
+    def of(cls, values: list[float]) -> _Acc:
+        """An exact accumulator that adopts `values` as its sample (no copy)."""
+        acc = cls(max(1, len(values)))
+        acc.n, acc.total, acc.max, acc.sample = len(values), sum(values), max(values), values
+        return acc
+
+    def extend(self, values: list[float], rng: random.Random) -> None:
+        if not values:
+            return
+        n0 = self.n
+        self.n = n0 + len(values)
+        self.total += sum(values)
+        m = max(values)
+        if m > self.max or n0 == 0:
+            self.max = m
+        sample, cap = self.sample, self.cap
+        j = 0
+        room = cap - len(sample)
+        if room > 0:
+            sample.extend(values[:room])
+            j = min(room, len(values))
+            if len(sample) < cap:
+                return
+        if self._w == 0.0 or self._next <= n0 + j:
+            # Start (or, after an approximate merge, restart) Algorithm L's skip sequence here.
+            if self._w == 0.0:
+                self._w = math.exp(math.log(1.0 - rng.random()) / cap)
+            self._next = n0 + j + self._skip(rng)
+        end = self.n
+        nxt, w = self._next, self._w
+        rnd, log, exp, log1p = rng.random, math.log, math.exp, math.log1p
+        while nxt <= end:
+            sample[int(rnd() * cap)] = values[nxt - n0 - 1]
+            w *= exp(log(1.0 - rnd()) / cap)
+            nxt += int(log(1.0 - rnd()) / log1p(-w)) + 1 if w < 1.0 else 1
+        self._next, self._w = nxt, w
+
+    def _skip(self, rng: random.Random) -> int:
+        """Items to pass over before the next one enters the reservoir."""
+        w = self._w
+        if w >= 1.0:  # cannot happen for cap >= 1 but keep the loop finite regardless
+            return 1
+        return int(math.log(1.0 - rng.random()) / math.log1p(-w)) + 1
+
+    def merge(self, other: _Acc, rng: random.Random) -> None:
+        """Fold another accumulator in; n/total/max stay exact, the sample stays (about) uniform."""
+        if other.n == 0:
+            return
+        if other.n == len(other.sample):
+            # `other` holds every one of its samples (the usual window): stream them through
+            # Algorithm L, which is exact reservoir sampling and costs O(replacements)
+            self.extend(other.sample, rng)
+            return
+        # `other` is itself a subsample (its worker folded): take from it a share proportional to
+        # other.n, replacing random slots
+        sample = self.sample
+        total_n = self.n + other.n
+        target = min(self.cap, len(sample) + len(other.sample))
+        k = min(len(other.sample), round(target * other.n / total_n))
+        picks = rng.sample(other.sample, k) if k < len(other.sample) else list(other.sample)
+        room = max(0, self.cap - len(sample))
+        before = len(sample)
+        sample.extend(picks[:room])
+        rest = picks[room:]
+        if rest:
+            for i, v in zip(rng.sample(range(before), len(rest)), rest, strict=True):
+                sample[i] = v
+        self.n = total_n
+        self.total += other.total
+        if other.max > self.max or self.n == other.n:
+            self.max = other.max
+
+
+def _group(items: list[tuple[str, float]]) -> dict[str, list[float]]:
+    groups: dict[str, list[float]] = {}
+    get = groups.get
+    for cat, dt in items:
+        lst = get(cat)
+        if lst is None:
+            groups[cat] = [dt]
+        else:
+            lst.append(dt)
+    return groups
+
+
+def _finite(values: list[float]) -> tuple[list[float], int]:
+    """Drop NaN/inf samples (they would poison totals and cannot travel as JSON); cheap when clean."""
+    if math.isfinite(sum(values)):
+        return values, 0
+    kept = [v for v in values if math.isfinite(v)]
+    return kept, len(values) - len(kept)
+
+
+def _cuda_torch() -> Any:
+    """torch, if CUDA is initialised in this process; otherwise None (CUDA spans fall back to host
+    timing). torch is only looked up in sys.modules: if nobody imported it, CUDA cannot be in use,
+    and importing it here would cost seconds and break the torch-free promise."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return torch if torch.cuda.is_initialized() else None
+    except Exception:
+        return None
+
+
+class _Span:
+    """Host-timed span, reused: one per (worker, category), so `with w.span(c)` allocates nothing.
+
+    Start times live on a small stack, which makes nesting the same category work, and keeps the
+    category's total exact even if two threads share one handle (pairing of starts and ends may
+    then cross threads, but the sum of end - start does not depend on the pairing).
+    """
+
+    __slots__ = ("_w", "_cat", "_t0")
+
+    def __init__(self, w: Worker, cat: str) -> None:
+        self._w = w
+        self._cat = cat
+        self._t0: list[float] = []
+
+    def __enter__(self) -> _Span:
+        self._t0.append(_perf())
+        return self
+
+    def __exit__(self, et: object, ev: object, tb: object) -> None:
+        dt = _perf() - self._t0.pop()
+        w = self._w
+        buf = w._buf
+        buf.append((self._cat, dt))
+        if len(buf) >= w._fold_at:
+            w._stats._fold(w)
+
+
+class _CudaSpan:
+    """Host time always; device time from a pair of CUDA events when CUDA is in use.
+
+    Host time of a CUDA span is the CPU side (kernel launches, allocator work); device time is what
+    the stream spent between the two events, resolved later by the publisher.
+    """
+
+    __slots__ = ("_w", "_cat", "_stream", "_t0", "_ev")
+
+    def __init__(self, w: Worker, cat: str, stream: Any) -> None:
+        self._w = w
+        self._cat = cat
+        self._stream = stream
+        self._ev: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> _CudaSpan:
+        torch = _cuda_torch()
+        # Timing events cannot be recorded while a CUDA graph is being captured; host time only then.
+        if torch is not None and not torch.cuda.is_current_stream_capturing():
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            # Event.record(None) records on the current stream of the current device.
+            start.record(self._stream)
+            self._ev = (start, end)
+        self._t0 = _perf()
+        return self
+
+    def __exit__(self, et: object, ev: object, tb: object) -> None:
+        dt = _perf() - self._t0
+        w = self._w
+        pair = self._ev
+        if pair is not None:
+            pair[1].record(self._stream)
+            w._cuda.append((self._cat, pair[0], pair[1]))
+            self._ev = None
+        buf = w._buf
+        buf.append((self._cat, dt))
+        if len(buf) >= w._fold_at:
+            w._stats._fold(w)
+
+
+class _NullSpan:
+    __slots__ = ()
+
+    def __enter__(self) -> _NullSpan:
+        return self
+
+    def __exit__(self, et: object, ev: object, tb: object) -> None:
+        return None
+
+
+_NULL_SPAN = _NullSpan()
+
+
+class Worker:
+    """A named worker's fast-path handle. Get it once per thread with `ProfileStats.worker(name)`.
+
+    Several threads may share one handle (appends are atomic), but per-thread names give per-thread
+    shares, which is what the bottleneck analysis reads.
+    """
+
+    __slots__ = ("name", "_buf", "_cuda", "_stats", "_fold_at", "created", "_spans")
+
+    def __init__(self, name: str, stats: ProfileStats, fold_at: int) -> None:
+        self.name = name
+        self._buf: list[tuple[str, float]] = []
+        self._cuda: list[tuple[str, Any, Any]] = []
+        self._stats = stats
+        self._fold_at = fold_at
+        self.created = _perf()
+        self._spans: dict[str, _Span] = {}
+
+    def add(self, category: str, seconds: float) -> None:
+        """Record `seconds` spent in `category` (the seed's `_prof_add`)."""
+        buf = self._buf
+        buf.append((category, seconds))
+        if len(buf) >= self._fold_at:
+            self._stats._fold(self)
+
+    def span(self, category: str) -> _Span:
+        """Time a block on the host clock: `with w.span("pack_hidden"): ...`."""
+        sp = self._spans.get(category)
+        if sp is None:
+            sp = self._spans[category] = _Span(self, category)
+        return sp
+
+    def cuda_span(self, category: str, stream: Any = None) -> _CudaSpan:
+        """Time a block on the host and, when CUDA is in use, on `stream` (default: current stream)."""
+        return _CudaSpan(self, category, stream)
+
+
+class _NullWorker:
+    """What a disabled ProfileStats hands out: every method does nothing."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def add(self, category: str, seconds: float) -> None:
+        pass
+
+    def span(self, category: str) -> _NullSpan:
+        return _NULL_SPAN
+
+    def cuda_span(self, category: str, stream: Any = None) -> _NullSpan:
+        return _NULL_SPAN
+
+
+class ProfileStats:
+    """Thread-safe per-worker/per-category timing, counters, gauges and metrics.
+
+    `enabled=False` turns every method into a no-op (the seed's profiling-off mode), so call sites
+    never need an `if profiling:` guard. `drain()` returns a Summary of the window since the previous
+    drain and keeps cumulative stats inside.
+    """
+
+    def __init__(self, enabled: bool = True, *, fold_at: int = FOLD_AT, reservoir: int = RESERVOIR) -> None:
+        self.enabled = enabled
+        self._fold_at = max(1, fold_at)
+        self._reservoir = reservoir
+        # _lock guards the worker registry, folded-but-undrained state and counters;
+        # _drain_lock serialises drains (cumulative state is touched only while holding it).
+        self._lock = threading.Lock()
+        self._drain_lock = threading.Lock()
+        self._workers: dict[str, Worker] = {}
+        self._pending: dict[str, dict[str, _Acc]] = {}
+        self._unresolved: dict[str, list[tuple[str, Any, Any]]] = {}
+        self._dropped = 0
+        self._cum: dict[str, dict[str, _Acc]] = {}
+        self._cum_dev: dict[str, dict[str, _Acc]] = {}
+        self._counters: dict[str, float] = {}
+        self._last_counters: dict[str, float] = {}
+        self._gauges: dict[str, float] = {}
+        self._metrics: dict[str, MetricValue] = {}
+        # one generator per side: folds run on worker threads while a drain may be running
+        self._rng = random.Random(0x5EED)
+        self._fold_rng = random.Random(0xF01D)
+        self._window_start = _perf()
+
+    # --- recording ------------------------------------------------------------------------------------
+
+    def worker(self, name: str) -> Worker | _NullWorker:
+        """The handle for `name` (the same object for the same name)."""
+        if not self.enabled:
+            return _NullWorker(name)
+        w = self._workers.get(name)
+        if w is None:
+            with self._lock:
+                w = self._workers.get(name)
+                if w is None:
+                    w = self._workers[name] = Worker(name, self, self._fold_at)
+        return w
+
+    def _current(self) -> Worker:
+        return self.worker(threading.current_thread().name)  # type: ignore[return-value]
+
+    def add(self, category: str, seconds: float) -> None:
+        """`add` attributed to the calling thread's name (slower than a bound handle)."""
+        if self.enabled:
+            self._current().add(category, seconds)
+
+    def span(self, category: str) -> _Span | _NullSpan:
+        """`span` attributed to the calling thread's name."""
+        if not self.enabled:
+            return _NULL_SPAN
+        return self._current().span(category)
+
+    def cuda_span(self, category: str, stream: Any = None) -> _CudaSpan | _NullSpan:
+        """`cuda_span` attributed to the calling thread's name."""
+        if not self.enabled:
+            return _NULL_SPAN
+        return _CudaSpan(self._current(), category, stream)
+
+    def count(self, name: str, n: float = 1) -> None:
+        """Add to a monotonically increasing counter (tokens, samples, steps); rates come per window."""
+        if self.enabled:
+            with self._lock:
+                self._counters[name] = self._counters.get(name, 0) + n
+
+    def gauge(self, name: str, value: float) -> None:
+        """Set a last-value gauge (loss, lr, queue depth).
+
+        Pass a Python number: float() of a CUDA tensor synchronises the calling worker.
+        """
+        if self.enabled:
+            self._gauges[name] = float(value)
+
+    def metric(self, name: str, value: float | Sequence[float]) -> None:
+        """Set a training metric: a number (simulated tau) or a list (per-position accuracy)."""
+        if self.enabled:
+            try:
+                self._metrics[name] = float(value)  # type: ignore[arg-type]
+            except TypeError:
+                self._metrics[name] = [float(v) for v in value]  # type: ignore[union-attr]
+
+    def worker_names(self) -> list[str]:
+        return list(self._workers)
+
+    # --- folding and draining -----------------------------------------------------------------------
+
+    def _fold(self, w: Worker) -> None:
+        """Called by a worker whose buffer reached fold_at: compress it so memory stays bounded."""
+        with self._lock:
+            items = _take(w._buf)
+            pend = self._pending.setdefault(w.name, {})
+            for cat, values in _group(items).items():
+                values, bad = _finite(values)
+                self._dropped += bad
+                acc = pend.get(cat)
+                if acc is None:
+                    acc = pend[cat] = _Acc(self._reservoir)
+                acc.extend(values, self._fold_rng)
+            self._park_cuda(w.name, _take(w._cuda))
+
+    def _park_cuda(self, name: str, pairs: list) -> None:
+        """Keep unresolved CUDA pairs (oldest first), dropping the oldest past the backlog. Lock held."""
+        if not pairs:
+            return
+        lst = self._unresolved.setdefault(name, [])
+        lst.extend(pairs)
+        over = len(lst) - CUDA_BACKLOG
+        if over > 0:
+            del lst[:over]
+            self._dropped += over
+
+    def drain(self) -> Summary:
+        """Summarise and reset the window since the previous drain (cumulative stats are kept).
+
+        Called by the publisher thread. It resolves finished CUDA events with query() and leaves the
+        rest for the next drain; it never waits for the GPU.
+        """
+        now = _perf()
+        t = time.time()
+        if not self.enabled:
+            return Summary(t=t, window_s=0.0)
+        with self._drain_lock:
+            with self._lock:
+                workers = list(self._workers.values())
+                raw = {w.name: _take(w._buf) for w in workers}
+                for w in workers:
+                    self._park_cuda(w.name, _take(w._cuda))
+                pending, self._pending = self._pending, {}
+                unresolved, self._unresolved = self._unresolved, {}
+                counters = dict(self._counters)
+                dropped, self._dropped = self._dropped, 0
+            gauges = dict(self._gauges)
+            metrics = {k: (list(v) if isinstance(v, list) else v) for k, v in self._metrics.items()}
+            window_start, self._window_start = self._window_start, now
+            window_s = now - window_start
+
+            device, still, dev_dropped = self._resolve_cuda(unresolved)
+            dropped += dev_dropped
+            if still:
+                with self._lock:
+                    for name, pairs in still.items():
+                        # older pairs go first: a concurrent fold may already have parked newer ones
+                        newer = self._unresolved.get(name, [])
+                        self._unresolved[name] = []
+                        self._park_cuda(name, pairs + newer)
+
+            out_workers: dict[str, dict[str, CategoryStats]] = {}
+            out_cum: dict[str, dict[str, CategoryStats]] = {}
+            rng = self._rng
+            for w in workers:
+                name = w.name
+                wall = now - max(window_start, w.created)
+                life = now - w.created
+                accs: dict[str, _Acc] = pending.get(name, {})
+                cats: dict[str, CategoryStats] = {}
+                groups = _group(raw[name])
+                cum = self._cum.setdefault(name, {})
+                cum_dev = self._cum_dev.setdefault(name, {})
+                dev = device.get(name, {})
+                for cat in dict.fromkeys([*groups, *accs, *dev]):  # ordered union: stable output
+                    values, bad = _finite(groups.get(cat, []))
+                    dropped += bad
+                    acc = accs.get(cat)
+                    if acc is not None:
+                        acc.extend(values, rng)
+                    elif values:
+                        acc = _Acc.of(values)
+                    dstats = None
+                    dvals = dev.get(cat)
+                    if dvals:
+                        dstats = _Acc.of(dvals).device_stats()
+                        cacc = cum_dev.get(cat)
+                        if cacc is None:
+                            cacc = cum_dev[cat] = _Acc(CUM_RESERVOIR)
+                        cacc.extend(dvals, rng)
+                    if acc is None:
+                        # device times resolved for spans whose host time fell in an earlier window
+                        cats[cat] = CategoryStats(n=0, total=0.0, mean=0.0, p50=0.0, p95=0.0, max=0.0, device=dstats)
+                        continue
+                    cats[cat] = acc.stats(wall, dstats)
+                    cacc = cum.get(cat)
+                    if cacc is None:
+                        cacc = cum[cat] = _Acc(CUM_RESERVOIR)
+                    cacc.merge(acc, rng)
+                out_workers[name] = cats
+                out_cum[name] = {}
+                for cat, a in cum.items():
+                    d = cum_dev.get(cat)
+                    out_cum[name][cat] = a.stats(life, d.device_stats() if d is not None and d.n else None)
+                # device-only categories (all host time recorded before the first drain saw them)
+                for cat, d in cum_dev.items():
+                    if cat not in cum and d.n:
+                        out_cum[name][cat] = CategoryStats(
+                            n=0, total=0.0, mean=0.0, p50=0.0, p95=0.0, max=0.0, device=d.device_stats()
+                        )
+
+            rates = {}
+            for k, v in counters.items():
+                rates[k] = (v - self._last_counters.get(k, 0)) / window_s if window_s > 0 else 0.0
+            self._last_counters = counters
+
+        return Summary(
+            t=t,
+            window_s=window_s,
+            workers=out_workers,
+            untracked=untracked_of(out_workers),
+            cumulative=out_cum,
+            counters=counters,
+            rates=rates,
+            gauges=gauges,
+            metrics=metrics,
+            dropped=dropped,
+        )
+
+    @staticmethod
+    def _resolve_cuda(
+        unresolved: dict[str, list[tuple[str, Any, Any]]],
+    ) -> tuple[dict[str, dict[str, list[float]]], dict[str, list], int]:
+        """Device seconds for finished event pairs; unfinished pairs are returned to be retried."""
+        device: dict[str, dict[str, list[float]]] = {}
+        still: dict[str, list] = {}
+        dropped = 0
+        for name, pairs in unresolved.items():
+            keep = []
+            for pair in pairs:
+                cat, start, end = pair
+                try:
+                    if not end.query():
+                        keep.append(pair)
+                        continue
+                    ms = start.elapsed_time(end)
+                except Exception:
+                    # e.g. an event from a context that no longer exists: nothing to report
+                    dropped += 1
+                    continue
+                device.setdefault(name, {}).setdefault(cat, []).append(ms / 1000.0)
+            if keep:
+                still[name] = keep
+        return device, still, dropped
+
+    def pending_cuda(self) -> int:
+        """CUDA span pairs not yet resolved (for tests and the bench)."""
+        with self._lock:
+            return sum(len(v) for v in self._unresolved.values()) + sum(len(w._cuda) for w in self._workers.values())

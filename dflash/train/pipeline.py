@@ -1,0 +1,187 @@
+"""The trainer: stages wired by bounded queues and threads, supervised by the main thread.
+
+    batch-producer --batch queue--> target-0..N --hidden-state queue--> drafter-0
+                                                                           |
+    main thread: logs, telemetry, signals, failure detection  <------------+
+
+Bounded queues give back-pressure (a slow drafter stalls the targets rather than filling memory), and
+the time each worker spends blocked on them is exactly what tells the bottleneck: drafters waiting on
+``hs_queue_wait`` mean the targets are too slow, targets blocked on ``hs_queue_put`` mean the drafter is.
+
+Any exception in a worker sets the shared stop flag; every blocking queue operation polls it, so the
+whole pipeline winds down within a fraction of a second and the main thread reports that worker's
+traceback. In sync mode (``pipeline = false``) one thread runs target forward and drafter step in turn.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash.train.stages import BatchSource, DrafterStage, HiddenBatch, StepResult, TargetStage
+
+_POLL = 0.05  # seconds: how often a blocked worker rechecks the stop flag
+
+
+class Stopped(Exception):
+    """Raised inside a worker when the pipeline is stopping; not a failure."""
+
+
+@dataclass
+class RunState:
+    """What the drafter worker advances and the main thread reads (single writer, so no lock)."""
+
+    step: int = 0
+    next_batch: int = 0  # data position: the next batch index the drafter will consume
+    tokens: int = 0
+    samples: int = 0
+    train_time: float = 0.0  # seconds of training before this process (resume) plus this process's
+    last: StepResult | None = None
+    history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, sim_tau)
+
+
+def put(q: queue.Queue, item, stop: threading.Event) -> None:
+    while True:
+        try:
+            q.put(item, timeout=_POLL)
+            return
+        except queue.Full:
+            if stop.is_set():
+                raise Stopped from None
+
+
+def get(q: queue.Queue, stop: threading.Event):
+    while True:
+        try:
+            return q.get(timeout=_POLL)
+        except queue.Empty:
+            if stop.is_set():
+                raise Stopped from None
+
+
+class Pipeline:
+    """Runs the stages in worker threads until the drafter says it is done or something fails."""
+
+    def __init__(self, source: BatchSource, targets: list[TargetStage], drafter: DrafterStage, cfg, stats,
+                 state: RunState, on_step: Callable[[StepResult], bool]):
+        """`on_step` is called by the drafter thread after each step; returning False ends the run."""
+        self.source, self.targets, self.drafter, self.cfg, self.stats = source, targets, drafter, cfg, stats
+        self.state, self.on_step = state, on_step
+        self.stop = threading.Event()
+        self.failure: tuple[str, str] | None = None  # (worker name, formatted traceback)
+        self.batch_q: queue.Queue = queue.Queue(maxsize=cfg.batch_queue_size)
+        self.hs_q: queue.Queue = queue.Queue(maxsize=cfg.hs_queue_size)
+        self.threads: list[threading.Thread] = []
+
+    # --- workers --------------------------------------------------------------------------------------
+
+    def _thread(self, name: str, body: Callable[[], None]) -> threading.Thread:
+        def run() -> None:
+            if self.cfg.threads_per_worker:
+                # Per thread on purpose: OpenMP/MKL thread counts are thread-local, so setting it in the
+                # main thread does not reach matmuls issued from this one.
+                torch.set_num_threads(self.cfg.threads_per_worker)
+            try:
+                body()
+            except Stopped:
+                pass
+            except BaseException:  # noqa: BLE001 - any death must stop the pipeline, not vanish
+                if self.failure is None:
+                    self.failure = (name, traceback.format_exc())
+                self.stop.set()
+
+        t = threading.Thread(target=run, name=name, daemon=True)
+        self.threads.append(t)
+        return t
+
+    def _producer(self) -> None:
+        tel = self.stats.worker("batch-producer")
+        index = self.state.next_batch
+        while not self.stop.is_set():
+            with tel.span("batch_build"):
+                batch = self.source(index)
+            with tel.span("batch_queue_put"):
+                put(self.batch_q, batch, self.stop)
+            self.stats.gauge("batch_queue", self.batch_q.qsize())
+            index += 1
+
+    def _target(self, stage: TargetStage) -> None:
+        tel = stage.tel
+        while not self.stop.is_set():
+            t0 = time.perf_counter()
+            batch = get(self.batch_q, self.stop)
+            tel.add("batch_queue_wait", time.perf_counter() - t0)
+            hb = stage(batch)
+            t0 = time.perf_counter()
+            put(self.hs_q, hb, self.stop)
+            tel.add("hs_queue_put", time.perf_counter() - t0)
+            self.stats.gauge("hs_queue", self.hs_q.qsize())
+
+    def _drafter(self) -> None:
+        tel = self.drafter.tel
+        pending: dict[int, HiddenBatch] = {}  # batches that overtook an earlier one (several targets)
+        while not self.stop.is_set():
+            t0 = time.perf_counter()
+            # Consume in batch order whatever the targets' finishing order, so a run is reproducible.
+            while self.state.next_batch not in pending:
+                hb = get(self.hs_q, self.stop)
+                pending[hb.batch.index] = hb
+            tel.add("hs_queue_wait", time.perf_counter() - t0)
+            hb = pending.pop(self.state.next_batch)
+            if not self.on_step(self.drafter.step(hb, self.progress())):
+                self.stop.set()
+
+    def progress(self) -> float:
+        """Fraction of the run done, by steps or by time, whichever is further along."""
+        p = 0.0
+        if self.cfg.max_steps:
+            p = self.state.step / self.cfg.max_steps
+        if self.cfg.max_time:
+            p = max(p, (self.state.train_time + time.monotonic() - self._t0) / self.cfg.max_time)
+        return min(1.0, p)
+
+    def _sync(self) -> None:
+        """Sync mode: target forward then drafter step, in one thread, as public trainers do."""
+        stage = self.targets[0]
+        tel = self.drafter.tel
+        while not self.stop.is_set():
+            with tel.span("batch_build"):
+                batch = self.source(self.state.next_batch)
+            hb = stage(batch)
+            if not self.on_step(self.drafter.step(hb, self.progress())):
+                self.stop.set()
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._t0 = time.monotonic()
+        if self.cfg.pipeline:
+            self._thread("batch-producer", self._producer)
+            for stage in self.targets:
+                self._thread(stage.name, lambda s=stage: self._target(s))
+            self._thread("drafter-0", self._drafter)
+        else:
+            self._thread("trainer", self._sync)
+        for t in self.threads:
+            t.start()
+
+    @property
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._t0
+
+    def shutdown(self, timeout: float = 10.0) -> list[str]:
+        """Stop every worker; returns the names of any that did not exit in time."""
+        self.stop.set()
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in self.threads if t.is_alive()]

@@ -1,0 +1,161 @@
+"""The three stages of a training step, each usable alone (sync mode) or in its own thread (pipeline).
+
+* BatchSource: deterministic batch ``i`` of the dataset (so a resumed run sees the same data).
+* TargetStage: frozen target forward -> tap-layer hidden states, moved toward the drafter's device.
+* DrafterStage: anchors/blocks, drafter forward, backward, optimizer step.
+
+Every stage times itself into a telemetry worker handle; which thread runs it is the pipeline's business.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash.data import Sample
+from dflash.model.objective import LossOutput, dflash_loss
+
+
+@dataclass
+class Batch:
+    index: int  # position in the run's batch sequence: the data position a checkpoint records
+    input_ids: torch.Tensor  # [B, T] right-padded
+    attention_mask: torch.Tensor  # [B, T] 1 = real token
+    loss_mask: torch.Tensor  # [B, T] 1 = the drafter learns to predict this token
+
+
+@dataclass
+class HiddenBatch:
+    batch: Batch
+    hidden: torch.Tensor  # [B, T, taps * H], on the drafter's device once `ready` has fired
+    ready: Any = None  # CUDA event recorded after the copy (None on CPU: nothing to wait for)
+
+
+class BatchSource:
+    """Batch ``i`` is a pure function of (samples, seed, i): epochs are reshuffled with seed + epoch."""
+
+    def __init__(self, samples: list[Sample], batch_size: int, seed: int, pad_id: int):
+        if len(samples) < batch_size:
+            batch_size = len(samples)
+        self.samples, self.batch_size, self.seed, self.pad_id = samples, batch_size, seed, pad_id
+        self.per_epoch = len(samples) // batch_size
+        self._perm_epoch, self._perm = -1, []
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch != self._perm_epoch:
+            self._perm = list(range(len(self.samples)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._perm)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def __call__(self, index: int) -> Batch:
+        epoch, k = divmod(index, self.per_epoch)
+        order = self._order(epoch)
+        rows = [self.samples[j] for j in order[k * self.batch_size:(k + 1) * self.batch_size]]
+        width = max(len(r.input_ids) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        loss = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            n = len(r.input_ids)
+            ids[i, :n] = torch.tensor(r.input_ids)
+            attn[i, :n] = 1
+            loss[i, :n] = torch.tensor(r.loss_mask, dtype=torch.bool)
+        return Batch(index, ids, attn, loss)
+
+
+class TargetStage:
+    """One target replica on one device. Its output is on the drafter's device (or on its way there)."""
+
+    def __init__(self, target, drafter_device: torch.device, telemetry, name: str = "target-0"):
+        self.target, self.drafter_device, self.tel, self.name = target, drafter_device, telemetry, name
+        self.device = target.device
+        cuda = self.device.type == "cuda" or drafter_device.type == "cuda"
+        # A side stream for the device-to-device copy so the next forward is not queued behind it.
+        self.copy_stream = torch.cuda.Stream(device=self.device if self.device.type == "cuda" else drafter_device) if cuda else None
+
+    def __call__(self, batch: Batch) -> HiddenBatch:
+        with self.tel.cuda_span("target_forward"):
+            hidden = self.target.hidden_states(batch.input_ids.to(self.device, non_blocking=True),
+                                               batch.attention_mask.to(self.device, non_blocking=True))
+        with self.tel.span("pack_hidden"):
+            if self.copy_stream is None:
+                return HiddenBatch(batch, hidden.to(self.drafter_device))
+            if self.device.type == "cpu":
+                hidden = hidden.pin_memory()  # pinned memory makes the host-to-device copy truly async
+            else:
+                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                moved = hidden.to(self.drafter_device, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self.copy_stream)
+            if hidden.is_cuda:
+                # The caching allocator must not hand this memory out again before the copy finishes.
+                hidden.record_stream(self.copy_stream)
+            return HiddenBatch(batch, moved, ready)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    out: LossOutput
+    grad_norm: float
+    lr: float
+    tokens: int
+    samples: int
+
+
+def lr_at(progress: float, base_lr: float, warmup_ratio: float, min_ratio: float) -> float:
+    """Linear warmup then cosine decay, as a function of run progress in [0, 1]."""
+    if warmup_ratio > 0 and progress < warmup_ratio:
+        return base_lr * max(progress / warmup_ratio, 1e-3)
+    p = min(1.0, (progress - warmup_ratio) / max(1e-9, 1 - warmup_ratio))
+    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+class DrafterStage:
+    """The drafter, its optimizer, and the target's frozen embedding and LM head on the drafter's device."""
+
+    def __init__(self, drafter, embed_tokens, lm_head, device: torch.device, cfg, telemetry, generator):
+        self.drafter, self.embed, self.lm_head = drafter, embed_tokens, lm_head
+        self.device, self.cfg, self.tel, self.generator = device, cfg, telemetry, generator
+        decay = [p for p in drafter.parameters() if p.dim() >= 2]
+        other = [p for p in drafter.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda",
+        )
+        # bf16 activations on CUDA with fp32 master weights; plain fp32 on CPU (bf16 matmuls are
+        # slower than fp32 on the CPUs we measured).
+        self.autocast = device.type == "cuda"
+
+    def step(self, hb: HiddenBatch, progress: float) -> StepResult:
+        b = hb.batch
+        with self.tel.span("h2d"):
+            if hb.ready is not None:
+                # Wait on the copy's event on our stream (no host sync), and keep the tensor alive for it.
+                torch.cuda.current_stream(self.device).wait_event(hb.ready)
+                hb.hidden.record_stream(torch.cuda.current_stream(self.device))
+            ids = b.input_ids.to(self.device, non_blocking=True)
+            loss_mask = b.loss_mask.to(self.device, non_blocking=True)
+            attn = b.attention_mask.to(self.device, non_blocking=True)
+        with self.tel.cuda_span("drafter_forward"), torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+            out = dflash_loss(self.drafter, self.embed, self.lm_head, ids, hb.hidden, loss_mask,
+                              num_anchors=self.cfg.num_anchors, generator=self.generator, attention_mask=attn)
+        with self.tel.cuda_span("drafter_backward"):
+            out.loss.backward()
+        with self.tel.cuda_span("optimizer_step"):
+            lr = lr_at(progress, self.cfg.lr, self.cfg.warmup_ratio, self.cfg.min_lr_ratio)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(
+            loss=float(out.loss.detach()), out=out, grad_norm=float(grad_norm), lr=lr,
+            tokens=int(b.attention_mask.sum()), samples=int(b.input_ids.shape[0]),
+        )

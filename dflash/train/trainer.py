@@ -1,0 +1,349 @@
+"""`dflash train`: set up data, target(s), drafter and telemetry; run the pipeline; log; checkpoint.
+
+The main thread never does training work: it watches the workers, prints one compact line per log
+interval (torchtitan-style) followed by the telemetry table and the bottleneck verdict, and turns
+SIGINT/SIGTERM into "finish this step, checkpoint, say bye, exit 0".
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.train.checkpoint import clean_partial, load_latest, save_checkpoint
+from dflash.train.config import ConfigError, TrainConfig
+from dflash.train.pipeline import Pipeline, RunState
+from dflash.train.stages import BatchSource, DrafterStage, StepResult, TargetStage
+
+
+class TrainError(RuntimeError):
+    """Setup failed in a way the user can fix; the message is one line."""
+
+
+def _rng_state(generator: torch.Generator) -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "anchors": generator.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    generator.set_state(state["anchors"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, resume: bool = False, log: Callable[[str], None] | None = None):
+        self.cfg, self.resume = cfg, resume
+        self.log = log or (lambda s: print(s, flush=True))
+        self.run_dir = Path(cfg.run_dir)
+        self.state = RunState()
+        self.server = None
+        self._last_ckpt_time = time.monotonic()
+        self._last_eval_time = time.monotonic()
+        self._ckpt_step = -1
+        self._signals = 0
+        self._logged_step = -1
+
+    # --- setup ----------------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        from dflash.data import DataError, load_samples, resolve_data
+        from dflash.model.drafter import DFlashDrafter, DrafterConfig
+        from dflash.model.target import TargetError, load_target
+        from dflash.telemetry import ProfileStats
+
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if clean_partial(self.run_dir):
+            self.log("removed a partial checkpoint left by an interrupted write")
+        ckpt = load_latest(self.run_dir) if self.resume else None
+        if self.resume and ckpt is None:
+            self.log(f"--resume: no checkpoint in {self.run_dir}/checkpoints, starting fresh")
+
+        try:
+            data_path = resolve_data(cfg.data)
+            devices = [torch.device(d) for d in cfg.target_devices]
+            self.drafter_device = torch.device(cfg.drafter_device)
+            n_taps = cfg.drafter_layers or None
+            targets: dict[torch.device, Any] = {}
+            for dev in dict.fromkeys(devices):  # one replica per distinct device; CPU workers share one
+                targets[dev] = load_target(cfg.target, device=dev, layer_ids=cfg.target_layer_ids,
+                                           **({"num_draft_layers": n_taps} if n_taps else {}))
+            first = targets[devices[0]]
+            if first.tokenizer is None:
+                raise TrainError(f"target {cfg.target!r} has no tokenizer: dflash needs one to read the data")
+            samples = load_samples(data_path, first.tokenizer, max_len=cfg.max_seq_len,
+                                   min_loss_tokens=cfg.block_size)
+        except (DataError, TargetError) as e:
+            raise TrainError(str(e)) from None
+        self.target = first
+        tok = first.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+        if ckpt is not None:
+            dcfg = DrafterConfig.from_dict(ckpt["drafter_config"])
+        else:
+            dcfg = DrafterConfig.for_target(
+                first.config, num_layers=cfg.drafter_layers or len(first.layer_ids), block_size=cfg.block_size,
+                target_layer_ids=first.layer_ids, mask_token_id=first.default_mask_token_id(), gamma=cfg.gamma,
+            )
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        drafter = DFlashDrafter(dcfg).to(self.drafter_device)
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+
+        self.stats = ProfileStats(enabled=cfg.telemetry)
+        names = ["drafter-0"] if cfg.pipeline else ["trainer"]
+        embed = torch.nn.Embedding.from_pretrained(first.embed_tokens.weight.detach().clone().float(), freeze=True)
+        lm_head = torch.nn.Linear(first.hidden_size, first.vocab_size, bias=False)
+        lm_head.weight = torch.nn.Parameter(first.lm_head.weight.detach().clone().float(), requires_grad=False)
+        self.drafter = DrafterStage(drafter, embed.to(self.drafter_device), lm_head.to(self.drafter_device),
+                                    self.drafter_device, cfg, self.stats.worker(names[0]), self.generator)
+        self.targets = []
+        for i, dev in enumerate(devices if cfg.pipeline else devices[:1]):
+            name = f"target-{i}" if cfg.pipeline else "trainer"
+            self.targets.append(TargetStage(targets[dev], self.drafter_device, self.stats.worker(name), name))
+        self.source = BatchSource(samples, cfg.batch_size, cfg.seed, pad)
+        self.dcfg = dcfg
+
+        if ckpt is not None:
+            drafter.load_state_dict(ckpt["drafter"])
+            self.drafter.optimizer.load_state_dict(ckpt["optimizer"])
+            _set_rng_state(ckpt["rng"], self.generator)
+            s = ckpt["state"]
+            self.state = RunState(step=s["step"], next_batch=s["next_batch"], tokens=s["tokens"],
+                                  samples=s["samples"], train_time=s["train_time"])
+            self._ckpt_step = self.state.step
+            self.log(f"resumed from step {self.state.step} (batch {self.state.next_batch}, "
+                     f"{self.state.train_time:.0f}s trained)")
+
+        cfg.save(self.run_dir / "config.json")
+        self.log("config: " + " ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
+        self.log(f"target {cfg.target}: {first.num_layers} layers, hidden {first.hidden_size}, taps {first.layer_ids}; "
+                 f"drafter {dcfg.num_layers} layers, {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, "
+                 f"block {dcfg.block_size}, mask token {dcfg.mask_token_id}; data {data_path} ({len(samples)} samples)")
+
+    # --- the drafter thread's per-step hook -----------------------------------------------------------
+
+    def on_step(self, r: StepResult) -> bool:
+        """Runs in the drafter thread after each optimizer step; False ends the run."""
+        st, cfg = self.state, self.cfg
+        st.step += 1
+        st.next_batch += 1
+        st.tokens += r.tokens
+        st.samples += r.samples
+        st.last = r
+        st.history.append((st.step, r.loss, r.out.sim_tau))
+        del st.history[:-10_000]
+        s = self.stats
+        s.count("steps", 1)
+        s.count("tokens", r.tokens)
+        s.count("samples", r.samples)
+        s.count("supervised_tokens", r.out.num_tokens)
+        s.gauge("loss", r.loss)
+        s.gauge("lr", r.lr)
+        s.gauge("grad_norm", r.grad_norm)
+        s.gauge("step", st.step)
+        s.metric("accuracy", r.out.accuracy)
+        s.metric("sim_tau", r.out.sim_tau)
+        s.metric("block_tau", r.out.block_tau)
+        s.metric("per_position_acc", r.out.per_position_acc)
+        if self.drafter_device.type == "cuda" or any(t.device.type == "cuda" for t in self.targets):
+            self._allocator_gauges()
+        now = time.monotonic()
+        done = self._should_stop()
+        if done or now - self._last_ckpt_time >= cfg.checkpoint_every:
+            self.checkpoint()
+        if cfg.eval_every and now - self._last_eval_time >= cfg.eval_every and not done:
+            self.evaluate(in_training=True)
+        return not done
+
+    def _should_stop(self) -> bool:
+        if self.stop_requested.is_set():
+            return True
+        if self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps:
+            return True
+        return self.cfg.max_time is not None and self._train_time() >= self.cfg.max_time
+
+    def _train_time(self) -> float:
+        return self.state.train_time + self.pipeline.elapsed()
+
+    def _allocator_gauges(self) -> None:
+        devs = {self.drafter_device, *(t.device for t in self.targets)}
+        for d in devs:
+            if d.type != "cuda":
+                continue
+            m = torch.cuda.memory_stats(d)
+            i = d.index if d.index is not None else torch.cuda.current_device()
+            self.stats.gauge(f"cuda{i}_allocated_bytes", m.get("allocated_bytes.all.current", 0))
+            self.stats.gauge(f"cuda{i}_reserved_bytes", m.get("reserved_bytes.all.current", 0))
+            self.stats.gauge(f"cuda{i}_alloc_retries", m.get("num_alloc_retries", 0))
+
+    # --- checkpoints and evaluation -------------------------------------------------------------------
+
+    def checkpoint(self) -> Path | None:
+        if self.state.step == self._ckpt_step:
+            return None
+        from dataclasses import asdict
+
+        with self.drafter.tel.span("checkpoint"):
+            st = self.state
+            state = {
+                "format": "dflash-train-checkpoint/1",
+                "drafter_config": asdict(self.dcfg),
+                "drafter": self.drafter.drafter.state_dict(),
+                "optimizer": self.drafter.optimizer.state_dict(),
+                "rng": _rng_state(self.generator),
+                "state": {"step": st.step, "next_batch": st.next_batch, "tokens": st.tokens,
+                          "samples": st.samples, "train_time": self._train_time()},
+                "config": self.cfg.to_dict(),
+            }
+            path = save_checkpoint(self.run_dir, st.step, state, self.cfg.keep_checkpoints)
+        self._ckpt_step = st.step
+        self._last_ckpt_time = time.monotonic()
+        self._event("checkpoint", f"saved {path.name}", step=st.step, path=str(path))
+        return path
+
+    def evaluate(self, in_training: bool = False) -> dict | None:
+        """Real speculative decoding on a few held prompts: the tau that matters (simulated tau is optimistic)."""
+        from dflash.data import load_prompts
+        from dflash.eval.speculative import evaluate
+
+        tok = self.target.tokenizer
+        prompts = load_prompts(self.cfg.data, tok, limit=self.cfg.eval_prompts)
+        drafter = self.drafter.drafter
+        was_training = drafter.training
+        with self.drafter.tel.span("eval"):
+            result = evaluate(drafter, self.target, prompts, max_new_tokens=self.cfg.eval_max_new_tokens)
+        drafter.train(was_training)
+        self._last_eval_time = time.monotonic()
+        summary = result.to_dict() if hasattr(result, "to_dict") else dict(result)
+        self.stats.metric("eval_tau", summary["tau"])
+        self._event("eval", f"step {self.state.step}: tau {summary['tau']:.2f} over {summary['rounds']} rounds"
+                    f"{'' if summary.get('lossless', True) else ' (NOT LOSSLESS)'}",
+                    step=self.state.step, tau=summary["tau"], lossless=summary.get("lossless"))
+        return summary
+
+    def _event(self, kind: str, message: str, **data: Any) -> None:
+        self.log(f"[{kind}] {message}")
+        if self.server is not None:
+            self.server.publish_event(kind, message, **data)
+
+    # --- logging --------------------------------------------------------------------------------------
+
+    def _log_line(self, dt: float, tokens_before: int) -> None:
+        st = self.state
+        r = st.last
+        tps = (st.tokens - tokens_before) / dt if dt > 0 else 0.0
+        if r is None or st.step == self._logged_step:
+            return  # nothing new to say; a line per interval without progress would only be noise
+        self._logged_step = st.step
+        q = f"q batch {self.pipeline.batch_q.qsize()}/{self.cfg.batch_queue_size} hs {self.pipeline.hs_q.qsize()}/{self.cfg.hs_queue_size}"
+        self.log(f"step {st.step:>6} | loss {r.loss:.3f} | acc {r.out.accuracy:.3f} | sim_tau {r.out.sim_tau:.2f} "
+                 f"| {tps:,.0f} tok/s | lr {r.lr:.2e} | gnorm {r.grad_norm:.2f} | {q}")
+        summary = self.server.latest() if self.server is not None else None
+        if summary is not None:
+            from dflash.telemetry import format_profile_stats
+            from dflash.telemetry.analysis import analyze
+
+            # Cumulative: a 1 s window is too noisy for a line printed every few seconds.
+            self.log(format_profile_stats(summary, limit=12, cumulative=True))
+            b = analyze(summary.cumulative)
+            self.log(f"bottleneck: {b.verdict}" + (f" - {b.reason}" if b.reason else ""))
+
+    # --- run ------------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.stop_requested = threading.Event()
+        self.setup()
+        cfg = self.cfg
+        self.pipeline = Pipeline(self.source, self.targets, self.drafter, cfg, self.stats, self.state, self.on_step)
+        if cfg.telemetry:
+            from dflash.telemetry import TelemetryServer
+
+            self.server = TelemetryServer(run=cfg.name, stats=self.stats, interval_s=cfg.telemetry_interval,
+                                          run_dir=self.run_dir, socket_dir=cfg.socket_dir)
+            self.server.start()
+            self.log(f"telemetry: {self.server.path}")
+            self.log(f"attach:    dflash-top {self.server.path}")
+        else:
+            self.log("telemetry: off (--no-telemetry)")
+        old = self._install_signals()
+        code = 0
+        try:
+            self.pipeline.start()
+            code = self._supervise()
+        finally:
+            self.pipeline.shutdown()
+            self._restore_signals(old)
+            if self.server is not None:
+                self.server.close(reason="error" if code else "finished")
+        self.log(f"done: {self.state.step} steps, {self.state.tokens:,} tokens, run dir {self.run_dir}")
+        return code
+
+    def _supervise(self) -> int:
+        """Main-thread loop: log, watch for failures, and finish the run (checkpoint, final eval)."""
+        cfg, code = self.cfg, 0
+        last_log, tokens_at_log = time.monotonic(), self.state.tokens
+        while self.pipeline.running:
+            time.sleep(0.05)
+            if self.pipeline.failure:
+                break
+            now = time.monotonic()
+            if now - last_log >= cfg.log_every:
+                self._log_line(now - last_log, tokens_at_log)
+                last_log, tokens_at_log = now, self.state.tokens
+        stuck = self.pipeline.shutdown()
+        if self.pipeline.failure:
+            name, tb = self.pipeline.failure
+            print(f"dflash train: worker {name} failed, stopping the pipeline:\n{tb}", file=sys.stderr, flush=True)
+            self._event("error", f"worker {name} failed: {tb.strip().splitlines()[-1]}")
+            code = 1
+        else:
+            self._log_line(max(1e-9, time.monotonic() - last_log), tokens_at_log)
+            self.checkpoint()
+            if not self.stop_requested.is_set() and cfg.eval_prompts > 0:
+                self.evaluate()
+        if stuck:
+            self.log(f"warning: workers did not exit in time: {', '.join(stuck)}")
+        return code
+
+    def _install_signals(self) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum, frame):
+            self._signals += 1
+            if self._signals > 1:
+                print("dflash train: second signal, exiting without a checkpoint", file=sys.stderr, flush=True)
+                os._exit(130)
+            self.log(f"received {signal.Signals(signum).name}: finishing the current step, then checkpointing "
+                     "(send again to exit at once)")
+            self.stop_requested.set()
+
+        return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _restore_signals(self, old: dict) -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def train(cfg: TrainConfig, resume: bool = False) -> int:
+    try:
+        return Trainer(cfg, resume=resume).run()
+    except (TrainError, ConfigError) as e:
+        print(f"dflash train: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,74 @@
+"""Shared fixtures. Telemetry: a short socket directory and a line-oriented Unix-socket client."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dflash.telemetry import protocol
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A fresh socket directory with a short path (sun_path holds only 107 bytes; tmp_path can be long)."""
+    d = Path(tempfile.mkdtemp(prefix="dft-")) / "s"
+    yield d
+    shutil.rmtree(d.parent, ignore_errors=True)
+
+
+class LineClient:
+    """A real Unix-socket client reading newline-delimited frames, for telemetry tests."""
+
+    def __init__(self, path: Path, timeout: float = 5.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(str(path))
+        self.buf = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def line(self, timeout: float = 5.0) -> bytes:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no frame within timeout")
+            self.sock.settimeout(left)
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                raise EOFError("server closed the connection")
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line
+
+    def frame(self, kind: type | None = None, timeout: float = 5.0) -> protocol.Frame:
+        """The next frame (of type `kind`, skipping others)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            f = protocol.decode(self.line(max(0.01, deadline - time.monotonic())))
+            if kind is None or isinstance(f, kind):
+                return f
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def connect() -> Iterator:
+    clients: list[LineClient] = []
+
+    def _connect(path: Path, timeout: float = 5.0) -> LineClient:
+        c = LineClient(path, timeout)
+        clients.append(c)
+        return c
+
+    yield _connect
+    for c in clients:
+        c.close()

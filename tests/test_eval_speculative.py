@@ -1,0 +1,119 @@
+"""Speculative decoding must be lossless: token for token the target's own greedy output, whether the
+drafter is untrained (tau ~ 1) or trained so that many drafts are accepted (real modules throughout)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model_helpers import make_target_dir, one_thread  # noqa: F401
+
+from dflash.eval.speculative import evaluate, greedy_generate, speculative_generate
+from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.objective import dflash_loss
+from dflash.model.target import load_target
+
+BLOCK = 8
+
+
+def prompts_for(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def new_drafter(target, layers: int = 2, seed: int = 0) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_target(target.config, num_layers=layers, block_size=BLOCK,
+                                   target_layer_ids=target.layer_ids, mask_token_id=target.default_mask_token_id())
+    return DFlashDrafter(cfg)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_targets")
+    return {arch: load_target(make_target_dir(root / arch, arch, layers=4), num_draft_layers=2)
+            for arch in ("qwen3", "llama")}
+
+
+@pytest.fixture(scope="module")
+def trained(targets):
+    """A drafter trained briefly on the Qwen3 target's own greedy continuations (the DFlash recipe:
+    train on target-written responses), so that real decoding accepts many drafts."""
+    target = targets["qwen3"]
+    prompts = prompts_for(8, 6, seed=1)
+    seqs = [p + greedy_generate(target, p, 42, stop_token_ids=[]) for p in prompts]
+    ids = torch.tensor(seqs)
+    loss_mask = torch.zeros_like(ids, dtype=torch.bool)
+    loss_mask[:, 6:] = True
+    hidden = target.hidden_states(ids)
+    drafter = new_drafter(target)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=5e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        out = dflash_loss(drafter, target.embed_tokens, target.lm_head, ids, hidden, loss_mask,
+                          num_anchors=8, generator=g)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    drafter.eval()
+    return drafter, prompts, out
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_untrained_drafter_is_lossless_with_tau_about_one(targets, arch):
+    target = targets[arch]
+    drafter = new_drafter(target)
+    prompts = prompts_for(3, 7, seed=2)
+    r = evaluate(drafter, target, prompts, max_new_tokens=24, stop_token_ids=[])
+    assert r.lossless is True and r.mismatched_prompts == []
+    assert r.tokens_generated == 3 * 24
+    assert 1.0 <= r.tau < 1.5
+    assert sum(r.acceptance_histogram) == r.rounds and len(r.acceptance_histogram) == BLOCK
+    assert r.target_forwards == 3 + r.rounds  # one prefill per prompt, one verify per round
+    assert r.baseline_forwards == r.tokens_generated
+    assert r.forwards_saved == r.baseline_forwards - r.target_forwards
+    assert len(r.per_position_acceptance) == BLOCK - 1
+
+
+def test_trained_drafter_accepts_many_drafts_and_stays_lossless(targets, trained):
+    target = targets["qwen3"]
+    drafter, prompts, last = trained
+    assert last.accuracy > 0.5 and last.sim_tau > 2.0
+    r = evaluate(drafter, target, prompts[:6], max_new_tokens=40, stop_token_ids=[])
+    assert r.lossless is True
+    assert r.tau > 2.0, r
+    assert r.forwards_saved > 0
+    acc = r.per_position_acceptance
+    assert acc[0] >= acc[-1] and acc[0] > 0.5  # earlier slots are accepted at least as often
+    # tau is consistent with the histogram when no round is cut short
+    assert r.tokens_generated == 6 * 40
+
+
+def test_output_equals_greedy_token_for_token_across_limits_and_blocks(targets, trained):
+    target = targets["qwen3"]
+    drafter, prompts, _ = trained
+    prompt = prompts[2]
+    ref = greedy_generate(target, prompt, 30, stop_token_ids=[])
+    for n in (1, 2, 8, 9, 30):  # limits that cut rounds short at different slots
+        for bs in (2, 5, BLOCK):
+            out = speculative_generate(drafter, target, prompt, n, stop_token_ids=[], block_size=bs)
+            assert out.tokens == ref[:n], (n, bs)
+            assert sum(out.produced) == n - 1 and out.target_forwards == 1 + len(out.produced)
+            assert all(0 <= a <= d for a, d in zip(out.accepted, out.drafted, strict=True))
+
+
+def test_stop_tokens_end_both_decodes_at_the_same_place(targets, trained):
+    target = targets["qwen3"]
+    drafter, prompts, _ = trained
+    prompt = prompts[0]
+    ref = greedy_generate(target, prompt, 40, stop_token_ids=[])
+    stop = ref[12]  # a token greedy decoding produces: both must stop at its first occurrence
+    first = ref.index(stop)
+    assert greedy_generate(target, prompt, 40, [stop]) == ref[: first + 1]
+    assert speculative_generate(drafter, target, prompt, 40, [stop]).tokens == ref[: first + 1]
+
+
+def test_evaluate_rejects_a_drafter_for_another_target(targets):
+    drafter = new_drafter(targets["qwen3"])
+    drafter.config.num_target_layers = 12
+    with pytest.raises(ValueError, match="does not match the target"):
+        evaluate(drafter, targets["qwen3"], [[5, 6, 7]], max_new_tokens=4)

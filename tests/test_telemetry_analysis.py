@@ -1,0 +1,92 @@
+"""Bottleneck verdicts from per-worker shares: one test per rule, plus the edges between them."""
+
+from __future__ import annotations
+
+from dflash.telemetry.analysis import analyze, role_of
+from dflash.telemetry.protocol import CategoryStats
+
+
+def cs(share: float, wall: float = 1.0) -> CategoryStats:
+    total = share * wall
+    return CategoryStats(n=10, total=total, mean=total / 10, p50=total / 10, p95=total / 10, max=total / 10, share=share)
+
+
+def pipeline(
+    *, t_fwd: float, t_batch: float, t_put: float, d_wait: float, d_fwd: float, targets: int = 2, drafters: int = 2
+) -> dict[str, dict[str, CategoryStats]]:
+    workers = {}
+    for i in range(targets):
+        workers[f"target-{i}"] = {
+            "target_forward": cs(t_fwd),
+            "batch_queue_wait": cs(t_batch),
+            "hs_queue_put": cs(t_put),
+        }
+    for i in range(drafters):
+        workers[f"drafter-{i}"] = {
+            "hs_queue_wait": cs(d_wait),
+            "drafter_forward": cs(d_fwd / 2),
+            "drafter_backward": cs(d_fwd / 2),
+        }
+    workers["batch-producer"] = {"pack_batch": cs(0.3)}
+    return workers
+
+
+def test_roles() -> None:
+    assert role_of("target-3") == "target"
+    assert role_of("drafter-0") == "drafter"
+    assert role_of("batch-producer") == "data"
+    assert role_of("data") == "data"
+    assert role_of("MainThread") is None
+
+
+def test_target_bound() -> None:
+    b = analyze(pipeline(t_fwd=0.95, t_batch=0.0, t_put=0.02, d_wait=0.6, d_fwd=0.35))
+    assert b.verdict == "target-bound"
+    assert b.evidence["drafter.hs_queue_wait"] == 0.6
+    assert b.evidence["target.hs_queue_put"] == 0.02
+    assert "60%" in b.reason and "hs_queue_wait" in b.reason
+
+
+def test_drafter_bound() -> None:
+    b = analyze(pipeline(t_fwd=0.4, t_batch=0.0, t_put=0.55, d_wait=0.01, d_fwd=0.97))
+    assert b.verdict == "drafter-bound"
+    assert b.evidence["target.hs_queue_put"] == 0.55
+    assert "hs_queue_put" in b.reason and "55%" in b.reason
+
+
+def test_data_bound_even_though_drafters_starve_too() -> None:
+    # a slow producer starves the targets, and through them the drafters
+    b = analyze(pipeline(t_fwd=0.3, t_batch=0.65, t_put=0.0, d_wait=0.7, d_fwd=0.28))
+    assert b.verdict == "data-bound"
+    assert b.evidence["target.batch_queue_wait"] == 0.65
+    assert b.evidence["data.busy"] == 0.3
+    assert "batch_queue_wait" in b.reason
+
+
+def test_blocked_puts_outweigh_batch_waits() -> None:
+    b = analyze(pipeline(t_fwd=0.2, t_batch=0.25, t_put=0.5, d_wait=0.0, d_fwd=0.99))
+    assert b.verdict == "drafter-bound"
+
+
+def test_balanced() -> None:
+    b = analyze(pipeline(t_fwd=0.9, t_batch=0.03, t_put=0.05, d_wait=0.08, d_fwd=0.9))
+    assert b.verdict == "balanced"
+    assert "hs_queue_wait 8%" in b.reason
+
+
+def test_threshold_is_a_parameter() -> None:
+    w = pipeline(t_fwd=0.9, t_batch=0.0, t_put=0.0, d_wait=0.15, d_fwd=0.8)
+    assert analyze(w).verdict == "balanced"
+    assert analyze(w, threshold=0.1).verdict == "target-bound"
+
+
+def test_unknown_without_pipeline_workers_or_work() -> None:
+    assert analyze({}).verdict == "unknown"
+    assert analyze({"MainThread": {"eval": cs(0.9)}}).verdict == "unknown"
+    idle = analyze(pipeline(t_fwd=0.0, t_batch=0.0, t_put=0.0, d_wait=0.01, d_fwd=0.0))
+    assert idle.verdict == "unknown" and "too little" in idle.reason
+
+
+def test_only_targets_starving_on_puts_is_drafter_bound() -> None:
+    w = pipeline(t_fwd=0.3, t_batch=0.0, t_put=0.6, d_wait=0.0, d_fwd=0.0, drafters=0)
+    assert analyze(w).verdict == "drafter-bound"
