@@ -106,6 +106,8 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.seed)
 
         self.stats = ProfileStats(enabled=cfg.telemetry)
+        if cfg.pipeline:
+            self.stats.worker("batch-producer")  # registered now so every snapshot lists it
         names = ["drafter-0"] if cfg.pipeline else ["trainer"]
         embed = torch.nn.Embedding.from_pretrained(first.embed_tokens.weight.detach().clone().float(), freeze=True)
         lm_head = torch.nn.Linear(first.hidden_size, first.vocab_size, bias=False)
@@ -271,20 +273,21 @@ class Trainer:
         self.setup()
         cfg = self.cfg
         self.pipeline = Pipeline(self.source, self.targets, self.drafter, cfg, self.stats, self.state, self.on_step)
-        if cfg.telemetry:
-            from dflash.telemetry import TelemetryServer
-
-            self.server = TelemetryServer(run=cfg.name, stats=self.stats, interval_s=cfg.telemetry_interval,
-                                          run_dir=self.run_dir, socket_dir=cfg.socket_dir)
-            self.server.start()
-            self.log(f"telemetry: {self.server.path}")
-            self.log(f"attach:    dflash-top {self.server.path}")
-        else:
-            self.log("telemetry: off (--no-telemetry)")
         old = self._install_signals()
         code = 0
         try:
+            # Threads first, so that the hello frame's thread map names every worker.
             self.pipeline.start()
+            if cfg.telemetry:
+                from dflash.telemetry import TelemetryServer
+
+                self.server = TelemetryServer(run=cfg.name, stats=self.stats, interval_s=cfg.telemetry_interval,
+                                              run_dir=self.run_dir, socket_dir=cfg.socket_dir)
+                self.server.start()
+                self.log(f"telemetry: {self.server.path}")
+                self.log(f"attach:    dflash-top {self.server.path}")
+            else:
+                self.log("telemetry: off (--no-telemetry)")
             code = self._supervise()
         finally:
             self.pipeline.shutdown()

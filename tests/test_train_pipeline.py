@@ -1,0 +1,263 @@
+"""The trainer end to end on a tiny random target: pipeline, telemetry, checkpoints, resume, failures.
+
+Real processes and signals: the trainer runs as `python -m dflash train` where a test needs SIGKILL or
+SIGTERM, and in-process where it compares weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_model_helpers import WORDS, make_target_dir, make_tokenizer, one_thread  # noqa: F401
+
+from dflash.telemetry.recorder import read_frames
+from dflash.train.checkpoint import list_checkpoints
+from dflash.train.config import make_config
+from dflash.train.trainer import Trainer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _write_data(path: Path, rows: int = 24, seed: int = 0) -> Path:
+    import random
+
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(rows):
+            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
+            # A learnable response: a repeating phrase, so the drafter has something to get right.
+            response = " ".join(WORDS[(i * 3) % len(WORDS)] for i in range(rng.randint(24, 40)))
+            f.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = make_target_dir(root / "target", layers=4, tokenizer=make_tokenizer())
+    data = _write_data(root / "data.jsonl")
+    return target, data
+
+
+def _cfg(target: Path, data: Path, run_dir: Path, **kw):
+    base = dict(target=str(target), data=str(data), run_dir=str(run_dir), batch_size=4, num_anchors=8,
+                max_steps=6, log_every=0.2, telemetry=False, eval_prompts=0, checkpoint_every=1e9,
+                lr=1e-3, drafter_layers=1)
+    base.update(kw)
+    return make_config({}, base)
+
+
+def _cli(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "dflash", "train", "--target", str(target), "--data", str(data),
+            "--run-dir", str(run_dir), "--batch-size", "4", "--num-anchors", "8", "--drafter-layers", "1",
+            "--eval-prompts", "0", *extra]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.drafter.drafter.state_dict().items()}
+
+
+def test_pipelined_run_streams_telemetry_and_checkpoints(setup, tmp_path):
+    target, data = setup
+    run_dir, socks = tmp_path / "run", Path("/tmp") / f"dft-train-{os.getpid()}"
+    proc = subprocess.run(_cli(target, data, run_dir, "--max-steps", "6", "--log-every", "0.2",
+                               "--telemetry-interval", "0.1", "--socket-dir", str(socks), "--eval-prompts", "2"),
+                          capture_output=True, text=True, env=_env(), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "attach:    dflash-top" in out and str(socks) in out
+    assert "step      6 |" in out and "sim_tau" in out and "tok/s" in out
+    assert "bottleneck:" in out and "drafter-0/drafter_forward" in out
+    assert "[eval] step 6: tau" in out
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000006.pt"]
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["max_steps"] == 6 and saved["pipeline"] is True
+    frames = list(read_frames(run_dir / "telemetry.jsonl"))
+    kinds = [type(f).__name__ for f in frames]
+    assert kinds[0] == "Hello" and kinds[-1] == "Bye" and "Snapshot" in kinds
+    hello = frames[0]
+    assert {"target-0", "drafter-0", "batch-producer"} <= set(hello.threads.values()) | set(hello.workers)
+    workers = set().union(*(f.cumulative.keys() for f in frames if type(f).__name__ == "Snapshot"))
+    assert {"target-0", "drafter-0", "batch-producer"} <= workers
+    last = [f for f in frames if type(f).__name__ == "Snapshot"][-1]
+    assert last.counters["steps"] == 6 and last.counters["tokens"] > 0
+    assert "target_forward" in last.cumulative["target-0"] and "hs_queue_wait" in last.cumulative["drafter-0"]
+    assert len(last.metrics["per_position_acc"]) == 15
+    events = [f for f in frames if type(f).__name__ == "Event"]
+    assert any(e.kind == "checkpoint" for e in events) and any(e.kind == "eval" for e in events)
+    assert not any(socks.glob("*.sock")), "the socket must be removed at exit"
+
+
+def test_resume_is_exact(setup, tmp_path):
+    """6 steps straight == 3 steps, stop (as on SIGTERM), resume, 3 more: same weights, bit for bit."""
+    target, data = setup
+    straight = Trainer(_cfg(target, data, tmp_path / "a"), log=lambda s: None)
+    assert straight.run() == 0
+
+    class StopAtThree(Trainer):
+        def on_step(self, r):
+            if self.state.step == 2:  # becomes 3 inside on_step
+                self.stop_requested.set()
+            return super().on_step(r)
+
+    first = StopAtThree(_cfg(target, data, tmp_path / "b"), log=lambda s: None)
+    assert first.run() == 0 and first.state.step == 3
+    second = Trainer(_cfg(target, data, tmp_path / "b"), resume=True, log=lambda s: None)
+    assert second.run() == 0 and second.state.step == 6
+    a, b = _params(straight), _params(second)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+    assert second.state.next_batch == straight.state.next_batch == 6
+    # And resuming really changed something relative to stopping at step 3.
+    assert not all(torch.equal(_params(first)[k], b[k]) for k in b)
+
+
+def test_sync_mode_trains_in_one_thread(setup, tmp_path):
+    target, data = setup
+    t = Trainer(_cfg(target, data, tmp_path / "s", pipeline=False, max_steps=3, telemetry=True,
+                     socket_dir=str(Path("/tmp") / f"dft-sync-{os.getpid()}"), telemetry_interval=0.05),
+                log=lambda s: None)
+    assert t.run() == 0 and t.state.step == 3
+    frames = list(read_frames(tmp_path / "s" / "telemetry.jsonl"))
+    snaps = [f for f in frames if type(f).__name__ == "Snapshot"]
+    assert set(snaps[-1].cumulative) == {"trainer"}
+    assert {"target_forward", "drafter_forward", "drafter_backward"} <= set(snaps[-1].cumulative["trainer"])
+
+
+def test_worker_exception_stops_everything_promptly(setup, tmp_path, capsys):
+    target, data = setup
+
+    class Exploding(Trainer):
+        def on_step(self, r):
+            if self.state.step == 1:
+                raise RuntimeError("boom in the drafter")
+            return super().on_step(r)
+
+    t = Exploding(_cfg(target, data, tmp_path / "x", max_steps=100), log=lambda s: None)
+    start = time.monotonic()
+    assert t.run() == 1
+    assert time.monotonic() - start < 60
+    err = capsys.readouterr().err
+    assert "worker drafter-0 failed" in err and "RuntimeError: boom in the drafter" in err
+    assert not t.pipeline.running
+
+
+def test_sigterm_checkpoints_and_exits_zero(setup, tmp_path):
+    target, data = setup
+    run_dir, socks = tmp_path / "t", Path("/tmp") / f"dft-term-{os.getpid()}"
+    proc = subprocess.Popen(_cli(target, data, run_dir, "--max-steps", "100000", "--log-every", "0.1",
+                                 "--socket-dir", str(socks), "--telemetry-interval", "0.1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        _wait_for(lambda: "step " in _peek(run_dir), 180, proc)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert "received SIGTERM" in out
+    ckpts = list_checkpoints(run_dir)
+    assert ckpts, "SIGTERM must leave a checkpoint"
+    frames = list(read_frames(run_dir / "telemetry.jsonl"))
+    assert type(frames[-1]).__name__ == "Bye"
+    assert not any(socks.glob("*.sock"))
+
+
+def _peek(run_dir: Path) -> str:
+    """The run's progress as recorded (the telemetry file's step gauge), without reading the pipe."""
+    path = run_dir / "telemetry.jsonl"
+    if not path.exists():
+        return ""
+    steps = [f.gauges.get("step", 0) for f in read_frames(path) if type(f).__name__ == "Snapshot"]
+    return f"step {int(max(steps))}" if steps and max(steps) >= 1 else ""
+
+
+def _wait_for(cond, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited early: {proc.communicate()[1][-2000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for the trainer")
+        time.sleep(0.1)
+
+
+def test_sigkill_mid_run_then_resume(setup, tmp_path):
+    """SIGKILL at an arbitrary moment (possibly mid-checkpoint): every checkpoint left loads, partial
+    writes are cleaned, and --resume continues from the newest one."""
+    target, data = setup
+    run_dir = tmp_path / "k"
+    proc = subprocess.Popen(_cli(target, data, run_dir, "--max-steps", "100000", "--checkpoint-every", "0",
+                                 "--no-telemetry", "--log-every", "100"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        _wait_for(lambda: len(list_checkpoints(run_dir)) >= 2, 180, proc)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    ckpts = list_checkpoints(run_dir)
+    assert ckpts
+    for p in ckpts:  # nothing corrupted: every complete checkpoint loads
+        state = torch.load(p, map_location="cpu", weights_only=False)
+        assert state["state"]["step"] == int(p.stem.split("-")[1])
+    newest = int(ckpts[-1].stem.split("-")[1])
+    resumed = subprocess.run(_cli(target, data, run_dir, "--resume", "--max-steps", str(newest + 2),
+                                  "--no-telemetry", "--log-every", "100", "--checkpoint-every", "1000"),
+                             capture_output=True, text=True, env=_env(), timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from step {newest}" in resumed.stdout
+    assert list_checkpoints(run_dir)[-1].name == f"step-{newest + 2:08d}.pt"
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--target-devices", "tpu:0"], "unknown device 'tpu:0'"),
+        (["--drafter-device", "cuda:3"], "CUDA is not available"),
+        (["--data", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl: no such data file"),
+        (["--config", "/nonexistent/cfg.toml"], "config file not found"),
+        (["--target", "/nonexistent/model"], "/nonexistent/model"),
+    ],
+)
+def test_bad_arguments_fail_at_once_with_one_line(setup, tmp_path, extra, message):
+    target, data = setup
+    proc = subprocess.run(_cli(target, data, tmp_path / "bad", "--max-steps", "1", *extra),
+                          capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "Warning" not in line]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_config_file_and_overrides(tmp_path):
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('[train]\nlr = 1e-3\nbatch_size = 2\nmax_steps = 5\ntarget_devices = ["cpu", "cpu"]\n')
+    from dflash.train.config import ConfigError, load_toml
+
+    cfg = make_config(load_toml(cfg_file), {"batch_size": 3})
+    assert (cfg.lr, cfg.batch_size, cfg.max_steps, cfg.target_devices) == (1e-3, 3, 5, ["cpu", "cpu"])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("lr = [\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_toml(bad)
+    with pytest.raises(ConfigError, match="unknown setting 'learning_rate'"):
+        make_config({"learning_rate": 1.0, "max_steps": 1}, {})
+    with pytest.raises(ConfigError, match="must be a number"):
+        make_config({"lr": "fast", "max_steps": 1}, {})
+    with pytest.raises(ConfigError, match="give max_steps or max_time"):
+        make_config({}, {})
