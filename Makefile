@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 train: $(STAMP)
-	$(BIN)/dflash train --target tiny --data demo --run-dir runs/default --max-time 300
+	$(BIN)/dflash train --config configs/tiny-cpu.toml
 
 demo: $(STAMP)
 	bash scripts/demo.sh
