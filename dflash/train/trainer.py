@@ -281,9 +281,14 @@ class Trainer:
             if cfg.telemetry:
                 from dflash.telemetry import TelemetryServer
 
-                self.server = TelemetryServer(run=cfg.name, stats=self.stats, interval_s=cfg.telemetry_interval,
-                                              run_dir=self.run_dir, socket_dir=cfg.socket_dir)
-                self.server.start()
+                server = TelemetryServer(run=cfg.name, stats=self.stats, interval_s=cfg.telemetry_interval,
+                                         run_dir=self.run_dir, socket_dir=cfg.socket_dir)
+                try:
+                    server.start()
+                except (OSError, RuntimeError) as e:
+                    raise TrainError(f"telemetry socket in {server.socket_dir}: {e} (use --socket-dir, or "
+                                     "--no-telemetry)") from None
+                self.server = server
                 self.log(f"telemetry: {self.server.path}")
                 self.log(f"attach:    dflash-top {self.server.path}")
             else:
