@@ -9,12 +9,12 @@ from dflash.data.formats import DataError, Sample, iter_rows, load_samples, prom
 __all__ = ["DataError", "Sample", "iter_rows", "load_samples", "prompt_of", "resolve_data", "load_prompts"]
 
 
-def resolve_data(spec: str) -> Path:
-    """`demo` or a path to a JSONL file."""
+def resolve_data(spec: str, evaluation: bool = False) -> Path:
+    """`demo` (its held-out prompts when `evaluation`) or a path to a JSONL file."""
     if spec == "demo":
         from dflash.data.demo import demo_path
 
-        return demo_path()
+        return demo_path(evaluation=evaluation)
     path = Path(spec)
     if not path.is_file():
         raise DataError(f"{spec}: no such data file (give a .jsonl path or 'demo')")
@@ -22,8 +22,9 @@ def resolve_data(spec: str) -> Path:
 
 
 def load_prompts(spec: str, tokenizer, limit: int, skip: int = 0) -> list[list[int]]:
-    """Token-id prompts for evaluation: rows `skip`..`skip+limit` of a dataset."""
-    path = resolve_data(spec)
+    """Token-id prompts for evaluation: rows `skip`..`skip+limit` of a dataset (for `demo`, prompts
+    from the stdlib files the tiny target never saw)."""
+    path = resolve_data(spec, evaluation=True)
     prompts = []
     for lineno, row in iter_rows(path):
         if lineno <= skip:
