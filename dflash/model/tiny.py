@@ -35,20 +35,23 @@ _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "ensurepip
 @dataclass
 class TinyRecipe:
     vocab_size: int = 2048
-    hidden_size: int = 256
-    intermediate_size: int = 704
+    # Sized for the compute a 2-core CPU gives in under an hour (~10M tokens): a smaller model trained
+    # on more tokens beats a larger one trained on fewer, and it keeps the drafter (whose width is the
+    # target's) cheap enough to train on a CPU in minutes. Six layers so the tap layers can spread.
+    hidden_size: int = 192
+    intermediate_size: int = 512
     num_layers: int = 6
-    num_heads: int = 4
+    num_heads: int = 6
     num_kv_heads: int = 2
-    head_dim: int = 64
+    head_dim: int = 32
     seq_len: int = 256
     batch_size: int = 16
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 200
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 150
     weight_decay: float = 0.1
-    steps: int = 3000
-    max_time_s: float = 3000.0
+    steps: int = 5000
+    max_time_s: float = 2700.0
     seed: int = 1234
     heldout_every: int = 40  # one file in this many (by path hash) is held out for evaluation
 
@@ -129,14 +132,20 @@ def encode_files(tokenizer, files: list[Path]):
 
 
 def bigram_loss(train_ids, held_ids, vocab: int) -> float:
-    """Held-out nats/token of an add-0.1 smoothed bigram model: the bar a real LM must clear."""
+    """Held-out nats/token of the best interpolated bigram model (bigram mixed with unigram, the mix
+    chosen on the held-out set itself, so the baseline is if anything flattered): the bar a real
+    language model must clear by a wide margin."""
     import torch
 
     counts = torch.zeros(vocab * vocab, dtype=torch.float64)
     counts.index_add_(0, train_ids[:-1] * vocab + train_ids[1:], torch.ones(len(train_ids) - 1, dtype=torch.float64))
-    counts = counts.view(vocab, vocab) + 0.1
-    logp = (counts / counts.sum(1, keepdim=True)).log()
-    return float(-logp[held_ids[:-1], held_ids[1:]].mean())
+    counts = counts.view(vocab, vocab)
+    p_bi = counts / counts.sum(1, keepdim=True).clamp(min=1)
+    uni = torch.bincount(train_ids, minlength=vocab).double() + 1
+    p_uni = uni / uni.sum()
+    prev, nxt = held_ids[:-1], held_ids[1:]
+    return min(float(-(lam * p_bi[prev, nxt] + (1 - lam) * p_uni[nxt]).log().mean())
+               for lam in (0.5, 0.7, 0.8, 0.9, 0.95, 0.99))
 
 
 def make_model(recipe: TinyRecipe, tokenizer):
