@@ -261,3 +261,43 @@ def test_config_file_and_overrides(tmp_path):
         make_config({"lr": "fast", "max_steps": 1}, {})
     with pytest.raises(ConfigError, match="give max_steps or max_time"):
         make_config({}, {})
+
+
+def test_metrics_port_serves_prometheus_while_training(setup, tmp_path):
+    """--metrics-port: a real scrape of the live trainer parses and carries its step count."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    target, data = setup
+    run_dir = tmp_path / "m"
+    proc = subprocess.Popen(_cli(target, data, run_dir, "--max-steps", "100000", "--metrics-port", "0",
+                                 "--telemetry-interval", "0.1", "--log-every", "100",
+                                 "--socket-dir", str(Path("/tmp") / f"dft-prom-{os.getpid()}")),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        url = None
+        while url is None:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()[-2000:]
+            if line.startswith("metrics:"):
+                url = line.split()[1]
+        _wait_for(lambda: "step " in _peek(run_dir), 180, proc)
+        time.sleep(0.3)
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    steps = [s.value for s in families["dflash_steps"].samples if s.name == "dflash_steps_total"]
+    assert steps and steps[0] >= 1
+    spans = {s.labels["category"] for s in families["dflash_span_seconds"].samples}
+    assert {"target_forward", "drafter_forward", "hs_queue_wait"} <= spans
+    assert proc.returncode == 0
+
+
+def test_metrics_port_without_telemetry_is_refused():
+    from dflash.train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="needs telemetry"):
+        make_config({}, {"metrics_port": 0, "telemetry": False, "max_steps": 1})

@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--eval-every", type=float, help="seconds between in-training evaluations (0: only at the end)")
     a("--eval-prompts", type=int, help="prompts in each evaluation (0: none)")
     a("--socket-dir", help="directory for the telemetry socket")
+    a("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
+    a("--metrics-addr", help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 for remote Prometheus)")
     a("--seed", type=int)
 
 

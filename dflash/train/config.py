@@ -57,6 +57,8 @@ class TrainConfig:
     telemetry: bool = True
     telemetry_interval: float = 1.0
     socket_dir: str | None = None
+    metrics_port: int | None = None  # Prometheus exposition (0: pick a free port)
+    metrics_addr: str = "127.0.0.1"
     run_name: str | None = None  # default: the run directory's name
 
     def validate(self) -> None:
@@ -75,6 +77,10 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be positive, got {value}")
         if self.block_size < 2:
             raise ConfigError("block_size must be at least 2 (an anchor and one predicted token)")
+        if self.metrics_port is not None and not self.telemetry:
+            raise ConfigError("--metrics-port needs telemetry; drop --no-telemetry")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics_port must be 0-65535, got {self.metrics_port}")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 

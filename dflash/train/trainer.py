@@ -51,6 +51,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.state = RunState()
         self.server = None
+        self.exporter = None
         self._last_ckpt_time = time.monotonic()
         self._last_eval_time = time.monotonic()
         self._ckpt_step = -1
@@ -281,8 +282,18 @@ class Trainer:
             if cfg.telemetry:
                 from dflash.telemetry import TelemetryServer
 
+                if cfg.metrics_port is not None:
+                    from dflash.telemetry.prometheus import MetricsExporter, MetricsServerError
+
+                    self.exporter = MetricsExporter(cfg.name)
+                    try:
+                        port = self.exporter.serve(cfg.metrics_port, addr=cfg.metrics_addr)
+                    except MetricsServerError as e:
+                        raise TrainError(str(e)) from None
+                    self.log(f"metrics:   http://{cfg.metrics_addr}:{port}/metrics")
                 server = TelemetryServer(run=cfg.name, stats=self.stats, interval_s=cfg.telemetry_interval,
-                                         run_dir=self.run_dir, socket_dir=cfg.socket_dir)
+                                         run_dir=self.run_dir, socket_dir=cfg.socket_dir,
+                                         on_publish=self.exporter.update if self.exporter else None)
                 try:
                     server.start()
                 except (OSError, RuntimeError) as e:
@@ -298,7 +309,9 @@ class Trainer:
             self.pipeline.shutdown()
             self._restore_signals(old)
             if self.server is not None:
-                self.server.close(reason="error" if code else "finished")
+                self.server.close(reason="error" if code else "finished")  # its last publish reaches the exporter
+            if self.exporter is not None:
+                self.exporter.close()
         self.log(f"done: {self.state.step} steps, {self.state.tokens:,} tokens, run dir {self.run_dir}")
         return code
 
