@@ -7,6 +7,7 @@ SIGINT/SIGTERM into "finish this step, checkpoint, say bye, exit 0".
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -233,7 +234,10 @@ class Trainer:
             result = evaluate(drafter, self.target, prompts, max_new_tokens=self.cfg.eval_max_new_tokens)
         drafter.train(was_training)
         self._last_eval_time = time.monotonic()
-        summary = result.to_dict() if hasattr(result, "to_dict") else dict(result)
+        summary = result.to_dict()
+        summary["step"] = self.state.step
+        with (self.run_dir / "evals.jsonl").open("a") as f:  # tau over training, for plots and the README
+            f.write(json.dumps(summary) + "\n")
         self.stats.metric("eval_tau", summary["tau"])
         self._event("eval", f"step {self.state.step}: tau {summary['tau']:.2f} over {summary['rounds']} rounds"
                     f"{'' if summary.get('lossless', True) else ' (NOT LOSSLESS)'}",
