@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 CLK = os.sysconf("SC_CLK_TCK")
 

@@ -1,0 +1,511 @@
+"""dflash-top: the live view of a dflash trainer (entry point `main`, app `DFlashTop`).
+
+Data flows one way: a source thread (live socket or replay) posts `SourceUpdated` messages; the app
+folds them into `RunState` and, at most `MAX_REFRESH_HZ` times a second, asks the panels to redraw
+from the state inside one `batch_update()` (the dense ones at most once a second: drawing is nearly
+all of the app's CPU time). Blocking work (py-spy, requests, discovery) runs on worker
+threads and comes back as messages, so no key press ever waits on the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Container, Vertical
+from textual.reactive import reactive
+from textual.timer import Timer
+from textual.widgets import Footer
+
+from dflash_tui import sources
+from dflash_tui.messages import ProfileDone, SourceUpdated, TrainersFound
+from dflash_tui.pyspy import (
+    ProfileFailure,
+    PySpyError,
+    RecordReport,
+    StackReport,
+    find_pyspy,
+    hot_thread_snapshot,
+    pid_is_local,
+    record,
+    save_report,
+)
+from dflash_tui.sources import FrameSource, SocketInfo, SourceUpdate, TargetError
+from dflash_tui.state import RunState
+from dflash_tui.widgets.bottleneck import BottleneckPanel
+from dflash_tui.widgets.categories import CategoryTable
+from dflash_tui.widgets.curves import CurvesPanel
+from dflash_tui.widgets.events import EventsLog
+from dflash_tui.widgets.gpus import GpuPanel
+from dflash_tui.widgets.header import RunHeader
+from dflash_tui.widgets.picker import PickerScreen, WaitingScreen
+from dflash_tui.widgets.record import ProfileScreen, RecordDialog, RecordSettings
+from dflash_tui.widgets.stacks import StacksScreen
+from dflash_tui.widgets.statusline import StatusLine
+from dflash_tui.widgets.threads import ThreadsPanel
+from dflash_tui.widgets.timebars import TimeBars
+
+SPEEDS = [0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0, math.inf]
+PANELS = ["p-time", "p-cats", "p-gpu", "p-threads", "p-curves", "p-events"]
+
+
+class Panel(Vertical):
+    """A bordered, titled box that the number keys can maximize."""
+
+    ALLOW_MAXIMIZE = True
+
+    def __init__(self, title: str, *children, **kw) -> None:
+        super().__init__(*children, classes="panel", **kw)
+        self.border_title = title
+
+
+class DFlashTop(App[None]):
+    """The dashboard. Give it a `target` (socket or recording), a ready `source`, or neither: then it
+    discovers trainers (one: attach, several: picker, none: wait; `wait_for` narrows to one run)."""
+
+    TITLE = "dflash-top"
+    CSS_PATH = Path(__file__).with_name("app.tcss")  # absolute: subclasses elsewhere find it too
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    ALLOW_IN_MAXIMIZED_VIEW = "Footer, RunHeader, StatusLine"
+    MAX_REFRESH_HZ = 5.0
+    #: dense panels, read row by row (like top and nvidia-smi), redraw at most this often while the
+    #: headline ones (header, bars, bottleneck) follow every snapshot: redrawing is nearly all of
+    #: dflash-top's CPU time, and at 2 Hz this halves the largest part of it
+    SLOW_PANELS = frozenset({"table", "gpus", "threads", "curves"})
+    SLOW_INTERVAL_S = 1.0
+    BINDINGS = [
+        Binding("q,ctrl+c", "quit", "quit"),
+        Binding("s", "snapshot", "py-spy dump"),
+        Binding("r", "record", "record"),
+        Binding("t", "trainer_stacks", "stacks", show=False),
+        Binding("space", "pause", "pause"),
+        Binding("n", "step", "step"),
+        Binding("plus,equals_sign", "faster", "faster"),
+        Binding("minus", "slower", "slower"),
+        Binding("w", "next_worker", "worker"),
+        Binding("1", "panel(0)", "zoom 1-6"),
+        Binding("2", "panel(1)", "table", show=False),
+        Binding("3", "panel(2)", "gpu", show=False),
+        Binding("4", "panel(3)", "threads", show=False),
+        Binding("5", "panel(4)", "curves", show=False),
+        Binding("6", "panel(5)", "events", show=False),
+    ]
+
+    #: memray-style: the panels dim while the trainer is away, and keep the last data
+    disconnected: reactive[bool] = reactive(False)
+
+    def __init__(self, target: Path | None = None, *, socket_directory: Path | None = None, speed: float = 1.0,
+                 paused: bool = False, pyspy_exe: str | None = None, pyspy_timeout: float = 10.0,
+                 record_seconds: float = 10.0, request_timeout: float = 5.0,
+                 source: FrameSource | None = None, wait_for: Path | str | None = None) -> None:
+        super().__init__()
+        self.target = target
+        #: with no target: attach only to this run (a run directory or a run name), once it appears
+        self.wait_for = wait_for
+        self.socket_directory = socket_directory or sources.socket_dir()
+        self.speed = speed
+        self.start_paused = paused
+        self.pyspy_exe = pyspy_exe if pyspy_exe is not None else find_pyspy()
+        self.pyspy_timeout = pyspy_timeout
+        self.record_defaults = RecordSettings(seconds=record_seconds, gil=False, native=True)
+        self.request_timeout = request_timeout
+        self.source: FrameSource | None = source
+        self.state = RunState()
+        self.job: str | None = None
+        self._job_end: float | None = None
+        self._job_timer: Timer | None = None
+        self._refresh_timer: Timer | None = None
+        self._slow_timer: Timer | None = None
+        self._last_refresh = 0.0
+        self._last_slow = 0.0
+        self._slow_empty = True
+        self._waiting: WaitingScreen | None = None
+
+    # ------------------------------------------------------------------ layout
+
+    def compose(self) -> ComposeResult:
+        yield RunHeader(id="header")
+        with Container(id="body"):
+            with Vertical(id="left"):
+                yield Panel("bottleneck", BottleneckPanel(id="bottleneck"), id="p-bottleneck")
+                yield Panel("where time goes (share of wall time per worker)", TimeBars(id="bars"), id="p-time")
+                yield Panel("per-category timings", CategoryTable(id="table"), id="p-cats")
+            with Vertical(id="right"):
+                yield Panel("GPUs", GpuPanel(id="gpus"), id="p-gpu")
+                yield Panel("threads (top -H)", ThreadsPanel(id="threads"), id="p-threads")
+                yield Panel("training curves", CurvesPanel(id="curves"), id="p-curves")
+                yield Panel("events", EventsLog(id="events"), id="p-events")
+        yield StatusLine(id="status")
+        yield Footer()
+
+    @property
+    def panels(self) -> list:
+        return [self.query_one(sel) for sel in ("#header", "#bars", "#bottleneck", "#table", "#gpus", "#threads",
+                                                "#curves", "#events", "#status")]
+
+    def on_mount(self) -> None:
+        self._panels = self.panels
+        self._main = self.screen  # the dashboard, whatever modal is on top of it later
+        if self.source is not None:
+            self.source.start(self._sink)
+        elif self.target is not None:
+            self.attach(self.target)
+        else:
+            self.discover_trainers()
+        self.refresh_panels()
+
+    def on_unmount(self) -> None:
+        if self.source is not None:
+            self.source.stop()
+
+    # ------------------------------------------------------------------ sources
+
+    def attach(self, path: Path) -> None:
+        if self.source is not None:
+            self.source.stop()
+        self.target = path
+        self.source = sources.open_source(path, speed=self.speed, paused=self.start_paused)
+        self.source.start(self._sink)
+
+    def _sink(self, update: SourceUpdate) -> None:
+        self.post_message(SourceUpdated(update))
+
+    def on_source_updated(self, message: SourceUpdated) -> None:
+        update = message.update
+        self.state.apply_update(update)
+        if update.state is not None:
+            self.disconnected = update.state in (sources.DISCONNECTED, sources.INCOMPATIBLE)
+            if update.state == sources.INCOMPATIBLE:
+                self.notify(update.detail, title="protocol mismatch", severity="error", timeout=30)
+            self.refresh_bindings()
+        self.schedule_refresh()
+
+    def schedule_refresh(self) -> None:
+        """Redraw now, or once the refresh budget allows; many updates in between cost one redraw."""
+        if self._refresh_timer is not None:
+            return
+        delay = self._last_refresh + 1.0 / self.MAX_REFRESH_HZ - time.monotonic()
+        if delay <= 0:
+            self.refresh_panels()
+        else:
+            self._refresh_timer = self.set_timer(delay, self._timed_refresh)
+
+    def _timed_refresh(self) -> None:
+        self._refresh_timer = None
+        self.refresh_panels()
+
+    def refresh_panels(self, slow: bool | None = None) -> None:
+        """Redraw every panel from the state; the slow ones only when their interval has passed (a
+        trailing timer makes sure they still show the last data when the stream stops)."""
+        if not self.screen_stack:  # shutting down: a timer fired after the last screen went
+            return
+        maximized = self._main.maximized
+        now = time.monotonic()
+        self._last_refresh = now
+        if slow is None:
+            # the first data is drawn at once everywhere; after that the slow panels keep their pace
+            slow = now - self._last_slow >= self.SLOW_INTERVAL_S or (self._slow_empty and self.state.snapshot is not None)
+        if slow:
+            self._last_slow = now
+            self._slow_empty = self.state.snapshot is None
+            if self._slow_timer is not None:
+                self._slow_timer.stop()
+                self._slow_timer = None
+        elif self._slow_timer is None:
+            self._slow_timer = self.set_timer(self._last_slow + self.SLOW_INTERVAL_S - now, self._timed_slow)
+        with self.batch_update():
+            for panel in self._panels:
+                if slow or panel.id not in self.SLOW_PANELS or panel.parent is maximized:
+                    panel.refresh_from(self.state)
+
+    def _timed_slow(self) -> None:
+        self._slow_timer = None
+        self.refresh_panels(slow=True)
+
+    def watch_disconnected(self, value: bool) -> None:
+        if hasattr(self, "_main"):
+            self._main.set_class(value, "-disconnected")
+
+    # ------------------------------------------------------------------ discovery
+
+    @work(thread=True, exclusive=True, group="discover")
+    def discover_trainers(self) -> None:
+        found = [i for i in sources.discover(self.socket_directory) if i.alive]
+        if self.wait_for is not None:
+            found = [i for i in found if sources.serves(i, self.wait_for)]
+        self.post_message(TrainersFound(found))
+
+    def on_trainers_found(self, message: TrainersFound) -> None:
+        if self.source is not None:
+            return
+        found: list[SocketInfo] = message.sockets
+        if not found:
+            if self._waiting is None:
+                self._waiting = WaitingScreen(self.socket_directory, self.wait_for)
+                self.push_screen(self._waiting)
+            self.set_timer(1.0, self.discover_trainers)
+            return
+        if self._waiting is not None:
+            self._waiting.dismiss(found)
+            self._waiting = None
+        if len(found) == 1:
+            self.attach(found[0].path)
+        else:
+            self.push_screen(PickerScreen(found), self._picked)
+
+    def _picked(self, path: Path | None) -> None:
+        if path is None:
+            self.exit()
+        else:
+            self.attach(path)
+
+    # ------------------------------------------------------------------ replay controls
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        replay = self.source is not None and self.source.kind == "replay"
+        if action in ("pause", "step", "faster", "slower"):
+            return replay
+        if action in ("snapshot", "record", "trainer_stacks"):
+            return self.source is not None and not replay
+        if action == "next_worker":
+            return self.source is not None
+        return True
+
+    def action_pause(self) -> None:
+        if isinstance(self.source, sources.ReplaySource):
+            self.source.toggle_pause()
+
+    def action_step(self) -> None:
+        if isinstance(self.source, sources.ReplaySource):
+            self.source.step()
+
+    def _change_speed(self, direction: int) -> None:
+        if not isinstance(self.source, sources.ReplaySource):
+            return
+        cur = self.source.speed
+        idx = min(range(len(SPEEDS)), key=lambda i: abs(math.log(SPEEDS[i]) - math.log(cur))
+                  if math.isfinite(SPEEDS[i]) and math.isfinite(cur) else (0 if SPEEDS[i] == cur else 99))
+        self.speed = SPEEDS[max(0, min(len(SPEEDS) - 1, idx + direction))]
+        self.source.set_speed(self.speed)
+
+    def action_faster(self) -> None:
+        self._change_speed(+1)
+
+    def action_slower(self) -> None:
+        self._change_speed(-1)
+
+    # ------------------------------------------------------------------ panels
+
+    def action_next_worker(self) -> None:
+        table = self.query_one(CategoryTable)
+        chosen = table.cycle_worker(self.state)
+        self.notify(f"table shows {chosen or 'all workers'}", timeout=2)
+
+    def action_panel(self, index: int) -> None:
+        panel = self.query_one(f"#{PANELS[index]}")
+        if self._main.maximized is panel:
+            self._main.minimize()
+        else:
+            self._main.maximize(panel, container=False)
+        self.refresh_panels(slow=True)
+
+    # ------------------------------------------------------------------ py-spy
+
+    def _live_trainer(self, what: str) -> tuple[sources.LiveSource, int, str, str | None] | None:
+        src = self.source
+        hello = self.state.hello
+        if not isinstance(src, sources.LiveSource) or hello is None or not src.connected:
+            self.notify(f"{what} needs a live trainer (this is {self.state.connection})", severity="warning")
+            return None
+        if self.job is not None:
+            self.notify(f"{self.job} is still running", severity="warning")
+            return None
+        return src, hello.pid, hello.host, hello.run_dir
+
+    def action_snapshot(self, force_trainer: bool = False) -> None:
+        live = self._live_trainer("a stack snapshot")
+        if live is None:
+            return
+        src, pid, host, run_dir = live
+        local = pid_is_local(pid, host)
+        what = "trainer stacks" if force_trainer or not local else "py-spy dump"
+        self._start_job(f"{what} of pid {pid}", self.pyspy_timeout * 2 + self.request_timeout)
+        kwargs = dict(pid=pid, local=local, ask=partial(self._ask, src), cpu=self.state.thread_cpu(),
+                      names=self.state.thread_names(), exe=self.pyspy_exe, timeout=self.pyspy_timeout,
+                      force_trainer=force_trainer)
+        self.run_worker(partial(self._snapshot_job, kwargs, run_dir), thread=True, group="profile",
+                        name="snapshot")
+
+    def action_trainer_stacks(self) -> None:
+        self.action_snapshot(force_trainer=True)
+
+    def _ask(self, src: sources.LiveSource, op: str, args: dict) -> object:
+        return src.request(op, args, timeout=self.request_timeout)
+
+    def _snapshot_job(self, kwargs: dict, run_dir: str | None) -> None:
+        result: StackReport | ProfileFailure
+        try:
+            result = hot_thread_snapshot(**kwargs)
+            try:
+                save_report(result, run_dir)
+            except OSError as e:
+                result.notes.append(f"could not save the snapshot: {e}")
+        except PySpyError as e:
+            result = e.failure
+        except Exception as e:  # noqa: BLE001 - a bug here must show up as a message, not kill the app
+            result = ProfileFailure(what="snapshot", reason=f"unexpected error: {e!r}")
+        self.post_message(ProfileDone(result))
+
+    def action_record(self) -> None:
+        live = self._live_trainer("py-spy record")
+        if live is None:
+            return
+        src, pid, host, run_dir = live
+        if not pid_is_local(pid, host):
+            self.notify(f"py-spy record needs the trainer on this host (pid {pid} on {host} is not here); "
+                        "use s for its own stacks", severity="warning")
+            return
+
+        def start(settings: RecordSettings | None) -> None:
+            if settings is None:
+                return
+            self.record_defaults = settings
+            self._start_job(f"py-spy record of pid {pid}", settings.seconds)
+            self.run_worker(partial(self._record_job, src, pid, settings, run_dir), thread=True,
+                            group="profile", name="record")
+
+        self.push_screen(RecordDialog(self.record_defaults), start)
+
+    def _record_job(self, src: sources.LiveSource, pid: int, settings: RecordSettings, run_dir: str | None) -> None:
+        result: RecordReport | ProfileFailure
+        try:
+            try:
+                src.request("ptrace_allow", {"pid": os.getpid()}, timeout=self.request_timeout)
+            except Exception:  # noqa: BLE001 - best effort, py-spy may be allowed anyway
+                pass
+            result = record(pid, settings.seconds, gil=settings.gil, native=settings.native, exe=self.pyspy_exe,
+                            run_dir=run_dir)
+        except PySpyError as e:
+            result = e.failure
+        except Exception as e:  # noqa: BLE001
+            result = ProfileFailure(what="py-spy record", reason=f"unexpected error: {e!r}")
+        self.post_message(ProfileDone(result))
+
+    def _start_job(self, what: str, expected_s: float) -> None:
+        self.job = what
+        self._job_end = time.monotonic() + expected_s
+        status = self.query_one(StatusLine)
+        status.job_text = f"{what}..."
+        self._job_timer = self.set_interval(1.0, self._tick_job)
+        self.refresh_panels()
+
+    def _tick_job(self) -> None:
+        if self.job is None or self._job_end is None:
+            return
+        left = max(0, round(self._job_end - time.monotonic()))
+        self.query_one(StatusLine).job_text = f"{self.job}: up to {left} s left"
+        self.schedule_refresh()
+
+    def on_profile_done(self, message: ProfileDone) -> None:
+        self.job = None
+        self._job_end = None
+        if self._job_timer is not None:
+            self._job_timer.stop()
+            self._job_timer = None
+        self.query_one(StatusLine).job_text = None
+        r = message.result
+        if isinstance(r, RecordReport):
+            self.state.note("info", f"py-spy record saved to {r.path}")
+            self.push_screen(ProfileScreen(r))
+        else:
+            if isinstance(r, StackReport):
+                where = r.saved[-1] if r.saved else "(not saved)"
+                self.state.note("info", f"{r.source} snapshot: {len(r.threads)} threads, saved to {where}")
+            else:
+                self.state.note("warning", f"{r.what} failed: {r.reason}")
+            if isinstance(self.screen, StacksScreen):
+                self.screen.show(r)
+            else:
+                self.push_screen(StacksScreen(r))
+        self.schedule_refresh()
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def list_sockets(directory: Path | None) -> int:
+    d = directory or sources.socket_dir()
+    found = sources.discover(d)
+    if not found:
+        print(f"no trainer sockets in {d}", file=sys.stderr)
+        return 1
+    print(f"{'STATE':<6} {'RUN':<20} {'PID':>8} {'RANK':>4} {'HOST':<16} {'RUN DIR':<24} SOCKET")
+    for info in found:
+        hello = sources.read_hello(info.path, timeout=0.5) if info.alive else None
+        print(f"{'live' if info.alive else 'stale':<6} {(info.run or '?'):<20.20} {info.pid or '?':>8} "
+              f"{info.rank if info.rank is not None else '-':>4} {(hello.host if hello else '-'):<16.16} "
+              f"{((hello.run_dir or '-') if hello else '-'):<24} {info.path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-top", description="Live view of a dflash trainer: where the time goes, "
+                                "GPUs, threads, and one-key py-spy snapshots.")
+    p.add_argument("target", nargs="?", help="a trainer socket, a run directory, a telemetry.jsonl (replay) or a "
+                   "running run's name; default: find the running trainers")
+    p.add_argument("--list", action="store_true", help="print the trainer sockets found and exit")
+    p.add_argument("--once", action="store_true", help="print one summary (table, bottleneck, GPUs) and exit")
+    p.add_argument("--json", action="store_true", help="with --once: print the summary as JSON")
+    p.add_argument("--speed", type=float, default=1.0, help="replay speed multiplier (0 = as fast as possible)")
+    p.add_argument("--paused", action="store_true", help="start a replay paused (space plays, n steps)")
+    p.add_argument("--wait", action="store_true", help="TARGET is a run directory or run name that may not "
+                   "be running yet: wait for its trainer instead of replaying its recording")
+    p.add_argument("--socket-dir", type=Path, default=None, help="where to look for sockets "
+                   "(default $XDG_RUNTIME_DIR/dflash or /tmp/dflash-$UID)")
+    p.add_argument("--timeout", type=float, default=10.0, help="--once: seconds to wait for a snapshot")
+    p.add_argument("--pyspy-timeout", type=float, default=10.0, help="kill a py-spy dump after this many seconds")
+    p.add_argument("--record-seconds", type=float, default=10.0, help="default duration of `r` (py-spy record)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list:
+        return list_sockets(args.socket_dir)
+    if args.once or args.json:
+        from dflash_tui.headless import run_once
+
+        return run_once(args.target, args.json, timeout=args.timeout,
+                        directory=str(args.socket_dir) if args.socket_dir else None)
+    wait_for: Path | str | None = None
+    if args.wait and args.target and not sources.is_socket(Path(args.target)):
+        given = Path(args.target).expanduser()
+        wait_for = given if (given.is_dir() or "/" in args.target) else args.target
+        target = None
+    else:
+        try:
+            target = sources.resolve(args.target, args.socket_dir)
+        except TargetError as e:
+            print(f"dflash-top: {e}", file=sys.stderr)
+            return 2
+    if not (sys.stdin.isatty() and sys.__stderr__.isatty()):
+        print("dflash-top: not a terminal; use --once (or --once --json) for a printed summary",
+              file=sys.stderr)
+        return 2
+    app = DFlashTop(target, socket_directory=args.socket_dir, speed=args.speed if args.speed > 0 else math.inf,
+                    paused=args.paused, pyspy_timeout=args.pyspy_timeout, record_seconds=args.record_seconds,
+                    wait_for=wait_for)
+    app.run()
+    return app.return_code or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

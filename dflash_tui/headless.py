@@ -1,0 +1,199 @@
+"""`dflash-top --once [--json]`: one summary, printed, for scripts and for terminals without a TUI.
+
+It reads through the same sources and state as the app (a replay is played at full speed to its
+end; a live trainer is read until its first snapshot), so what it prints is what the panels show.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import sys
+import time
+from typing import Any, TextIO
+
+import msgspec
+
+from dflash_tui import fmt
+from dflash_tui.sources import (
+    ENDED,
+    INCOMPATIBLE,
+    FrameSource,
+    SourceUpdate,
+    TargetError,
+    discover,
+    open_source,
+    resolve,
+    socket_dir,
+)
+from dflash_tui.state import RunState
+
+
+def summarize(state: RunState) -> dict[str, Any]:
+    """The summary as plain JSON-able data; its keys are the documented `--once --json` contract."""
+    hello, snap = state.hello, state.snapshot
+    sys_ = state.system
+    workers: dict[str, dict[str, dict[str, Any]]] = {}
+    for w, cats in state.workers.items():
+        workers[w] = {}
+        for c, st in cats.items():
+            row = {"n": st.n, "total": st.total, "mean": st.mean, "p50": st.p50, "p95": st.p95,
+                   "max": st.max, "share": st.share}
+            if st.device is not None:
+                row["device"] = msgspec.to_builtins(st.device)
+            workers[w][c] = row
+    top_threads = sorted(sys_.threads, key=lambda t: -t.cpu_percent)[:16] if sys_ else []
+    return {
+        "run": hello.run if hello else None,
+        "pid": hello.pid if hello else None,
+        "host": hello.host if hello else None,
+        "rank": hello.rank if hello else None,
+        "world_size": hello.world_size if hello else None,
+        "run_dir": hello.run_dir if hello else None,
+        "connection": state.connection,
+        "seq": snap.seq if snap else None,
+        "t": snap.t if snap else None,
+        "interval_s": snap.interval_s if snap else None,
+        "uptime_s": state.uptime_s,
+        "step": state.step,
+        "tokens_per_s": state.tokens_rate,
+        "loss": state.loss_value,
+        "tau": state.tau_value,
+        "workers": workers,
+        "untracked": dict(snap.untracked) if snap else {},
+        "bottleneck": msgspec.to_builtins(state.bottleneck) if state.bottleneck else None,
+        "gpus": [msgspec.to_builtins(g) for g in state.gpus],
+        "gpu_error": sys_.gpu_error if sys_ else None,
+        "process": {"cpu_percent": sys_.cpu_percent, "rss_bytes": sys_.rss_bytes} if sys_ else None,
+        "threads": [{"tid": t.tid, "name": t.name, "cpu_percent": t.cpu_percent} for t in top_threads],
+        "counters": dict(snap.counters) if snap else {},
+        "rates": dict(snap.rates) if snap else {},
+        "gauges": dict(snap.gauges) if snap else {},
+        "errors": list(state.errors),
+    }
+
+
+def render_text(s: dict[str, Any]) -> str:
+    """The summary as an 80-column report: header, bottleneck, per-category table, GPUs."""
+    lines: list[str] = []
+    rank = f"  rank {s['rank']}/{s['world_size']}" if s.get("world_size", 1) and s["world_size"] > 1 else ""
+    lines.append(f"run {s['run']}  pid {s['pid']}  host {s['host']}{rank}  uptime {fmt.duration(s['uptime_s'])}"
+                 f"  step {s['step'] if s['step'] is not None else fmt.NA}")
+    lines.append(f"tokens/s {fmt.count(s['tokens_per_s'])}  loss {fmt.number(s['loss'])}"
+                 f"  tau {fmt.number(s['tau'])}  [{s['connection']}]")
+    b = s["bottleneck"]
+    if b:
+        lines.append(f"bottleneck: {b['verdict']}" + (f" - {b['reason']}" if b.get("reason") else ""))
+        ev = b.get("evidence") or {}
+        if ev:
+            lines.append("  evidence: " + "  ".join(f"{k}={_num(v)}" for k, v in ev.items()))
+    else:
+        lines.append("bottleneck: unknown (no verdict yet)")
+    lines.append("")
+    lines.append(f"{'worker':<12} {'category':<18} {'n':>6} {'mean':>7} {'p50':>7} {'p95':>7} {'max':>7} {'share':>6}")
+    for w, cats in s["workers"].items():
+        first = True
+        for c, st in sorted(cats.items(), key=lambda kv: -kv[1]["share"]):
+            lines.append(f"{(w if first else ''):<12.12} {c:<18.18} {st['n']:>6} {fmt.seconds(st['mean']):>7} "
+                         f"{fmt.seconds(st['p50']):>7} {fmt.seconds(st['p95']):>7} {fmt.seconds(st['max']):>7} "
+                         f"{fmt.percent(st['share']):>6}")
+            dev = st.get("device")
+            if dev:
+                lines.append(f"{'':<12} {'  ↳ device time':<18} {dev['n']:>6} {fmt.seconds(dev['mean']):>7} "
+                             f"{fmt.seconds(dev['p50']):>7} {fmt.seconds(dev['p95']):>7} {fmt.seconds(dev['max']):>7}")
+            first = False
+        if w in s["untracked"]:
+            lines.append(f"{'':<12} {'(untracked)':<18} {'':>6} {'':>7} {'':>7} {'':>7} {'':>7} "
+                         f"{fmt.percent(s['untracked'][w]):>6}")
+    if not s["workers"]:
+        lines.append("(no snapshot yet)")
+    lines.append("")
+    if s["gpus"]:
+        for g in s["gpus"]:
+            lines.append(gpu_line(g))
+    else:
+        lines.append(f"GPUs: {s['gpu_error'] or 'none reported'}")
+    if s["errors"]:
+        lines.append(f"{len(s['errors'])} bad frames; last: {s['errors'][-1]}")
+    return "\n".join(lines)
+
+
+def gpu_line(g: dict[str, Any]) -> str:
+    mem = (f"{fmt.nbytes(g.get('mem_used'))}/{fmt.nbytes(g.get('mem_total'))}"
+           if g.get("mem_used") is not None else fmt.NA)
+    power = f"{g['power_w']:.0f}W" if g.get("power_w") is not None else fmt.NA
+    temp = f"{g['temp_c']:.0f}C" if g.get("temp_c") is not None else fmt.NA
+    clock = f"{g['sm_clock_mhz']:.0f}MHz" if g.get("sm_clock_mhz") is not None else fmt.NA
+    util = fmt.percent(g.get("util_percent"), scale=1)
+    return (f"GPU{g['index']} {g['name'][:18]}  util {util}  mem {mem}  {power}  {temp}  SM {clock}"
+            f"  trainer {fmt.nbytes(g.get('process_mem'))}")
+
+
+def _num(v: Any) -> str:
+    return fmt.number(v) if isinstance(v, (int, float)) else str(v)
+
+
+def collect(source: FrameSource, timeout: float) -> RunState:
+    """Run `source` until it has what a summary needs (or `timeout` passes) and return the state."""
+    q: queue.Queue[SourceUpdate] = queue.Queue()
+    state = RunState(history=8)
+    source.start(q.put)
+    deadline = time.monotonic() + timeout
+    live = source.kind == "live"
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                update = q.get(timeout=min(left, 0.25))
+            except queue.Empty:
+                continue
+            state.apply_update(update)
+            if update.state in (ENDED, INCOMPATIBLE):
+                break
+            if live and state.snapshot is not None and state.hello is not None:
+                break
+    finally:
+        source.stop()
+    return state
+
+
+def run_once(target: str | None, as_json: bool, timeout: float = 10.0, out: TextIO = sys.stdout,
+             directory: str | None = None) -> int:
+    """The `--once` command: 0 on a summary, 1 when there was nothing to summarize, 2 on a bad target."""
+    try:
+        path = resolve(target, directory)
+    except TargetError as e:
+        print(f"dflash-top: {e}", file=sys.stderr)
+        return 2
+    if path is None:
+        alive = [i for i in discover(directory) if i.alive]
+        if not alive:
+            where = directory or socket_dir()
+            print(f"dflash-top: no running trainer found in {where}; start one with `dflash train`, or pass "
+                  "a run directory or telemetry.jsonl to summarize a recording", file=sys.stderr)
+            return 1
+        if len(alive) > 1:
+            names = "\n  ".join(str(i.path) for i in alive)
+            print(f"dflash-top: several trainers are running; pass one of:\n  {names}", file=sys.stderr)
+            return 2
+        path = alive[0].path
+    source = open_source(path, speed=math.inf)
+    state = collect(source, timeout)
+    if state.connection == INCOMPATIBLE:
+        print(f"dflash-top: {state.connection_detail}", file=sys.stderr)
+        return 1
+    if state.snapshot is None:
+        print(f"dflash-top: no snapshot from {path} within {timeout:g} s"
+              + (f" ({state.connection_detail})" if state.connection_detail else ""), file=sys.stderr)
+        if not as_json:
+            return 1
+    summary = summarize(state)
+    summary["source"] = str(path)
+    if as_json:
+        out.write(json.dumps(summary, indent=2, default=str) + "\n")
+    else:
+        out.write(render_text(summary) + "\n")
+    return 0 if state.snapshot is not None else 1

@@ -1,0 +1,38 @@
+"""Textual messages that carry work done on other threads back to the UI thread.
+
+Sources and the py-spy runner know nothing about Textual; the app wraps their results in these
+messages so that everything that touches widgets happens on the UI thread, as memray's live reporter
+does with its snapshots.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.message import Message
+
+from dflash_tui.sources import SocketInfo, SourceUpdate
+
+
+class SourceUpdated(Message):
+    """Posted (thread-safely) by the source's sink; the app applies it inside batch_update()."""
+
+    def __init__(self, update: SourceUpdate) -> None:
+        super().__init__()
+        self.update = update
+
+
+class ProfileDone(Message):
+    """A py-spy dump/record or a trainer `stacks` request finished on a worker thread."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__()
+        self.result = result
+
+
+class TrainersFound(Message):
+    """A discovery pass (waiting screen) finished; `sockets` are the live ones."""
+
+    def __init__(self, sockets: list[SocketInfo]) -> None:
+        super().__init__()
+        self.sockets = sockets

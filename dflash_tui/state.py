@@ -1,0 +1,280 @@
+"""Everything the panels show, derived from frames: the latest snapshot plus bounded history.
+
+One-way flow: a source produces frames, `RunState.apply` folds them in, widgets only read. Every
+history is a fixed-length ring buffer and the number of series is capped, so a dashboard left open
+for days (or a long replay at 100x) holds the same memory as one left open for minutes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from dflash.telemetry.protocol import (
+    Bottleneck,
+    Bye,
+    CategoryStats,
+    Event,
+    Frame,
+    GpuSample,
+    Hello,
+    Snapshot,
+    SystemSample,
+)
+from dflash_tui.sources import CONNECTING, SourceUpdate
+
+#: points kept per series (at 2 Hz: 2.5 minutes; sparklines show the newest that fit)
+HISTORY = 300
+#: most (worker, category) and GPU series kept: a runaway producer cannot grow us without bound
+MAX_SERIES = 4096
+MAX_EVENTS = 500
+MAX_ERRORS = 50
+
+Key = tuple[str, str]
+
+
+class Ring:
+    """A fixed-size numeric history (deque with maxlen), with the few reads the widgets need."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, size: int = HISTORY) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+
+    def append(self, v: float) -> None:
+        self.values.append(v)
+
+    def last(self, n: int) -> list[float]:
+        if n >= len(self.values):
+            return list(self.values)
+        return list(self.values)[-n:]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+@dataclass
+class LoggedEvent:
+    """An event line for the log: trainer events plus the TUI's own notes (disconnects, py-spy saves)."""
+
+    t: float
+    kind: str
+    message: str
+
+
+class RunState:
+    """The model behind the panels; `apply()` is the only writer."""
+
+    def __init__(self, history: int = HISTORY) -> None:
+        self.history = history
+        self.hello: Hello | None = None
+        self.snapshot: Snapshot | None = None
+        self.connection: str = CONNECTING
+        self.connection_detail: str = ""
+        self.frames = 0
+        self.snapshots = 0
+        self.bad_frames = 0
+        self.last_error: str | None = None
+        self.errors: deque[str] = deque(maxlen=MAX_ERRORS)
+        self.events: deque[LoggedEvent] = deque(maxlen=MAX_EVENTS)
+        #: events appended since the log widget last drained them
+        self.new_events: deque[LoggedEvent] = deque(maxlen=MAX_EVENTS)
+        self.category_mean: dict[Key, Ring] = {}
+        self.category_share: dict[Key, Ring] = {}
+        self.untracked: dict[str, Ring] = {}
+        self.tokens_per_s = Ring(history)
+        self.loss = Ring(history)
+        self.tau = Ring(history)
+        self.gpu_util: dict[int, Ring] = {}
+        self.gpu_mem: dict[int, Ring] = {}
+        self.process_cpu = Ring(history)
+        #: every (worker -> categories) seen so far: a category idle in one window keeps its table row
+        self.known: dict[str, dict[str, None]] = {}
+        self.version = 0
+
+    # ------------------------------------------------------------------ writing
+
+    def apply_update(self, update: SourceUpdate) -> None:
+        for err in update.errors:
+            self.bad_frames += 1
+            self.last_error = err
+            self.errors.append(err)
+        for frame in update.frames:
+            self.apply(frame)
+        if update.state is not None:
+            if update.state != self.connection or update.detail != self.connection_detail:
+                self.note("info" if update.state not in ("disconnected", "incompatible") else "warning",
+                          f"{update.state}: {update.detail}" if update.detail else update.state)
+            self.connection = update.state
+            self.connection_detail = update.detail
+        self.version += 1
+
+    def apply(self, frame: Frame) -> None:
+        self.frames += 1
+        if isinstance(frame, Snapshot):
+            self._apply_snapshot(frame)
+        elif isinstance(frame, Hello):
+            if self.hello is not None and (frame.run != self.hello.run or frame.rank != self.hello.rank):
+                self.reset_history()
+            self.hello = frame
+        elif isinstance(frame, Event):
+            self._log(LoggedEvent(frame.t, frame.kind, frame.message + _event_data(frame.data)))
+        elif isinstance(frame, Bye):
+            self._log(LoggedEvent(frame.t, "info", f"trainer said bye ({frame.reason})"))
+
+    def note(self, kind: str, message: str, t: float | None = None) -> None:
+        """An event of the TUI's own (connection changes, saved snapshots), stamped with the stream's
+        clock when there is one, so a replay's log reads in the recording's time."""
+        if t is None:
+            t = self.snapshot.t if self.snapshot is not None else time.time()
+        self._log(LoggedEvent(t, kind, message))
+
+    def reset_history(self) -> None:
+        for d in (self.category_mean, self.category_share, self.untracked, self.gpu_util, self.gpu_mem, self.known):
+            d.clear()
+        for r in (self.tokens_per_s, self.loss, self.tau, self.process_cpu):
+            r.values.clear()
+
+    def _log(self, ev: LoggedEvent) -> None:
+        self.events.append(ev)
+        self.new_events.append(ev)
+
+    def _ring(self, table: dict, key: object) -> Ring | None:
+        ring = table.get(key)
+        if ring is None:
+            if len(table) >= MAX_SERIES:
+                return None
+            ring = table[key] = Ring(self.history)
+        return ring
+
+    def _apply_snapshot(self, snap: Snapshot) -> None:
+        self.snapshot = snap
+        self.snapshots += 1
+        for worker, cats in snap.workers.items():
+            known = self.known.get(worker)
+            if known is None and len(self.known) < MAX_SERIES:
+                known = self.known[worker] = {}
+            for cat, st in cats.items():
+                if known is not None and cat not in known and len(known) < MAX_SERIES:
+                    known[cat] = None
+                key = (worker, cat)
+                if (r := self._ring(self.category_mean, key)) is not None:
+                    r.append(st.mean)
+                if (r := self._ring(self.category_share, key)) is not None:
+                    r.append(st.share)
+        for worker, frac in snap.untracked.items():
+            if (r := self._ring(self.untracked, worker)) is not None:
+                r.append(frac)
+        tps = self.tokens_rate
+        if tps is not None:
+            self.tokens_per_s.append(tps)
+        if (loss := self.loss_value) is not None:
+            self.loss.append(loss)
+        if (tau := self.tau_value) is not None:
+            self.tau.append(tau)
+        sys_ = snap.system
+        if sys_ is not None:
+            self.process_cpu.append(sys_.cpu_percent)
+            for g in sys_.gpus:
+                if g.util_percent is not None and (r := self._ring(self.gpu_util, g.index)) is not None:
+                    r.append(g.util_percent)
+                if g.mem_used is not None and (r := self._ring(self.gpu_mem, g.index)) is not None:
+                    r.append(float(g.mem_used))
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def workers(self) -> dict[str, dict[str, CategoryStats]]:
+        return self.snapshot.workers if self.snapshot is not None else {}
+
+    @property
+    def system(self) -> SystemSample | None:
+        return self.snapshot.system if self.snapshot is not None else None
+
+    @property
+    def gpus(self) -> list[GpuSample]:
+        s = self.system
+        return list(s.gpus) if s is not None else []
+
+    @property
+    def bottleneck(self) -> Bottleneck | None:
+        return self.snapshot.bottleneck if self.snapshot is not None else None
+
+    @property
+    def uptime_s(self) -> float | None:
+        if self.hello is None or not self.hello.started or self.snapshot is None:
+            return None
+        return max(0.0, self.snapshot.t - self.hello.started)
+
+    @property
+    def step(self) -> int | None:
+        if self.snapshot is None:
+            return None
+        v = _first(self.snapshot.gauges, "step")
+        if v is None:
+            v = _first(self.snapshot.counters, "steps", "step")
+        return int(v) if v is not None else None
+
+    def nonfinite(self, name: str) -> str | None:
+        """"nan"/"inf" when the trainer reported `name` (e.g. "gauges.loss") as not finite."""
+        if self.snapshot is None:
+            return None
+        return getattr(self.snapshot, "nonfinite", {}).get(name)
+
+    @property
+    def tokens_rate(self) -> float | None:
+        if self.snapshot is None:
+            return None
+        return _first(self.snapshot.rates, "tokens", "tokens_per_s")
+
+    @property
+    def loss_value(self) -> float | None:
+        if self.snapshot is None:
+            return None
+        return _first(self.snapshot.gauges, "loss")
+
+    @property
+    def tau_value(self) -> float | None:
+        if self.snapshot is None:
+            return None
+        v = _first(self.snapshot.metrics, "sim_tau", "tau", "simulated_tau")
+        return v if isinstance(v, (int, float)) else None
+
+    def thread_cpu(self) -> dict[int, float]:
+        """Native thread id -> CPU% from the latest snapshot (py-spy joins on this)."""
+        s = self.system
+        return {t.tid: t.cpu_percent for t in s.threads} if s is not None else {}
+
+    def thread_names(self) -> dict[int, str]:
+        names: dict[int, str] = {}
+        if self.hello is not None:
+            for tid, name in self.hello.threads.items():
+                if tid.isdigit():
+                    names[int(tid)] = name
+        s = self.system
+        if s is not None:
+            names.update({t.tid: t.name for t in s.threads if t.name})
+        return names
+
+    def categories(self, worker: str | None = None) -> Iterable[tuple[str, str, CategoryStats]]:
+        """(worker, category, stats) rows, per worker in order, categories by share (largest first)."""
+        for w, cats in self.workers.items():
+            if worker is not None and w != worker:
+                continue
+            for c, st in sorted(cats.items(), key=lambda kv: -kv[1].share):
+                yield w, c, st
+
+
+def _first(d: dict, *keys: str) -> float | None:
+    for k in keys:
+        if k in d:
+            return d[k]
+    return None
+
+
+def _event_data(data: dict) -> str:
+    if not data:
+        return ""
+    return "  " + " ".join(f"{k}={v}" for k, v in list(data.items())[:6])

@@ -1,0 +1,30 @@
+"""The events log: checkpoints, evals and warnings from the trainer, and dflash-top's own notes
+(disconnects, reattaches, saved py-spy snapshots), newest at the bottom.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.text import Text
+from textual.widgets import RichLog
+
+from dflash_tui.state import MAX_EVENTS, RunState
+
+KIND_STYLE = {"checkpoint": "green", "eval": "cyan", "warning": "yellow", "error": "bold red", "info": "dim"}
+
+
+class EventsLog(RichLog):
+    DEFAULT_CSS = """
+    EventsLog { height: 1fr; min-height: 4; }
+    """
+
+    def __init__(self, **kw) -> None:
+        super().__init__(max_lines=MAX_EVENTS, wrap=False, markup=False, highlight=False, **kw)
+
+    def refresh_from(self, state: RunState) -> None:
+        while state.new_events:
+            ev = state.new_events.popleft()
+            clock = time.strftime("%H:%M:%S", time.localtime(ev.t))
+            self.write(Text.assemble((clock + " ", "dim"), (f"{ev.kind:<10} ", KIND_STYLE.get(ev.kind, "")),
+                                     ev.message))

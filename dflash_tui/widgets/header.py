@@ -1,0 +1,49 @@
+"""The two header lines: who we are watching (run, host, pid, rank, uptime, connection) and how it goes
+(step, tokens/s, loss, simulated tau). The connection state comes first so it survives an 80-column crop.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from dflash_tui import fmt
+from dflash_tui.state import RunState
+from dflash_tui.widgets.base import TextPanel
+from dflash_tui.widgets.palette import STATE_STYLE
+
+
+class RunHeader(TextPanel):
+    DEFAULT_CSS = """
+    RunHeader { height: 2; background: $panel; color: $text; padding: 0 1; }
+    """
+
+    def build(self, state: RunState, width: int) -> Text:
+        return header_text(state, width)
+
+
+def header_text(state: RunState, width: int = 200) -> Text:
+    h = state.hello
+    t = Text(no_wrap=True, overflow="ellipsis")
+    t.append(f"● {state.connection.upper()}", style=STATE_STYLE.get(state.connection, "bold"))
+    if h is not None:
+        t.append("  run ", style="dim").append(h.run, style="bold")
+        t.append("  pid ", style="dim").append(f"{h.pid}@{h.host}")
+        t.append("  rank ", style="dim").append(f"{h.rank}/{h.world_size}")
+    else:
+        t.append("  waiting for the trainer's hello", style="dim")
+    t.append("  up ", style="dim").append(fmt.duration(state.uptime_s))
+    t.append("\n")
+    step = state.step
+    t.append("step ", style="dim").append(f"{step:,}" if step is not None else fmt.NA, style="bold")
+    t.append("  tok/s ", style="dim").append(fmt.count(state.tokens_rate), style="bold")
+    spark = fmt.sparkline(state.tokens_per_s.values, 12, lo=0)
+    if spark:
+        t.append(" " + spark, style="green")
+    bad_loss = state.nonfinite("gauges.loss")
+    t.append("  loss ", style="dim")
+    t.append(bad_loss.upper(), style="bold white on red") if bad_loss else t.append(
+        fmt.number(state.loss_value), style="bold")
+    t.append("  tau ", style="dim").append(fmt.number(state.tau_value), style="bold")
+    if h is None and state.connection_detail:
+        t.append("  " + state.connection_detail, style="dim")
+    return t

@@ -1,0 +1,38 @@
+"""Stable colours for categories and connection states, shared by every panel.
+
+A category keeps its colour across workers, panels and restarts, so `target_forward` is the same
+blue in the bars, the table and the legend; unknown categories get a colour from their name's hash.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from dflash_tui import sources
+
+#: the seed's categories first, in pipeline order (also the display order)
+KNOWN = ["batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put", "hs_queue_wait", "h2d",
+         "drafter_forward", "drafter_backward", "optimizer_step", "checkpoint", "eval"]
+_COLORS = ["#e5c07b", "#61afef", "#c678dd", "#98c379", "#56b6c2", "#d19a66", "#e06c75", "#be5046",
+           "#abb2bf", "#7f848e", "#4db5bd", "#ff79c6", "#8be9fd", "#50fa7b", "#ffb86c", "#bd93f9"]
+UNTRACKED = "#3e4451"
+
+STATE_STYLE = {
+    sources.LIVE: "bold green",
+    sources.CONNECTING: "yellow",
+    sources.DISCONNECTED: "bold red",
+    sources.INCOMPATIBLE: "bold white on red",
+    sources.REPLAY: "bold cyan",
+    sources.PAUSED: "bold yellow",
+    sources.ENDED: "cyan",
+}
+
+
+def category_color(name: str) -> str:
+    if name in KNOWN:
+        return _COLORS[KNOWN.index(name)]
+    return _COLORS[zlib.crc32(name.encode()) % len(_COLORS)]
+
+
+def category_order(name: str) -> tuple[int, str]:
+    return (KNOWN.index(name) if name in KNOWN else len(KNOWN), name)

@@ -1,0 +1,110 @@
+"""`r`: ask how long to record (and whether to sample only GIL holders), then show the top functions
+of the resulting speedscope profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Checkbox, Footer, Input, Label, Static
+
+from dflash_tui.pyspy import RecordReport
+
+
+@dataclass
+class RecordSettings:
+    seconds: float
+    gil: bool
+    native: bool
+
+
+class RecordDialog(ModalScreen[RecordSettings | None]):
+    BINDINGS = [Binding("escape", "dismiss(None)", "cancel"), Binding("g", "toggle_gil", "toggle --gil")]
+    DEFAULT_CSS = """
+    RecordDialog { align: center middle; }
+    RecordDialog > Vertical { width: 60; max-width: 100%; height: auto; border: round $accent;
+                              background: $surface; padding: 0 1; }
+    RecordDialog Horizontal { height: auto; }
+    RecordDialog Input { width: 12; }
+    RecordDialog Label { padding: 1 1 0 0; }
+    RecordDialog Checkbox { border: none; padding: 0; height: 1; margin: 0 0 1 0; }
+    RecordDialog Button { margin: 0 0 1 0; }
+    """
+
+    def __init__(self, defaults: RecordSettings) -> None:
+        super().__init__()
+        self.defaults = defaults
+
+    def compose(self) -> ComposeResult:
+        with Vertical() as v:
+            v.border_title = "py-spy record"
+            with Horizontal():
+                yield Label("seconds")
+                yield Input(f"{self.defaults.seconds:g}", id="seconds", type="number")
+            yield Checkbox("--gil (only threads holding the GIL)", self.defaults.gil, id="gil")
+            yield Checkbox("--native (C/CUDA frames too)", self.defaults.native, id="native")
+            yield Button("record (enter)", variant="primary", id="start")
+        yield Footer()
+
+    def action_toggle_gil(self) -> None:
+        box = self.query_one("#gil", Checkbox)
+        box.value = not box.value
+
+    def _settings(self) -> RecordSettings:
+        try:
+            seconds = float(self.query_one("#seconds", Input).value)
+        except ValueError:
+            seconds = self.defaults.seconds
+        return RecordSettings(seconds=min(600.0, max(1.0, seconds)), gil=self.query_one("#gil", Checkbox).value,
+                              native=self.query_one("#native", Checkbox).value)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(self._settings())
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(self._settings())
+
+
+def record_text(r: RecordReport, limit: int = 25) -> Text:
+    t = Text()
+    mode = " --gil" if r.gil else ""
+    mode += " --native" if r.native else ""
+    t.append(f"py-spy record{mode} of pid {r.pid} for {r.seconds:g} s: {r.samples} samples\n", style="bold")
+    t.append(f"speedscope file: {r.path} (open it at https://www.speedscope.app)\n", style="dim")
+    for note in r.notes:
+        t.append(f"note: {note}\n", style="yellow")
+    total = max(1, r.samples)
+    t.append(f"\n{'self%':>6} {'total%':>7}  function\n", style="bold")
+    for f in r.top[:limit]:
+        t.append(f"{100 * f.self_samples / total:>6.1f} {100 * f.total_samples / total:>7.1f}  ")
+        t.append(f.name, style="bold").append(f"  {f.where}\n", style="dim cyan")
+    if r.threads:
+        t.append("\nsamples per thread\n", style="bold")
+        for name, n in sorted(r.threads.items(), key=lambda kv: -kv[1])[:16]:
+            t.append(f"{n:>8}  {name}\n")
+    return t
+
+
+class ProfileScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q", "dismiss", "close"), Binding("r", "app.record", "record again")]
+    DEFAULT_CSS = """
+    ProfileScreen { align: center middle; }
+    ProfileScreen > Vertical { width: 96%; height: 92%; border: round $accent; background: $surface; }
+    ProfileScreen VerticalScroll { height: 1fr; padding: 0 1; }
+    """
+
+    def __init__(self, report: RecordReport) -> None:
+        super().__init__()
+        self.report = report
+
+    def compose(self) -> ComposeResult:
+        with Vertical() as v:
+            v.border_title = "top functions"
+            with VerticalScroll():
+                yield Static(record_text(self.report), id="profile-body")
+        yield Footer()

@@ -1,0 +1,89 @@
+"""The hot-thread snapshot screen (`s`): threads hottest first, each stack innermost frame last, or the
+reason py-spy could not attach with the fix and an offer of the trainer's own stacks (`t`).
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.css.query import NoMatches
+from textual.screen import ModalScreen
+from textual.widgets import Footer, Static
+
+from dflash_tui.pyspy import ProfileFailure, StackReport, thread_title
+
+
+def report_text(report: StackReport, max_frames: int = 40) -> Text:
+    t = Text()
+    t.append(f"{report.source} of pid {report.pid}", style="bold")
+    if report.saved:
+        t.append(f"\nsaved {report.saved[-1]} (+ .json)", style="dim")
+    for note in report.notes:
+        t.append(f"\nnote: {note}", style="yellow")
+    for th in report.threads:
+        cpu = th.cpu_percent or 0.0
+        style = "bold red" if cpu >= 80 else "bold yellow" if cpu >= 30 else "bold"
+        t.append("\n\n").append(thread_title(th), style=style)
+        frames = th.frames[-max_frames:]
+        if len(th.frames) > max_frames:
+            t.append(f"\n    ... {len(th.frames) - max_frames} outer frames", style="dim")
+        if not frames:
+            t.append("\n    (no Python frames: idle or in native code)", style="dim")
+        for i, f in enumerate(frames):
+            last = i == len(frames) - 1
+            t.append("\n    ").append(f"{f.where():<32}", style="cyan" if last else "dim cyan")
+            t.append(" " + f.name, style="bold" if last else "")
+    return t
+
+
+def failure_text(failure: ProfileFailure) -> Text:
+    t = Text()
+    t.append(f"{failure.what} failed\n", style="bold red")
+    t.append(failure.reason + "\n")
+    for note in failure.notes:
+        t.append(f"note: {note}\n", style="yellow")
+    if failure.fix:
+        t.append("\nhow to fix:\n", style="bold")
+        for fix in failure.fix:
+            t.append(f"  • {fix}\n")
+    return t
+
+
+class StacksScreen(ModalScreen[None]):
+    """Shows one StackReport or ProfileFailure; the app swaps in a new result when `t`/`s` finish."""
+
+    BINDINGS = [
+        Binding("escape,q", "dismiss", "close"),
+        Binding("t", "app.trainer_stacks", "trainer's stacks"),
+        Binding("s", "app.snapshot", "py-spy again"),
+    ]
+    DEFAULT_CSS = """
+    StacksScreen { align: center middle; }
+    StacksScreen > Vertical { width: 96%; height: 92%; border: round $accent; background: $surface; }
+    StacksScreen VerticalScroll { height: 1fr; }
+    StacksScreen #stacks-body { padding: 0 1; }
+    """
+
+    def __init__(self, result: StackReport | ProfileFailure) -> None:
+        super().__init__()
+        self.result = result
+
+    def compose(self) -> ComposeResult:
+        with Vertical() as v:
+            v.border_title = "hot-thread snapshot"
+            with VerticalScroll():
+                yield Static(self._text(), id="stacks-body")
+        yield Footer()
+
+    def _text(self) -> Text:
+        r = self.result
+        return report_text(r) if isinstance(r, StackReport) else failure_text(r)
+
+    def show(self, result: StackReport | ProfileFailure) -> None:
+        self.result = result
+        try:
+            self.query_one("#stacks-body", Static).update(self._text())
+        except NoMatches:  # not composed yet: compose() will draw self.result
+            pass

@@ -1,0 +1,33 @@
+"""One line at the bottom: what dflash-top is doing (py-spy running, replay speed) and the last problem
+with the stream (a malformed frame is reported here and reading goes on).
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from dflash_tui.state import RunState
+from dflash_tui.widgets.base import TextPanel
+
+
+class StatusLine(TextPanel):
+    DEFAULT_CSS = """
+    StatusLine { height: 1; background: $boost; padding: 0 1; }
+    """
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.job_text: str | None = None
+
+    def build(self, state: RunState, width: int) -> Text:
+        t = Text(no_wrap=True, overflow="ellipsis")
+        if self.job_text:
+            t.append(self.job_text + "  ", style="bold cyan")
+        if state.connection in ("incompatible", "disconnected", "ended", "paused", "replay", "connecting"):
+            t.append(state.connection_detail + "  ", style="bold red" if state.connection == "incompatible" else "")
+        if state.last_error:
+            t.append(f"⚠ {state.bad_frames} bad frame{'s' if state.bad_frames != 1 else ''}: {state.last_error}",
+                     style="yellow")
+        elif not self.job_text and state.connection == "live":
+            t.append(f"{state.snapshots} snapshots", style="dim")
+        return t

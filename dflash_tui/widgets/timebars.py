@@ -1,0 +1,83 @@
+"""Where time goes: one bar per worker, split by each category's share of wall time, plus untracked.
+
+Shares are per snapshot window. Untracked is the part of the window no category covered (the server
+reports it; otherwise it is what the shares leave). The bar is drawn with largest-remainder rounding
+so its segments always add up to the full width.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from dflash_tui import fmt
+from dflash_tui.state import RunState
+from dflash_tui.widgets.base import TextPanel
+from dflash_tui.widgets.palette import UNTRACKED, category_color, category_order
+
+LABEL_W = 12
+SUFFIX_W = 11  # " untr 12.3%"
+
+
+def split_width(parts: list[float], width: int) -> list[int]:
+    """Integer widths proportional to `parts` that sum to exactly `width` (largest remainder)."""
+    total = sum(parts)
+    if total <= 0 or width <= 0:
+        return [0] * len(parts)
+    exact = [p / total * width for p in parts]
+    widths = [int(x) for x in exact]
+    left = width - sum(widths)
+    for i in sorted(range(len(parts)), key=lambda i: -(exact[i] - widths[i]))[:left]:
+        widths[i] += 1
+    return widths
+
+
+class TimeBars(TextPanel):
+    def build(self, state: RunState, width: int) -> Text:
+        rows = []
+        snap = state.snapshot
+        for worker, cats in state.workers.items():
+            parts = sorted(((c, max(0.0, st.share)) for c, st in cats.items()), key=lambda p: category_order(p[0]))
+            covered = sum(s for _, s in parts)
+            untracked = snap.untracked.get(worker) if snap is not None else None
+            if untracked is None:
+                untracked = max(0.0, 1.0 - covered)
+            rows.append((worker, parts, max(0.0, untracked)))
+        return bars_text(rows, max(20, width))
+
+
+def bars_text(rows: list[tuple[str, list[tuple[str, float]], float]], width: int) -> Text:
+    t = Text(no_wrap=True, overflow="crop")
+    if not rows:
+        return t.append("no timings yet", style="dim")
+    bar_w = max(8, width - LABEL_W - SUFFIX_W)
+    seen: dict[str, None] = {}
+    for i, (worker, parts, untracked) in enumerate(rows):
+        if i:
+            t.append("\n")
+        t.append(f"{worker[:LABEL_W - 1]:<{LABEL_W}}", style="bold")
+        names = [c for c, _ in parts] + ["(untracked)"]
+        shares = [s for _, s in parts] + [untracked]
+        for name, w in zip(names, split_width(shares, bar_w), strict=True):
+            if not w:
+                continue
+            if name == "(untracked)":
+                t.append("░" * w, style=UNTRACKED)
+            else:
+                t.append("█" * w, style=category_color(name))
+        seen.update(dict.fromkeys(names[:-1]))  # every reported category, drawn or too thin to draw:
+        # a legend that changed with rounding would change the panel's height, forcing a full layout
+        t.append(f" untr {fmt.percent(untracked):>5}", style="dim")
+    # legend, wrapped to the width
+    t.append("\n")
+    col = 0
+    for name in sorted(seen, key=category_order):
+        item = len(name) + 3
+        if col and col + item > width:
+            t.append("\n")
+            col = 0
+        t.append("■ ", style=category_color(name)).append(name + " ", style="dim")
+        col += item
+    if col + 14 > width:
+        t.append("\n")
+    t.append("░ ", style=UNTRACKED).append("untracked", style="dim")
+    return t

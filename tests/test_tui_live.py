@@ -1,0 +1,479 @@
+"""dflash-top against real trainers' telemetry: pilot tests of the Textual app, the live source and the CLI.
+
+Trainers here are a real TelemetryServer fed by a scripted workload, either in this process (so a
+test can stop and restart it) or in a child process (so py-spy has another process to attach to and
+a restart gets a new pid, as a real restart does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from dflash.telemetry import ProfileStats, TelemetryServer, protocol
+from dflash_tui import synthetic
+from dflash_tui.app import DFlashTop
+from dflash_tui.pyspy import ProfileFailure, StackReport, find_pyspy
+from dflash_tui.sources import DISCONNECTED, INCOMPATIBLE, LIVE, LiveSource, ReplaySource
+from dflash_tui.widgets.categories import CategoryTable
+from dflash_tui.widgets.events import EventsLog
+from dflash_tui.widgets.picker import PickerScreen, WaitingScreen
+from dflash_tui.widgets.stacks import StacksScreen
+
+PY = sys.executable
+
+# A trainer in miniature: the real server, a hot target worker and a mostly-waiting drafter.
+TRAINER = r"""
+import signal, sys, threading, time
+from dflash.telemetry import ProfileStats, TelemetryServer
+run, sock_dir, run_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+stats = ProfileStats()
+server = TelemetryServer(run=run, stats=stats, interval_s=0.2, run_dir=run_dir, socket_dir=sock_dir).start()
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+def target():
+    w = stats.worker("target-0")
+    while True:
+        with w.span("target_forward"):
+            t = time.perf_counter()
+            while time.perf_counter() - t < 0.008:
+                pass
+        with w.span("hs_queue_put"):
+            time.sleep(0.004)
+def drafter():
+    w = stats.worker("drafter-0")
+    while True:
+        with w.span("hs_queue_wait"):
+            time.sleep(0.02)
+        with w.span("drafter_forward"):
+            time.sleep(0.004)
+for fn, name in ((target, "target-0"), (drafter, "drafter-0")):
+    threading.Thread(target=fn, name=name, daemon=True).start()
+print(server.path, flush=True)
+step = 0
+while True:
+    step += 1
+    stats.count("steps"); stats.count("tokens", 512); stats.gauge("step", step)
+    stats.gauge("loss", 3.0 / step ** 0.1); stats.metric("sim_tau", 2.0)
+    if step % 10 == 0:
+        server.publish_event("checkpoint", f"saved step {step}", step=step)
+    time.sleep(0.05)
+"""
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """Socket directories need short paths (sun_path is 107 bytes; pytest's tmp_path can be longer)."""
+    d = Path(tempfile.mkdtemp(prefix="dftui-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Workload:
+    """An in-process TelemetryServer fed by a scripted worker thread (timings, counters, events)."""
+
+    CATS = ("target_forward", "pack_hidden", "hs_queue_put")
+    DCATS = ("hs_queue_wait", "drafter_forward", "drafter_backward")
+
+    def __init__(self, run: str, sock_dir: Path, run_dir: Path, interval_s: float = 0.1) -> None:
+        self.stats = ProfileStats()
+        self.server = TelemetryServer(run=run, stats=self.stats, interval_s=interval_s, run_dir=run_dir,
+                                      socket_dir=sock_dir)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="workload", daemon=True)
+
+    def start(self) -> Workload:
+        self.server.start()
+        self._thread.start()
+        return self
+
+    def _work(self) -> None:
+        t, d = self.stats.worker("target-0"), self.stats.worker("drafter-0")
+        step = 0
+        while not self._stop.is_set():
+            step += 1
+            for i, c in enumerate(self.CATS):
+                t.add(c, 0.004 / (i + 1))
+            for i, c in enumerate(self.DCATS):
+                d.add(c, 0.003 / (i + 1))
+            self.stats.count("steps")
+            self.stats.count("tokens", 1024)
+            self.stats.gauge("loss", 2.0 + 1.0 / step)
+            self.stats.metric("sim_tau", 2.5)
+            if step % 15 == 0:
+                self.server.publish_event("checkpoint", f"saved step {step}", step=step)
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.server.close()
+
+
+@pytest.fixture
+def workloads() -> Iterator[Callable[..., Workload]]:
+    made: list[Workload] = []
+
+    def make(run: str, sock_dir: Path, run_dir: Path, **kw) -> Workload:
+        w = Workload(run, sock_dir, run_dir, **kw).start()
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.close()
+
+
+@pytest.fixture
+def trainers() -> Iterator[Callable[..., tuple[subprocess.Popen, Path]]]:
+    procs: list[subprocess.Popen] = []
+
+    def spawn(run: str, sock_dir: Path, run_dir: Path) -> tuple[subprocess.Popen, Path]:
+        p = subprocess.Popen([PY, "-c", TRAINER, run, str(sock_dir), str(run_dir)], stdout=subprocess.PIPE)
+        procs.append(p)
+        assert p.stdout is not None
+        return p, Path(p.stdout.readline().decode().strip())
+
+    yield spawn
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+async def until(pilot, cond: Callable[[], object], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.05)
+
+
+def text_of(app: DFlashTop, selector: str) -> str:
+    w = app.query_one(selector)
+    content = getattr(w, "content", None)
+    return (content if content is not None else w.render()).plain
+
+
+# ----------------------------------------------------------------------------- pilot tests
+
+
+async def test_attaches_and_fills_every_panel_at_80x24(short_dir: Path, workloads) -> None:
+    wl = workloads("pilot", short_dir / "s", short_dir / "run")
+    app = DFlashTop(wl.server.path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.state.snapshot is not None and len(app.state.workers) == 2, "2 workers")
+        await until(pilot, lambda: app.state.events, "an event")
+        await pilot.pause(0.3)
+        assert app.screen.has_class("-narrow")
+        header = text_of(app, "#header")
+        assert "LIVE" in header and "run pilot" in header and f"pid {os.getpid()}" in header
+        bars = text_of(app, "#bars")
+        assert "target-0" in bars and "drafter-0" in bars and "untr" in bars
+        table = app.query_one(CategoryTable)
+        await until(pilot, lambda: table.row_count == len(Workload.CATS) + len(Workload.DCATS), "all table rows")
+        assert text_of(app, "#bottleneck").split()[0] in ("TARGET-BOUND", "DRAFTER-BOUND", "BALANCED", "UNKNOWN",
+                                                          "DATA-BOUND")
+        gpus = text_of(app, "#gpus")
+        assert "GPU0" in gpus or "no NVIDIA driver" in gpus or "no GPUs" in gpus
+        assert "workload" in text_of(app, "#threads") and "dflash-telemetry" in text_of(app, "#threads")
+        assert "loss" in text_of(app, "#curves")
+        assert app.query_one(EventsLog).lines, "events reach the log"
+        await pilot.press("2")
+        assert app.screen.maximized is app.query_one("#p-cats")
+        await pilot.press("2")
+        assert app.screen.maximized is None
+
+
+async def test_disconnect_keeps_data_and_reattaches(short_dir: Path, workloads) -> None:
+    wl = workloads("flaky", short_dir / "s", short_dir / "run")
+    app = DFlashTop(wl.server.path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: app.state.snapshots >= 2, "snapshots")
+        wl.close()
+        await until(pilot, lambda: app.disconnected, "disconnected")
+        await pilot.pause(0.3)
+        assert "DISCONNECTED" in text_of(app, "#header")
+        assert app.state.connection == DISCONNECTED and "trainer exited (shutdown)" in app.state.connection_detail
+        assert app.screen.has_class("-disconnected")
+        assert app.state.workers and app.query_one(CategoryTable).row_count > 0, "last data kept"
+        seen = app.state.snapshots
+        workloads("flaky", short_dir / "s", short_dir / "run")
+        await until(pilot, lambda: app.state.connection == LIVE and app.state.snapshots > seen + 1, "reattached")
+        assert not app.disconnected
+
+
+async def test_waits_for_a_trainer_then_attaches(short_dir: Path, workloads) -> None:
+    sock_dir = short_dir / "s"
+    app = DFlashTop(None, socket_directory=sock_dir)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, WaitingScreen), "the waiting screen")
+        workloads("late", sock_dir, short_dir / "run")
+        await until(pilot, lambda: app.state.hello is not None and app.state.hello.run == "late", "attach")
+        assert not isinstance(app.screen, WaitingScreen)
+
+
+async def test_picker_when_several_trainers_run(short_dir: Path, workloads) -> None:
+    sock_dir = short_dir / "s"
+    workloads("alpha", sock_dir, short_dir / "a")
+    workloads("beta", sock_dir, short_dir / "b")
+    app = DFlashTop(None, socket_directory=sock_dir)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, PickerScreen), "the picker")
+        await pilot.press("down", "enter")
+        await until(pilot, lambda: app.state.hello is not None, "attach")
+        assert app.state.hello.run == "beta"
+
+
+async def test_wait_attaches_only_to_the_named_run_dir(short_dir: Path, workloads) -> None:
+    sock_dir = short_dir / "s"
+    workloads("other", sock_dir, short_dir / "other")
+    mine = short_dir / "mine"
+    app = DFlashTop(None, socket_directory=sock_dir, wait_for=mine)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, WaitingScreen), "the waiting screen")
+        await pilot.pause(1.2)  # a discovery pass saw "other" and ignored it
+        assert app.source is None and isinstance(app.screen, WaitingScreen)
+        workloads("mine", sock_dir, mine)
+        await until(pilot, lambda: app.state.hello is not None, "attach")
+        assert app.state.hello.run == "mine" and app.state.hello.run_dir == str(mine)
+
+
+@pytest.mark.skipif(find_pyspy() is None, reason="py-spy is not installed")
+async def test_snapshot_key_dumps_the_hot_thread_first(short_dir: Path, trainers) -> None:
+    run_dir = short_dir / "run"
+    proc, path = trainers("spy", short_dir / "s", run_dir)
+    app = DFlashTop(path, pyspy_timeout=30)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.state.system is not None and app.state.snapshots >= 3, "thread CPU")
+        await pilot.press("s")
+        await until(pilot, lambda: isinstance(app.screen, StacksScreen), "the stacks screen", timeout=30)
+        await pilot.pause()
+        report = app.screen.result
+        assert isinstance(report, StackReport), getattr(report, "reason", report)
+        assert report.pid == proc.pid
+        assert report.threads[0].name == "target-0", [(t.name, t.cpu_percent) for t in report.threads]
+        assert report.threads[0].cpu_percent and report.threads[0].cpu_percent > 5
+        saved = sorted((run_dir / "pyspy").iterdir())
+        assert [p.suffix for p in saved] == [".json", ".txt"]
+        assert "target-0" in saved[1].read_text()
+        body = app.screen.query_one("#stacks-body").content.plain
+        assert "target-0" in body and "saved" in body
+        await pilot.press("escape")
+        assert not isinstance(app.screen, StacksScreen)
+
+
+async def test_refused_ptrace_explains_and_offers_trainer_stacks(short_dir: Path, trainers, tmp_path: Path) -> None:
+    setpriv, pyspy = shutil.which("setpriv"), find_pyspy()
+    if os.geteuid() != 0 or not setpriv or not pyspy:
+        pytest.skip("needs root, setpriv and py-spy to produce a real ptrace refusal")
+    exe = tmp_path / "py-spy"
+    exe.write_text(f'#!/bin/sh\nexec {setpriv} --reuid=65534 --regid=65534 --clear-groups {pyspy} "$@"\n')
+    exe.chmod(0o755)
+    proc, path = trainers("refused", short_dir / "s", short_dir / "run")
+    app = DFlashTop(path, pyspy_exe=str(exe))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.state.snapshots >= 2, "snapshots")
+        await pilot.press("s")
+        await until(pilot, lambda: isinstance(app.screen, StacksScreen), "the explanation", timeout=30)
+        await pilot.pause()
+        failure = app.screen.result
+        assert isinstance(failure, ProfileFailure) and failure.permission
+        body = app.screen.query_one("#stacks-body").content.plain
+        assert "ptrace" in body and "SYS_PTRACE" in body and "sudo" in body and "press t" in body
+        await pilot.press("t")
+        await until(pilot, lambda: isinstance(app.screen.result, StackReport), "the trainer's stacks", timeout=15)
+        report = app.screen.result
+        assert report.source == "trainer stacks"
+        names = {t.name for t in report.threads}
+        assert {"target-0", "drafter-0", "MainThread"} <= names
+        assert report.threads[0].name == "target-0"
+
+
+async def test_a_stuck_pyspy_never_freezes_the_app(short_dir: Path, workloads, tmp_path: Path) -> None:
+    stuck = tmp_path / "py-spy"
+    stuck.write_text("#!/bin/sh\nexec sleep 60\n")
+    stuck.chmod(0o755)
+    wl = workloads("stuck", short_dir / "s", short_dir / "run")
+    app = DFlashTop(wl.server.path, pyspy_exe=str(stuck), pyspy_timeout=1.5)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.state.snapshots >= 1, "a snapshot")
+        await pilot.press("s")
+        assert app.job is not None
+        seen = app.state.snapshots
+        t0 = time.monotonic()
+        await pilot.press("3")  # keys are handled while py-spy hangs ...
+        assert app.screen.maximized is app.query_one("#p-gpu") and time.monotonic() - t0 < 1.0
+        await until(pilot, lambda: app.state.snapshots > seen + 2, "snapshots while py-spy hangs", timeout=1.4)
+        assert app.job is not None
+        await until(pilot, lambda: isinstance(app.screen, StacksScreen), "the timeout", timeout=10)
+        assert "did not finish within 1.5 s and was killed" in app.screen.result.reason
+
+
+async def test_malformed_frame_reports_and_continues(short_dir: Path) -> None:
+    frames = [protocol.encode(synthetic.hello()), b'{"type":"snapshot","seq":"oops"}\n', b"not json at all\n",
+              protocol.encode(synthetic.snapshot(1))]
+    with raw_trainer(short_dir / "raw.sock", frames) as path:
+        app = DFlashTop(path)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.state.snapshot is not None, "the good snapshot")
+            await pilot.pause(0.3)
+            assert app.state.bad_frames == 2
+            status = text_of(app, "#status")
+            assert "2 bad frames" in status and "malformed frame" in status
+            assert app.state.connection == LIVE
+
+
+async def test_protocol_mismatch_is_a_clear_message(short_dir: Path) -> None:
+    hello = b'{"type":"hello","proto":2,"run":"new","pid":1,"host":"h","workers":{"changed":"shape"}}\n'
+    with raw_trainer(short_dir / "new.sock", [hello]) as path:
+        app = DFlashTop(path)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.state.connection == INCOMPATIBLE, "incompatible")
+            await pilot.pause(0.3)
+            assert "INCOMPATIBLE" in text_of(app, "#header")
+            status = text_of(app, "#status")
+            assert "protocol v2" in status and f"speaks v{protocol.PROTO}" in status
+            assert any("protocol v2" in n.message for n in app._notifications)
+
+
+async def test_replay_keys_pause_step_and_change_speed(tmp_path: Path) -> None:
+    rec = synthetic.write_recording(tmp_path / "telemetry.jsonl", 40, interval_s=0.5)
+    app = DFlashTop(rec, speed=1.0, paused=True)
+    async with app.run_test(size=(80, 24)) as pilot:
+        src = app.source
+        assert isinstance(src, ReplaySource)
+        await until(pilot, lambda: "PAUSED" in text_of(app, "#header"), "the paused header")
+        assert app.state.hello is not None and app.state.snapshots == 0
+        await pilot.press("n")
+        await until(pilot, lambda: app.state.snapshots == 1, "one step")
+        await pilot.press("n", "n")
+        await until(pilot, lambda: app.state.snapshots == 3, "two more steps")
+        await pilot.press("plus", "plus")
+        assert src.speed == 5.0
+        await pilot.press("space")
+        await until(pilot, lambda: app.state.snapshots >= 8, "playing at 5x")
+        assert not src.paused and app.check_action("snapshot", ()) is False
+        await pilot.press("minus")
+        assert src.speed == 2.0
+
+
+# ----------------------------------------------------------------------------- live source
+
+
+def test_live_source_requests_and_new_pid_reattach(short_dir: Path, trainers) -> None:
+    import queue
+
+    sock_dir = short_dir / "s"
+    first, path = trainers("again", sock_dir, short_dir / "run")
+    q: queue.Queue = queue.Queue()
+    src = LiveSource(path, retry_s=0.1)
+    src.start(q.put)
+    try:
+        deadline = time.monotonic() + 10
+        while src.hello is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert src.hello is not None and src.hello.pid == first.pid
+        stacks = src.request("stacks")
+        assert stacks.ok and {"target-0", "drafter-0"} <= {t["name"] for t in stacks.data["threads"]}
+        allow = src.request("ptrace_allow", {"pid": os.getpid()})
+        assert allow.ok, allow.error
+        first.send_signal(signal.SIGTERM)
+        first.wait(10)
+        states = []
+        while DISCONNECTED not in states:
+            states.append(q.get(timeout=10).state)
+        second, path2 = trainers("again", sock_dir, short_dir / "run")
+        assert path2 != path
+        deadline = time.monotonic() + 10
+        while (src.hello is None or src.hello.pid != second.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert src.hello is not None and src.hello.pid == second.pid and src.path == path2
+    finally:
+        src.stop()
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "dflash_tui.app", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_list_and_once_json_against_a_trainer(short_dir: Path, trainers) -> None:
+    sock_dir = short_dir / "s"
+    proc, path = trainers("cli", sock_dir, short_dir / "run")
+    listed = run_cli("--list", "--socket-dir", str(sock_dir))
+    assert listed.returncode == 0, listed.stderr
+    assert "live" in listed.stdout and "cli" in listed.stdout and str(proc.pid) in listed.stdout
+    once = run_cli("--once", "--json", "--socket-dir", str(sock_dir))
+    assert once.returncode == 0, once.stderr
+    s = json.loads(once.stdout)
+    assert s["run"] == "cli" and s["pid"] == proc.pid
+    assert {"n", "mean", "p95", "share"} <= set(s["workers"]["target-0"]["target_forward"])
+    assert "bottleneck" in s and isinstance(s["gpus"], list)
+    # a run directory whose trainer is running attaches live rather than replaying its recording
+    text = run_cli("--once", str(short_dir / "run"), "--socket-dir", str(sock_dir))
+    assert text.returncode == 0 and "target_forward" in text.stdout and "bottleneck:" in text.stdout
+    assert "[live]" in text.stdout
+
+
+def test_cli_once_on_a_recording_and_without_trainers(short_dir: Path) -> None:
+    synthetic.write_recording(short_dir / "run" / "telemetry.jsonl", 5, workers=8, gpus=1)
+    out = run_cli("--once", "--json", str(short_dir / "run"), "--socket-dir", str(short_dir / "none"))
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout)
+    assert len(s["workers"]) == 8 and s["gpus"][0]["index"] == 0 and s["bottleneck"]["verdict"]
+    none = run_cli("--once", "--socket-dir", str(short_dir / "none"))
+    assert none.returncode == 1 and "no running trainer" in none.stderr
+    listed = run_cli("--list", "--socket-dir", str(short_dir / "none"))
+    assert listed.returncode == 1 and "no trainer sockets" in listed.stderr
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+class raw_trainer:
+    """A bare socket that sends fixed bytes to each client: frames no real trainer would send."""
+
+    def __init__(self, path: Path, lines: list[bytes]) -> None:
+        self.path, self.lines = path, lines
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.conns: list[socket.socket] = []
+
+    def __enter__(self) -> Path:
+        self.sock.bind(str(self.path))
+        self.sock.listen(4)
+        threading.Thread(target=self._serve, daemon=True).start()
+        return self.path
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            for line in self.lines:
+                conn.sendall(line)
+                time.sleep(0.05)
+
+    def __exit__(self, *exc: object) -> None:
+        for c in self.conns:
+            c.close()
+        self.sock.close()

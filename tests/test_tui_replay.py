@@ -1,0 +1,148 @@
+"""Replay and discovery: a telemetry.jsonl is real input, so these tests write real files and sockets."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash.telemetry import protocol
+from dflash_tui import synthetic
+from dflash_tui.sources import (
+    ENDED,
+    INCOMPATIBLE,
+    PAUSED,
+    LiveSource,
+    ReplaySource,
+    SocketInfo,
+    SourceUpdate,
+    TargetError,
+    discover,
+    open_source,
+    resolve,
+)
+
+
+def drain(q: queue.Queue, until: str | None = None, timeout: float = 10.0) -> list[SourceUpdate]:
+    """Updates from a source until one carries state `until` (or the queue stays quiet)."""
+    out: list[SourceUpdate] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            u = q.get(timeout=0.3 if until is None else 0.1)
+        except queue.Empty:
+            if until is None:
+                return out
+            continue
+        out.append(u)
+        if until is not None and u.state == until:
+            return out
+    if until is not None:
+        raise AssertionError(f"no {until!r} update within {timeout} s; got {[u.state for u in out]}")
+    return out
+
+
+def frames_of(updates: list[SourceUpdate]) -> list:
+    return [f for u in updates for f in u.frames]
+
+
+def test_replay_at_full_speed_skips_bad_lines(tmp_path: Path) -> None:
+    rec = synthetic.write_recording(tmp_path / "telemetry.jsonl", 30)
+    with open(rec, "ab") as f:
+        # a crash mid-write leaves a fragment, the recorder starts on a new line, the run goes on
+        f.write(b'{"type":"snapshot","seq":\n')
+        f.write(protocol.encode(synthetic.snapshot(31)))
+        f.write(b'{"type":"event","t":1.0,"kind":"info","mess')  # truncated last line
+    src = ReplaySource(rec, speed=0)
+    q: queue.Queue = queue.Queue()
+    src.start(q.put)
+    ups = drain(q, ENDED)
+    frames = frames_of(ups)
+    errors = [e for u in ups for e in u.errors]
+    assert isinstance(frames[0], protocol.Hello)
+    assert [f.seq for f in frames if isinstance(f, protocol.Snapshot)] == list(range(1, 32))
+    assert len(errors) == 2
+    assert "truncated last line" in errors[-1]
+    assert "32 frames" not in ups[-1].detail and "2 bad lines" in ups[-1].detail
+
+
+def test_replay_paces_by_snapshot_time(tmp_path: Path) -> None:
+    rec = synthetic.write_recording(tmp_path / "telemetry.jsonl", 21, interval_s=0.5)  # 10 s recorded
+    src = ReplaySource(rec, speed=10)
+    q: queue.Queue = queue.Queue()
+    t0 = time.monotonic()
+    src.start(q.put)
+    drain(q, ENDED)
+    took = time.monotonic() - t0
+    assert 0.7 < took < 4.0, took  # 10 s at 10x is ~1 s
+
+
+def test_replay_pause_step_and_resume(tmp_path: Path) -> None:
+    rec = synthetic.write_recording(tmp_path / "telemetry.jsonl", 10)
+    src = ReplaySource(rec, speed=0, paused=True)
+    q: queue.Queue = queue.Queue()
+    src.start(q.put)
+    first = drain(q)
+    assert first[0].state == PAUSED
+    assert not [f for f in frames_of(first) if isinstance(f, protocol.Snapshot)]
+    src.step()
+    stepped = [f for f in frames_of(drain(q)) if isinstance(f, protocol.Snapshot)]
+    assert [f.seq for f in stepped] == [1]
+    src.step()
+    src.step()
+    assert [f.seq for f in frames_of(drain(q)) if isinstance(f, protocol.Snapshot)] == [2, 3]
+    src.resume()
+    rest = drain(q, ENDED)
+    assert [f.seq for f in frames_of(rest) if isinstance(f, protocol.Snapshot)] == list(range(4, 11))
+    src.stop()
+
+
+def test_replay_of_another_protocol_version_says_so(tmp_path: Path) -> None:
+    rec = tmp_path / "telemetry.jsonl"
+    rec.write_bytes(b'{"type":"hello","proto":99,"run":"x","pid":1,"host":"h","future":{"a":1}}\n')
+    src = ReplaySource(rec, speed=0)
+    q: queue.Queue = queue.Queue()
+    src.start(q.put)
+    ups = drain(q, INCOMPATIBLE)
+    assert "protocol v99" in ups[-1].detail and f"v{protocol.PROTO}" in ups[-1].detail
+
+
+def test_socket_names_and_discovery(tmp_path: Path) -> None:
+    info = SocketInfo.from_path(Path("/x/my-run-2-4242-r3.sock"))
+    assert (info.run, info.pid, info.rank) == ("my-run-2", 4242, 3)
+    assert SocketInfo.from_path(Path("/x/forwarded.sock")).run is None
+    d = Path("/tmp") / f"dft-{time.monotonic_ns()}"
+    d.mkdir()
+    try:
+        live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        live.bind(str(d / "alive-1.sock"))
+        live.listen(1)
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale.bind(str(d / "stale-2.sock"))
+        stale.close()  # the file stays, nobody listens: a trainer killed with SIGKILL
+        (d / "notes-3.sock.txt").write_text("not a socket")
+        found = {i.run: i.alive for i in discover(d)}
+        assert found == {"alive": True, "stale": False}
+        assert resolve(str(d / "alive-1.sock")) == d / "alive-1.sock"
+        assert isinstance(open_source(d / "alive-1.sock"), LiveSource)
+        live.close()
+    finally:
+        for p in d.iterdir():
+            p.unlink()
+        d.rmdir()
+
+
+def test_resolve_run_dir_and_errors(tmp_path: Path) -> None:
+    rec = synthetic.write_recording(tmp_path / "run" / "telemetry.jsonl", 2)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert resolve(str(tmp_path / "run"), directory=tmp_path / "nosockets") == rec
+    assert resolve(str(rec)) == rec
+    assert resolve(None) is None
+    with pytest.raises(TargetError, match="no telemetry.jsonl"):
+        resolve(str(empty), directory=tmp_path / "nosockets")
+    with pytest.raises(TargetError, match="not a socket"):
+        resolve("no-such-run", directory=tmp_path / "nosockets")
