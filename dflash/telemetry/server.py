@@ -693,6 +693,12 @@ class TelemetryServer:
             if self._sel is not None and self._listener is not None and not self._accept_paused:
                 self._sel.unregister(self._listener)
                 self._accept_paused = True
+            if self._listener is not None:
+                # Close and unlink first: a client reconnecting during the bye flush is then refused
+                # (and retries later) instead of being accepted into a backlog and reset.
+                self._listener.close()
+                self._unlink_own_socket()
+                self._listener = None
             self._drain_commands()
             if final:
                 self._publish()

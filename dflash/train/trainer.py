@@ -296,7 +296,7 @@ class Trainer:
                         raise TrainError(str(e)) from None
                     self.log(f"metrics:   http://{cfg.metrics_addr}:{port}/metrics")
                 server = TelemetryServer(run=cfg.name, stats=self.stats, interval_s=cfg.telemetry_interval,
-                                         run_dir=self.run_dir, socket_dir=cfg.socket_dir,
+                                         run_dir=self.run_dir.resolve(), socket_dir=cfg.socket_dir,
                                          on_publish=self.exporter.update if self.exporter else None)
                 try:
                     server.start()
