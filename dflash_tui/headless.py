@@ -104,7 +104,7 @@ def render_text(s: dict[str, Any]) -> str:
                              f"{fmt.seconds(dev['p50']):>7} {fmt.seconds(dev['p95']):>7} {fmt.seconds(dev['max']):>7}")
             first = False
         if w in s["untracked"]:
-            lines.append(f"{'':<12} {'(untracked)':<18} {'':>6} {'':>7} {'':>7} {'':>7} {'':>7} "
+            lines.append(f"{(w if first else ''):<12.12} {'(untracked)':<18} {'':>6} {'':>7} {'':>7} {'':>7} {'':>7} "
                          f"{fmt.percent(s['untracked'][w]):>6}")
     if not s["workers"]:
         lines.append("(no snapshot yet)")
