@@ -15,6 +15,7 @@ traceback. In sync mode (``pipeline = false``) one thread runs target forward an
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 import time
@@ -27,6 +28,15 @@ import torch
 from dflash.train.stages import BatchSource, DrafterStage, HiddenBatch, StepResult, TargetStage
 
 _POLL = 0.05  # seconds: how often a blocked worker rechecks the stop flag
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the OS thread the worker's name too, so `top -H`, pidstat and gdb show `target-0`
+    rather than the process name (Linux keeps 15 bytes)."""
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 class Stopped(Exception):
@@ -83,6 +93,7 @@ class Pipeline:
 
     def _thread(self, name: str, body: Callable[[], None]) -> threading.Thread:
         def run() -> None:
+            _name_os_thread(name)
             if self.cfg.threads_per_worker:
                 # Per thread on purpose: OpenMP/MKL thread counts are thread-local, so setting it in the
                 # main thread does not reach matmuls issued from this one.
