@@ -27,9 +27,10 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# Directories of the standard library that are test suites, vendored tools or generated tables:
-# they are large and unlike ordinary code, so leaving them out keeps the corpus small and typical.
-_SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "ensurepip", "turtledemo", "encodings"}
+# Directories of the standard library left out: installed third-party packages, vendored tools and
+# generated codec tables. The test suite stays in: at ~17 MB it is most of the code there is, and a
+# first build without it (2.6M tokens) overfit (train 2.3 vs held-out 3.15 nats) and looped greedily.
+_SKIP_DIRS = {"idlelib", "lib2to3", "site-packages", "ensurepip", "turtledemo", "encodings"}
 
 
 @dataclass
@@ -50,8 +51,8 @@ class TinyRecipe:
     min_lr_ratio: float = 0.05
     warmup_steps: int = 150
     weight_decay: float = 0.1
-    steps: int = 5000
-    max_time_s: float = 2700.0
+    steps: int = 6000
+    max_time_s: float = 2400.0
     seed: int = 1234
     heldout_every: int = 40  # one file in this many (by path hash) is held out for evaluation
 
