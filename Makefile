@@ -24,7 +24,9 @@ demo: $(STAMP)
 	bash scripts/demo.sh
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	# One intra-op thread: the tests use tiny models, and oversubscribed OpenMP threads on a small
+	# machine made them several times slower.
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_telemetry.py
