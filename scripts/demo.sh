@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 BIN=.venv/bin
 RUN_DIR=${RUN_DIR:-runs/demo}
 SESSION=dflash-demo
-TRAIN="$BIN/dflash train --target tiny --data demo --run-dir $RUN_DIR ${TRAIN_ARGS:-}"
+TRAIN="$BIN/dflash train --config configs/tiny-cpu.toml --run-dir $RUN_DIR ${TRAIN_ARGS:-}"
 TOP="$BIN/dflash-top --wait $RUN_DIR"
 
 if ! command -v tmux >/dev/null 2>&1; then
