@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.telemetry.protocol import Reply
+from dflash.telemetry.protocol import Reply, pid_alive
 
 #: ask the trainer something and get its reply; raises on failure (LiveSource.request)
 Ask = Callable[[str, dict[str, Any]], Reply]
@@ -121,13 +121,7 @@ def pid_is_local(pid: int, host: str | None) -> bool:
     """Whether `pid` names the trainer on this machine (a socket forwarded with ssh -L does not)."""
     if host and host not in (socket.gethostname(), socket.getfqdn()):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def ptrace_scope() -> int | None:

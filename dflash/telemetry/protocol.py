@@ -199,6 +199,18 @@ class SocketName(NamedTuple):
     rank: int | None
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (EPERM: it exists but is not ours).
+    Shared because both sides judge socket files by the pid in their name."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def default_socket_dir() -> Path:
     """`$XDG_RUNTIME_DIR/dflash` when that is set (a per-user tmpfs), else `/tmp/dflash-<uid>`."""
     xdg = os.environ.get("XDG_RUNTIME_DIR")

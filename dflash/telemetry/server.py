@@ -42,6 +42,7 @@ from dflash.telemetry.protocol import (
     default_socket_dir,
     encode,
     parse_socket_filename,
+    pid_alive,
     socket_filename,
 )
 from dflash.telemetry.recorder import Recorder
@@ -65,17 +66,6 @@ RECENT_EVENTS = 16
 _SUN_PATH_MAX = 107
 PR_SET_PTRACER = 0x59616D61
 _CRED = struct.Struct("3i")
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (EPERM means it exists but is not ours)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def ensure_socket_dir(path: Path) -> Path:
