@@ -301,3 +301,20 @@ def test_metrics_port_without_telemetry_is_refused():
 
     with pytest.raises(ConfigError, match="needs telemetry"):
         make_config({}, {"metrics_port": 0, "telemetry": False, "max_steps": 1})
+
+
+def test_two_target_workers_feed_one_drafter_in_batch_order(setup, tmp_path):
+    """Two target workers (one shared CPU replica) race; the drafter still consumes batches in order,
+    so the result equals a one-worker run bit for bit."""
+    target, data = setup
+    one = Trainer(_cfg(target, data, tmp_path / "one", max_steps=5), log=lambda s: None)
+    assert one.run() == 0
+    two = Trainer(_cfg(target, data, tmp_path / "two", max_steps=5, target_devices=["cpu", "cpu"],
+                       telemetry=True, telemetry_interval=0.05,
+                       socket_dir=str(Path("/tmp") / f"dft-two-{os.getpid()}")), log=lambda s: None)
+    assert two.run() == 0
+    assert [t.name for t in two.targets] == ["target-0", "target-1"]
+    a, b = _params(one), _params(two)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    snaps = [f for f in read_frames(tmp_path / "two" / "telemetry.jsonl") if type(f).__name__ == "Snapshot"]
+    assert {"target-0", "target-1"} <= set(snaps[-1].cumulative)
