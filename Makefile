@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# Each `make train` is a new run directory, so earlier checkpoints are never mixed in or overwritten.
+RUN_DIR ?= runs/train-$(shell date +%Y%m%d-%H%M%S)
+
 train: $(STAMP)
-	$(BIN)/dflash train --config configs/tiny-cpu.toml
+	$(BIN)/dflash train --config configs/tiny-cpu.toml --run-dir $(RUN_DIR)
 
 demo: $(STAMP)
 	bash scripts/demo.sh

@@ -318,3 +318,12 @@ def test_two_target_workers_feed_one_drafter_in_batch_order(setup, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     snaps = [f for f in read_frames(tmp_path / "two" / "telemetry.jsonl") if type(f).__name__ == "Snapshot"]
     assert {"target-0", "target-1"} <= set(snaps[-1].cumulative)
+
+
+def test_a_used_run_dir_needs_resume(setup, tmp_path, capsys):
+    from dflash.train.trainer import train
+
+    target, data = setup
+    assert Trainer(_cfg(target, data, tmp_path / "u", max_steps=1), log=lambda s: None).run() == 0
+    assert train(_cfg(target, data, tmp_path / "u", max_steps=2)) == 2
+    assert "already holds checkpoints (newest step-00000001.pt); pass --resume" in capsys.readouterr().err

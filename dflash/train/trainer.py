@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dflash.train.checkpoint import clean_partial, load_latest, save_checkpoint
+from dflash.train.checkpoint import clean_partial, list_checkpoints, load_latest, save_checkpoint
 from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.pipeline import Pipeline, RunState
 from dflash.train.stages import BatchSource, DrafterStage, StepResult, TargetStage
@@ -71,6 +71,10 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if clean_partial(self.run_dir):
             self.log("removed a partial checkpoint left by an interrupted write")
+        existing = list_checkpoints(self.run_dir)
+        if existing and not self.resume:
+            raise TrainError(f"{self.run_dir} already holds checkpoints (newest {existing[-1].name}); "
+                             "pass --resume to continue that run, or choose another --run-dir")
         ckpt = load_latest(self.run_dir) if self.resume else None
         if self.resume and ckpt is None:
             self.log(f"--resume: no checkpoint in {self.run_dir}/checkpoints, starting fresh")
