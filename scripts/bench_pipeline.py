@@ -129,8 +129,8 @@ def _ceiling(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=12, help="measured steps per configuration")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=16, help="measured steps per configuration")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--target", default="tiny")
     p.add_argument("--data", default="demo")
