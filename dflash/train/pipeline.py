@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -53,7 +53,6 @@ class RunState:
     samples: int = 0
     train_time: float = 0.0  # seconds of training before this process (resume) plus this process's
     last: StepResult | None = None
-    history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, sim_tau)
 
 
 def put(q: queue.Queue, item, stop: threading.Event) -> None:

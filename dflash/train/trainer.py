@@ -154,8 +154,6 @@ class Trainer:
         st.tokens += r.tokens
         st.samples += r.samples
         st.last = r
-        st.history.append((st.step, r.loss, r.out.sim_tau))
-        del st.history[:-10_000]
         s = self.stats
         s.count("steps", 1)
         s.count("tokens", r.tokens)
@@ -232,11 +230,9 @@ class Trainer:
 
         tok = self.target.tokenizer
         prompts = load_prompts(self.cfg.data, tok, limit=self.cfg.eval_prompts)
-        drafter = self.drafter.drafter
-        was_training = drafter.training
-        with self.drafter.tel.span("eval"):
-            result = evaluate(drafter, self.target, prompts, max_new_tokens=self.cfg.eval_max_new_tokens)
-        drafter.train(was_training)
+        with self.drafter.tel.span("eval"):  # evaluate() restores the drafter's train/eval mode itself
+            result = evaluate(self.drafter.drafter, self.target, prompts,
+                              max_new_tokens=self.cfg.eval_max_new_tokens)
         self._last_eval_time = time.monotonic()
         summary = result.to_dict()
         summary["step"] = self.state.step
