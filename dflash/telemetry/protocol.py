@@ -83,6 +83,56 @@ class Bottleneck(msgspec.Struct, omit_defaults=True):
     evidence: dict[str, float] = {}
 
 
+class ClusterRank(msgspec.Struct, omit_defaults=True):
+    """One rank as rank 0 last heard of it."""
+
+    rank: int
+    host: str = ""
+    pid: int = 0
+    #: "training", "finished" or "failed", as the rank last said; "silent" if it never reported
+    state: str = "training"
+    step: int = 0
+    tokens_per_s: float = 0.0
+    loss: float | None = None
+    #: fraction of the rank's wall time its drafter spent in the gradient all-reduce (waiting for the
+    #: other ranks, mostly): the rank that waits least is the one the others wait for
+    allreduce_share: float = 0.0
+    #: seconds since rank 0 last received a new report from this rank
+    age_s: float = 0.0
+    #: True when the rank has stopped reporting (no new report for several intervals while training)
+    stale: bool = False
+    #: the rank's own telemetry socket (attachable when it is on the same machine)
+    socket: str | None = None
+
+
+class ClusterCategory(msgspec.Struct, omit_defaults=True):
+    """One "worker/category" across ranks: share of that worker's wall time over the last window."""
+
+    key: str
+    min: float
+    mean: float
+    max: float
+    min_rank: int
+    #: the slowest rank in this category
+    max_rank: int
+
+
+class Cluster(msgspec.Struct, omit_defaults=True):
+    """The cross-rank view rank 0 publishes in its snapshots (Megatron-style min/max across ranks)."""
+
+    world_size: int
+    ranks: list[ClusterRank] = []
+    #: sorted by spread (max - min), widest first
+    categories: list[ClusterCategory] = []
+    #: the rank the others wait for, when the all-reduce waits differ enough to tell
+    straggler: int | None = None
+    straggler_reason: str = ""
+    #: ranks that stopped reporting
+    stale: list[int] = []
+    #: why the exchange itself is not working (e.g. the store is unreachable); None when it is
+    error: str | None = None
+
+
 class Hello(msgspec.Struct, tag_field="type", tag="hello", omit_defaults=True):
     proto: int
     run: str
@@ -124,7 +174,7 @@ class Snapshot(msgspec.Struct, tag_field="type", tag="snapshot", omit_defaults=T
     system: SystemSample | None = None
     bottleneck: Bottleneck | None = None
     #: cross-rank view, published by rank 0 in multi-rank runs
-    cluster: dict[str, Any] | None = None
+    cluster: Cluster | None = None
 
 
 class Event(msgspec.Struct, tag_field="type", tag="event", omit_defaults=True):
@@ -217,6 +267,12 @@ def default_socket_dir() -> Path:
     if xdg and os.path.isdir(xdg):
         return Path(xdg) / "dflash"
     return Path(f"/tmp/dflash-{os.getuid()}")
+
+
+def recording_filename(rank: int = 0) -> str:
+    """The recording in a run directory: rank 0 (and single-process runs) write telemetry.jsonl,
+    every other rank telemetry-r<rank>.jsonl, so ranks sharing a run directory never share a file."""
+    return "telemetry.jsonl" if rank == 0 else f"telemetry-r{rank}.jsonl"
 
 
 def socket_filename(run: str, pid: int, rank: int | None = None) -> str:

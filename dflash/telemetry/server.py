@@ -32,6 +32,7 @@ from dflash.telemetry.analysis import analyze
 from dflash.telemetry.protocol import (
     PROTO,
     Bye,
+    Cluster,
     Event,
     Hello,
     ProtocolError,
@@ -43,6 +44,7 @@ from dflash.telemetry.protocol import (
     encode,
     parse_socket_filename,
     pid_alive,
+    recording_filename,
     socket_filename,
 )
 from dflash.telemetry.recorder import Recorder
@@ -226,6 +228,7 @@ class TelemetryServer:
         queue_frames: int = QUEUE_FRAMES,
         max_clients: int = 64,
         on_publish: Callable[[Summary, Snapshot], None] | None = None,
+        cluster_view: Callable[[], Cluster | None] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
@@ -241,6 +244,9 @@ class TelemetryServer:
         self._queue_frames = max(1, queue_frames)
         self._max_clients = max_clients
         self._on_publish = on_publish
+        # Rank 0 of a multi-rank run: the latest cross-rank view, put into every snapshot. It must
+        # return at once (the exchange runs in its own thread; this only reads its result).
+        self._cluster_view = cluster_view
         self._pid = os.getpid()
         self._host = socket.gethostname()
         self._started_t = time.time()
@@ -319,7 +325,7 @@ class TelemetryServer:
 
         if self.run_dir is not None:
             try:
-                self._recorder = Recorder(self.run_dir / "telemetry.jsonl")
+                self._recorder = Recorder(self.run_dir / recording_filename(self.rank))
                 self._recorder.write(encode(self._hello()))
                 self._recorder.flush()
             except OSError as e:
@@ -461,6 +467,8 @@ class TelemetryServer:
                         self._sampler_failed = True
             self._seq += 1
             snap = to_snapshot(summary, self._seq, self.interval_s, system, analyze(summary.workers))
+            if self._cluster_view is not None:
+                snap.cluster = self._cluster_view()
             data = encode(snap)
         except Exception:
             log.exception("telemetry snapshot failed")
