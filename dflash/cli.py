@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    args.argv = list(argv)  # the command line as given, for commands that re-launch themselves
     if not args.command:
         parser.print_help()
         return 2

@@ -37,13 +37,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
     a("--metrics-addr", help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 for remote Prometheus)")
     a("--seed", type=int)
+    a("--nproc", type=int, help="train with N ranks on this machine (runs torchrun; each rank one pipeline "
+                                 "replica, drafters in DDP)")
+    a("--collective-timeout", type=float, help="multi-rank: seconds a collective may wait for a rank (default 300)")
 
 
 def run(args: argparse.Namespace) -> int:
     from dflash.train.config import ConfigError, load_toml, make_config
     from dflash.train.trainer import train
 
-    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "resume")}
+    if args.nproc is not None:
+        return launch(args.nproc, args.argv)
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "resume", "nproc", "argv")}
     if args.pipeline is not None:
         overrides["pipeline"] = args.pipeline == "on"
     try:
@@ -51,3 +56,28 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise CliError(str(e)) from None
     return train(cfg, resume=args.resume)
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """`--nproc N`: hand this same command line, minus --nproc, to torchrun on this machine. exec, not
+    a child, so Ctrl-C and SIGTERM reach torchrun, which forwards them to every rank."""
+    import os
+    import sys
+
+    if nproc < 1:
+        raise CliError(f"--nproc must be at least 1, got {nproc}")
+    if "LOCAL_RANK" in os.environ:
+        raise CliError("--nproc inside a torchrun worker: launch either with torchrun or with --nproc, not both")
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "dflash", *rest]
+    print("dflash train: " + " ".join(cmd[1:]), flush=True)
+    os.execv(sys.executable, cmd)
+    return 0  # not reached

@@ -215,6 +215,16 @@ def greedy_distinct(model, held_ids, prompts: int = 16, prompt_len: int = 48, ne
     return sum(distinct) / len(distinct)
 
 
+def lm_loss(model, train_ids, seq_len: int, batch: int, gen):
+    """Next-token cross-entropy on `batch` random windows of the training stream."""
+    import torch
+
+    starts = torch.randint(0, len(train_ids) - seq_len - 1, (batch,), generator=gen)
+    x = torch.stack([train_ids[s : s + seq_len] for s in starts])
+    y = torch.stack([train_ids[s + 1 : s + seq_len + 1] for s in starts])
+    return torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+
+
 def repeated_ngram_mask(seq: list[int], start: int, n: int) -> list[bool]:
     """For positions start.. of seq: True where the token belongs to an n-gram that already occurred
     earlier in seq (the candidates sequence-level unlikelihood penalises)."""
@@ -241,10 +251,7 @@ def unlikelihood_finetune(model, train_ids, recipe: TinyRecipe, gen, log: Callab
     rep_frac = []
     for step in range(recipe.ul_steps):
         if step % 2 == 0:
-            starts = torch.randint(0, len(train_ids) - T - 1, (B,), generator=gen)
-            x = torch.stack([train_ids[s : s + T] for s in starts])
-            y = torch.stack([train_ids[s + 1 : s + T + 1] for s in starts])
-            loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+            loss = lm_loss(model, train_ids, T, B, gen)
         else:
             starts = torch.randint(0, len(train_ids) - P - 1, (B,), generator=gen)
             prefix = torch.stack([train_ids[s : s + P] for s in starts])
@@ -308,12 +315,8 @@ def build_tiny(out_dir: Path, recipe: TinyRecipe, log: Callable[[str], None] = p
             lr = recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
         for g in opt.param_groups:
             g["lr"] = lr
-        starts = torch.randint(0, len(train_ids) - T - 1, (B,), generator=gen)
-        x = torch.stack([train_ids[s : s + T] for s in starts])
-        y = torch.stack([train_ids[s + 1 : s + T + 1] for s in starts])
         # fp32: on these CPUs bf16 autocast measured slower than plain fp32 for a model this small.
-        logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss = lm_loss(model, train_ids, T, B, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -326,10 +329,6 @@ def build_tiny(out_dir: Path, recipe: TinyRecipe, log: Callable[[str], None] = p
         if step % 1000 == 0:
             log(f"  held-out loss (first 64 windows) {heldout_loss(model, held_ids, T, max_windows=64):.3f}")
 
-    train_s = time.time() - t0
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.half().save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
     info = {
         "recipe": asdict(recipe),
         "parameters": n_params,
@@ -338,13 +337,49 @@ def build_tiny(out_dir: Path, recipe: TinyRecipe, log: Callable[[str], None] = p
         "corpus_train_tokens": len(train_ids),
         "corpus_heldout_tokens": len(held_ids),
         "bigram_heldout_loss": round(bigram, 4),
-        "train_seconds": round(train_s, 1),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        **measure_shipped(out_dir, recipe),
+        "train_seconds": round(time.time() - t0, 1),
     }
+    log(f"maximum likelihood done: held-out (first 64 windows) {heldout_loss(model, held_ids, T, max_windows=64):.3f}")
+    return _finish(model, tokenizer, train_ids, out_dir, recipe, gen, info, t_start, log)
+
+
+def refine_tiny(src_dir: Path, out_dir: Path, recipe: TinyRecipe, log: Callable[[str], None] = print) -> dict:
+    """Phase 2 alone, on a model phase 1 already made (its build_info.json is carried over): how the
+    shipped model was made from the previous release's weights without repeating the 40-minute phase 1."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t_start = time.time()
+    torch.manual_seed(recipe.seed)
+    prior = json.loads((src_dir / "build_info.json").read_text()) if (src_dir / "build_info.json").exists() else {}
+    tokenizer = AutoTokenizer.from_pretrained(src_dir)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32)
+    train_files, _ = split_files(stdlib_files(), recipe.heldout_every)
+    train_ids = encode_files(tokenizer, train_files)
+    info = {k: v for k, v in prior.items() if k not in ("heldout_loss", "heldout_loss_per_file",
+                                                        "greedy_distinct_per_96", "unlikelihood", "build_seconds")}
+    info["phase1_from"] = str(src_dir)
+    info["phase1_measured"] = {k: prior[k] for k in ("heldout_loss", "greedy_distinct_per_96") if k in prior}
+    info["recipe"] = asdict(recipe)
+    gen = torch.Generator().manual_seed(recipe.seed + 1)
+    return _finish(model, tokenizer, train_ids, out_dir, recipe, gen, info, t_start, log)
+
+
+def _finish(model, tokenizer, train_ids, out_dir: Path, recipe: TinyRecipe, gen, info: dict, t_start: float,
+            log: Callable[[str], None]) -> dict:
+    """Phase 2 (unlikelihood), then save fp16 and measure what was saved."""
+    import torch
+
+    t0 = time.time()
+    if recipe.ul_steps > 0:
+        unlikelihood_finetune(model, train_ids, recipe, gen, log)
+    info["unlikelihood"] = {"steps": recipe.ul_steps, "seconds": round(time.time() - t0, 1)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.half().save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    info.update({"python": sys.version.split()[0], "torch": torch.__version__, **measure_shipped(out_dir, recipe)})
     info["build_seconds"] = round(time.time() - t_start, 1)
-    log(f"final: held-out {info['heldout_loss']:.3f} nats/token (bigram {bigram:.3f}), "
+    log(f"final: held-out {info['heldout_loss']:.3f} nats/token (bigram {info.get('bigram_heldout_loss')}), "
         f"greedy distinct {info['greedy_distinct_per_96']:.1f}/96")
     (out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     return info

@@ -60,6 +60,8 @@ class TrainConfig:
     metrics_port: int | None = None  # Prometheus exposition (0: pick a free port)
     metrics_addr: str = "127.0.0.1"
     run_name: str | None = None  # default: the run directory's name
+    # multi-rank runs (torchrun): seconds any collective may wait before the job gives up on a rank
+    collective_timeout: float = 300.0
 
     def validate(self) -> None:
         if not self.target_devices:
@@ -71,7 +73,8 @@ class TrainConfig:
         positive = {"block_size": self.block_size, "num_anchors": self.num_anchors, "batch_size": self.batch_size,
                     "max_seq_len": self.max_seq_len, "lr": self.lr, "log_every": self.log_every,
                     "telemetry_interval": self.telemetry_interval, "batch_queue_size": self.batch_queue_size,
-                    "hs_queue_size": self.hs_queue_size, "keep_checkpoints": self.keep_checkpoints}
+                    "hs_queue_size": self.hs_queue_size, "keep_checkpoints": self.keep_checkpoints,
+                    "collective_timeout": self.collective_timeout}
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -82,8 +83,12 @@ class Pipeline:
         """`on_step` is called by the drafter thread after each step; returning False ends the run."""
         self.source, self.targets, self.drafter, self.cfg, self.stats = source, targets, drafter, cfg, stats
         self.state, self.on_step = state, on_step
+        # What the LR schedule and max_time count: this process's clock by default; multi-rank runs
+        # substitute the clock all ranks agreed on at the last step, so their schedules match exactly.
+        self.clock: Callable[[], float] = self.train_time
         self.stop = threading.Event()
         self.failure: tuple[str, str] | None = None  # (worker name, formatted traceback)
+        self.error: BaseException | None = None  # the exception behind `failure`
         self.batch_q: queue.Queue = queue.Queue(maxsize=cfg.batch_queue_size)
         self.hs_q: queue.Queue = queue.Queue(maxsize=cfg.hs_queue_size)
         self.threads: list[threading.Thread] = []
@@ -104,6 +109,7 @@ class Pipeline:
             except BaseException:  # noqa: BLE001 - any death must stop the pipeline, not vanish
                 if self.failure is None:
                     self.failure = (name, traceback.format_exc())
+                    self.error = sys.exc_info()[1]
                 self.stop.set()
 
         t = threading.Thread(target=run, name=name, daemon=True)
@@ -153,8 +159,12 @@ class Pipeline:
         if self.cfg.max_steps:
             p = self.state.step / self.cfg.max_steps
         if self.cfg.max_time:
-            p = max(p, (self.state.train_time + time.monotonic() - self._t0) / self.cfg.max_time)
+            p = max(p, self.clock() / self.cfg.max_time)
         return min(1.0, p)
+
+    def train_time(self) -> float:
+        """Seconds trained so far, this process and the ones it resumed from."""
+        return self.state.train_time + time.monotonic() - self._t0
 
     def _sync(self) -> None:
         """Sync mode: target forward then drafter step, in one thread, as public trainers do."""
@@ -184,9 +194,6 @@ class Pipeline:
     @property
     def running(self) -> bool:
         return any(t.is_alive() for t in self.threads)
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self._t0
 
     def shutdown(self, timeout: float = 10.0) -> list[str]:
         """Stop every worker; returns the names of any that did not exit in time."""

@@ -18,6 +18,7 @@ import torch
 
 from dflash.data import Sample
 from dflash.model.objective import LossOutput, dflash_loss
+from dflash.train.distributed import explain_backward_error
 
 
 @dataclass
@@ -36,13 +37,18 @@ class HiddenBatch:
 
 
 class BatchSource:
-    """Batch ``i`` is a pure function of (samples, seed, i): epochs are reshuffled with seed + epoch."""
+    """Batch ``i`` is a pure function of (samples, seed, i, rank): epochs are reshuffled with
+    seed + epoch. With several ranks, index ``i`` covers ``world_size`` consecutive slices of one
+    shuffled order and rank ``r`` takes slice ``r``: every rank sees the same permutation, no two
+    ranks share a sample within an epoch, and a resumed run continues at the same index on all."""
 
-    def __init__(self, samples: list[Sample], batch_size: int, seed: int, pad_id: int):
-        if len(samples) < batch_size:
-            batch_size = len(samples)
+    def __init__(self, samples: list[Sample], batch_size: int, seed: int, pad_id: int, rank: int = 0,
+                 world_size: int = 1):
+        if len(samples) < batch_size * world_size:
+            batch_size = max(1, len(samples) // world_size)
         self.samples, self.batch_size, self.seed, self.pad_id = samples, batch_size, seed, pad_id
-        self.per_epoch = len(samples) // batch_size
+        self.rank, self.world_size = rank, world_size
+        self.per_epoch = len(samples) // (batch_size * world_size)
         self._perm_epoch, self._perm = -1, []
 
     def _order(self, epoch: int) -> list[int]:
@@ -55,7 +61,8 @@ class BatchSource:
     def __call__(self, index: int) -> Batch:
         epoch, k = divmod(index, self.per_epoch)
         order = self._order(epoch)
-        rows = [self.samples[j] for j in order[k * self.batch_size:(k + 1) * self.batch_size]]
+        first = (k * self.world_size + self.rank) * self.batch_size
+        rows = [self.samples[j] for j in order[first:first + self.batch_size]]
         width = max(len(r.input_ids) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(rows), width), dtype=torch.long)
@@ -120,8 +127,12 @@ def lr_at(progress: float, base_lr: float, warmup_ratio: float, min_ratio: float
 class DrafterStage:
     """The drafter, its optimizer, and the target's frozen embedding and LM head on the drafter's device."""
 
-    def __init__(self, drafter, embed_tokens, lm_head, device: torch.device, cfg, telemetry, generator):
+    def __init__(self, drafter, embed_tokens, lm_head, device: torch.device, cfg, telemetry, generator,
+                 ddp: torch.nn.Module | None = None):
+        """`ddp`: the drafter wrapped in DistributedDataParallel (multi-rank runs); the forward goes
+        through it so that backward averages gradients across ranks."""
         self.drafter, self.embed, self.lm_head = drafter, embed_tokens, lm_head
+        self.forward_module = ddp if ddp is not None else drafter
         self.device, self.cfg, self.tel, self.generator = device, cfg, telemetry, generator
         decay = [p for p in drafter.parameters() if p.dim() >= 2]
         other = [p for p in drafter.parameters() if p.dim() < 2]
@@ -144,10 +155,15 @@ class DrafterStage:
             loss_mask = b.loss_mask.to(self.device, non_blocking=True)
             attn = b.attention_mask.to(self.device, non_blocking=True)
         with self.tel.cuda_span("drafter_forward"), torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
-            out = dflash_loss(self.drafter, self.embed, self.lm_head, ids, hb.hidden, loss_mask,
+            out = dflash_loss(self.forward_module, self.embed, self.lm_head, ids, hb.hidden, loss_mask,
                               num_anchors=self.cfg.num_anchors, generator=self.generator, attention_mask=attn)
         with self.tel.cuda_span("drafter_backward"):
-            out.loss.backward()
+            try:
+                out.loss.backward()
+            except RuntimeError as e:
+                if self.forward_module is self.drafter:
+                    raise
+                raise explain_backward_error(self.forward_module, e, torch.distributed.get_rank()) from None
         with self.tel.cuda_span("optimizer_step"):
             lr = lr_at(progress, self.cfg.lr, self.cfg.warmup_ratio, self.cfg.min_lr_ratio)
             for g in self.optimizer.param_groups:

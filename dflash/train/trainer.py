@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
+from dflash.train import distributed
 from dflash.train.checkpoint import clean_partial, list_checkpoints, load_latest, save_checkpoint
 from dflash.train.config import ConfigError, TrainConfig
+from dflash.train.distributed import Dist, DistError
 from dflash.train.pipeline import Pipeline, RunState
 from dflash.train.stages import BatchSource, DrafterStage, StepResult, TargetStage
 
@@ -48,16 +50,28 @@ def _set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
 class Trainer:
     def __init__(self, cfg: TrainConfig, resume: bool = False, log: Callable[[str], None] | None = None):
         self.cfg, self.resume = cfg, resume
-        self.log = log or (lambda s: print(s, flush=True))
+        self._print = log or (lambda s: print(s, flush=True))
+        self.dist = Dist()
         self.run_dir = Path(cfg.run_dir)
         self.state = RunState()
         self.server = None
         self.exporter = None
+        self.exchange = None
+        self._agreed_clock = 0.0
         self._last_ckpt_time = time.monotonic()
         self._last_eval_time = time.monotonic()
         self._ckpt_step = -1
         self._signals = 0
         self._logged_step = -1
+
+    def log(self, line: str) -> None:
+        """Rank 0 speaks for the job; the other ranks would only repeat it (their telemetry is their own)."""
+        if self.dist.is_main:
+            self._print(line)
+
+    def say(self, line: str) -> None:
+        """Every rank, marked with its rank in multi-rank runs."""
+        self._print(f"[rank {self.dist.rank}] {line}" if self.dist.enabled else line)
 
     # --- setup ----------------------------------------------------------------------------------------
 
@@ -68,9 +82,12 @@ class Trainer:
         from dflash.telemetry import ProfileStats
 
         cfg = self.cfg
+        self._join_ranks()
+        d = self.dist
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if clean_partial(self.run_dir):
+        if d.is_main and clean_partial(self.run_dir):
             self.log("removed a partial checkpoint left by an interrupted write")
+        distributed.barrier(d, "waiting for rank 0 to tidy the run directory")
         existing = list_checkpoints(self.run_dir)
         if existing and not self.resume:
             raise TrainError(f"{self.run_dir} already holds checkpoints (newest {existing[-1].name}); "
@@ -95,6 +112,8 @@ class Trainer:
                                    min_loss_tokens=cfg.block_size)
         except (DataError, TargetError) as e:
             raise TrainError(str(e)) from None
+        if len(samples) < d.world_size:
+            raise TrainError(f"{data_path} has {len(samples)} usable samples, fewer than the {d.world_size} ranks")
         self.target = first
         tok = first.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -109,7 +128,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         drafter = DFlashDrafter(dcfg).to(self.drafter_device)
-        self.generator = torch.Generator().manual_seed(cfg.seed)
+        # Same drafter init on every rank (DDP also broadcasts rank 0's), different anchors per rank.
+        self.generator = torch.Generator().manual_seed(cfg.seed + 1_000_003 * d.rank)
 
         self.stats = ProfileStats(enabled=cfg.telemetry)
         if cfg.pipeline:
@@ -118,19 +138,28 @@ class Trainer:
         embed = torch.nn.Embedding.from_pretrained(first.embed_tokens.weight.detach().clone().float(), freeze=True)
         lm_head = torch.nn.Linear(first.hidden_size, first.vocab_size, bias=False)
         lm_head.weight = torch.nn.Parameter(first.lm_head.weight.detach().clone().float(), requires_grad=False)
+        if ckpt is not None:
+            drafter.load_state_dict(ckpt["drafter"])
+        ddp = distributed.wrap_ddp(drafter, self.drafter_device, self.stats) if d.enabled else None
         self.drafter = DrafterStage(drafter, embed.to(self.drafter_device), lm_head.to(self.drafter_device),
-                                    self.drafter_device, cfg, self.stats.worker(names[0]), self.generator)
+                                    self.drafter_device, cfg, self.stats.worker(names[0]), self.generator, ddp)
         self.targets = []
         for i, dev in enumerate(devices if cfg.pipeline else devices[:1]):
             name = f"target-{i}" if cfg.pipeline else "trainer"
             self.targets.append(TargetStage(targets[dev], self.drafter_device, self.stats.worker(name), name))
-        self.source = BatchSource(samples, cfg.batch_size, cfg.seed, pad)
+        self.source = BatchSource(samples, cfg.batch_size, cfg.seed, pad, d.rank, d.world_size)
         self.dcfg = dcfg
 
         if ckpt is not None:
-            drafter.load_state_dict(ckpt["drafter"])
             self.drafter.optimizer.load_state_dict(ckpt["optimizer"])
-            _set_rng_state(ckpt["rng"], self.generator)
+            per_rank = ckpt.get("rng_per_rank")
+            if per_rank is not None and len(per_rank) == d.world_size:
+                _set_rng_state(per_rank[d.rank], self.generator)
+            else:
+                if per_rank is not None or d.enabled:
+                    self.log(f"resuming a {len(per_rank or [0])}-rank run on {d.world_size} rank(s): "
+                             "the anchor sampling restarts from rank 0's state, the data order is kept")
+                _set_rng_state(ckpt["rng"], self.generator)
             s = ckpt["state"]
             self.state = RunState(step=s["step"], next_batch=s["next_batch"], tokens=s["tokens"],
                                   samples=s["samples"], train_time=s["train_time"])
@@ -138,11 +167,30 @@ class Trainer:
             self.log(f"resumed from step {self.state.step} (batch {self.state.next_batch}, "
                      f"{self.state.train_time:.0f}s trained)")
 
-        cfg.save(self.run_dir / "config.json")
+        if d.is_main:
+            cfg.save(self.run_dir / "config.json")
         self.log("config: " + " ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
         self.log(f"target {cfg.target}: {first.num_layers} layers, hidden {first.hidden_size}, taps {first.layer_ids}; "
                  f"drafter {dcfg.num_layers} layers, {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, "
                  f"block {dcfg.block_size}, mask token {dcfg.mask_token_id}; data {data_path} ({len(samples)} samples)")
+        if d.enabled:
+            self.log(f"distributed: {d.world_size} ranks ({'nccl' if self.drafter_device.type == 'cuda' else 'gloo'}), "
+                     f"each with {len(self.targets)} target worker(s) and one drafter in DDP; "
+                     f"{self.source.batch_size} samples per rank per step; collective timeout "
+                     f"{cfg.collective_timeout:.0f}s")
+
+    def _join_ranks(self) -> None:
+        """Under torchrun: find this rank, map bare `cuda` to its GPU, join the process groups."""
+        cfg = self.cfg
+        try:
+            self.dist = d = distributed.from_env()
+            if not d.enabled:
+                return
+            cfg.target_devices = [distributed.localize(x, d) for x in cfg.target_devices]
+            cfg.drafter_device = distributed.localize(cfg.drafter_device, d)
+            distributed.init(d, torch.device(cfg.drafter_device).type == "cuda", cfg.collective_timeout)
+        except DistError as e:
+            raise TrainError(str(e)) from None
 
     # --- the drafter thread's per-step hook -----------------------------------------------------------
 
@@ -171,9 +219,15 @@ class Trainer:
             self._allocator_gauges()
         now = time.monotonic()
         done = self._should_stop()
-        if done or now - self._last_ckpt_time >= cfg.checkpoint_every:
+        # Rank 0's clocks decide checkpoints and evaluations for the whole job.
+        ckpt = self.dist.is_main and now - self._last_ckpt_time >= cfg.checkpoint_every
+        ev = self.dist.is_main and bool(cfg.eval_every) and now - self._last_eval_time >= cfg.eval_every
+        if self.dist.enabled:
+            (done, ckpt, ev), self._agreed_clock = distributed.agree(self.dist, [done, ckpt, ev],
+                                                                    self.pipeline.train_time())
+        if done or ckpt:
             self.checkpoint()
-        if cfg.eval_every and now - self._last_eval_time >= cfg.eval_every and not done:
+        if ev and not done:
             self.evaluate(in_training=True)
         return not done
 
@@ -182,10 +236,7 @@ class Trainer:
             return True
         if self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps:
             return True
-        return self.cfg.max_time is not None and self._train_time() >= self.cfg.max_time
-
-    def _train_time(self) -> float:
-        return self.state.train_time + self.pipeline.elapsed()
+        return self.cfg.max_time is not None and self.pipeline.clock() >= self.cfg.max_time
 
     def _allocator_gauges(self) -> None:
         devs = {self.drafter_device, *(t.device for t in self.targets)}
@@ -207,14 +258,30 @@ class Trainer:
 
         with self.drafter.tel.span("checkpoint"):
             st = self.state
+            rng = _rng_state(self.generator)
+            rng_per_rank = None
+            if self.dist.enabled:
+                # All ranks are here at the same step (the decision was agreed): collect every rank's
+                # anchor RNG for an exact resume, and prove the replicas are still identical.
+                rng_per_rank = distributed.gather(self.dist, rng)
+                digests = distributed.gather(self.dist, distributed.param_digest(self.drafter.drafter))
+                if len(set(digests)) != 1:
+                    raise DistError(f"drafter replicas diverged at step {st.step}: parameter digests {digests}")
+                self.log(f"replicas in sync at step {st.step}: parameter digest {digests[0]} on all "
+                         f"{len(digests)} ranks")
+                if not self.dist.is_main:
+                    self._ckpt_step = st.step
+                    self._last_ckpt_time = time.monotonic()
+                    return None
             state = {
                 "format": "dflash-train-checkpoint/1",
                 "drafter_config": asdict(self.dcfg),
                 "drafter": self.drafter.drafter.state_dict(),
                 "optimizer": self.drafter.optimizer.state_dict(),
-                "rng": _rng_state(self.generator),
+                "rng": rng,
+                "rng_per_rank": rng_per_rank,
                 "state": {"step": st.step, "next_batch": st.next_batch, "tokens": st.tokens,
-                          "samples": st.samples, "train_time": self._train_time()},
+                          "samples": st.samples, "train_time": self.pipeline.clock()},
                 "config": self.cfg.to_dict(),
             }
             path = save_checkpoint(self.run_dir, st.step, state, self.cfg.keep_checkpoints)
@@ -278,6 +345,9 @@ class Trainer:
         self.setup()
         cfg = self.cfg
         self.pipeline = Pipeline(self.source, self.targets, self.drafter, cfg, self.stats, self.state, self.on_step)
+        if self.dist.enabled:
+            self._agreed_clock = self.state.train_time
+            self.pipeline.clock = lambda: self._agreed_clock
         old = self._install_signals()
         code = 0
         try:
@@ -295,28 +365,43 @@ class Trainer:
                     except MetricsServerError as e:
                         raise TrainError(str(e)) from None
                     self.log(f"metrics:   http://{cfg.metrics_addr}:{port}/metrics")
+                d = self.dist
+                if d.enabled:
+                    from dflash.telemetry.cluster import ClusterExchange
+
+                    self.exchange = ClusterExchange(
+                        d.store, d.rank, d.world_size, lambda: self.server.latest() if self.server else None,
+                        interval_s=cfg.telemetry_interval)
                 server = TelemetryServer(run=cfg.name, stats=self.stats, interval_s=cfg.telemetry_interval,
                                          run_dir=self.run_dir.resolve(), socket_dir=cfg.socket_dir,
-                                         on_publish=self.exporter.update if self.exporter else None)
+                                         rank=d.rank, world_size=d.world_size,
+                                         on_publish=self.exporter.update if self.exporter else None,
+                                         cluster_view=self.exchange.view if self.exchange and d.is_main else None)
                 try:
                     server.start()
                 except (OSError, RuntimeError) as e:
                     raise TrainError(f"telemetry socket in {server.socket_dir}: {e} (use --socket-dir, or "
                                      "--no-telemetry)") from None
                 self.server = server
-                self.log(f"telemetry: {self.server.path}")
+                self.say(f"telemetry: {self.server.path}")
                 self.log(f"attach:    dflash-top {self.server.path}")
+                if self.exchange is not None:
+                    self.exchange.socket_path = str(server.path)
+                    self.exchange.start()
             else:
                 self.log("telemetry: off (--no-telemetry)")
             code = self._supervise()
         finally:
             self.pipeline.shutdown()
             self._restore_signals(old)
+            if self.exchange is not None:
+                self.exchange.close("failed" if code else "finished")
             if self.server is not None:
                 self.server.close(reason="error" if code else "finished")  # its last publish reaches the exporter
             if self.exporter is not None:
                 self.exporter.close()
         self.log(f"done: {self.state.step} steps, {self.state.tokens:,} tokens, run dir {self.run_dir}")
+        distributed.shutdown(self.dist)
         return code
 
     def _supervise(self) -> int:
@@ -334,13 +419,30 @@ class Trainer:
         stuck = self.pipeline.shutdown()
         if self.pipeline.failure:
             name, tb = self.pipeline.failure
-            print(f"dflash train: worker {name} failed, stopping the pipeline:\n{tb}", file=sys.stderr, flush=True)
-            self._event("error", f"worker {name} failed: {tb.strip().splitlines()[-1]}")
+            last = tb.strip().splitlines()[-1]
+            if isinstance(self.pipeline.error, DistError):
+                last = str(self.pipeline.error)
+                view = self.exchange.view() if self.exchange is not None else None
+                if view is not None and view.stale:
+                    # The cluster view saw who went quiet first: name it (torchrun can only name
+                    # the first process to exit, which is the one that noticed).
+                    ages = ", ".join(f"rank {r.rank} {r.age_s:.0f}s ago" for r in view.ranks if r.stale)
+                    last += f" [cluster view: stopped reporting: {ages}]"
+                print(f"dflash train: {last}", file=sys.stderr, flush=True)
+            else:
+                where = f"rank {self.dist.rank}: " if self.dist.enabled else ""
+                print(f"dflash train: {where}worker {name} failed, stopping the pipeline:\n{tb}", file=sys.stderr,
+                      flush=True)
+                if self.dist.enabled:
+                    print(f"dflash train: rank {self.dist.rank}: in a multi-rank run a failed collective usually "
+                          "means another rank died or hung first: see its log and torchrun's summary",
+                          file=sys.stderr, flush=True)
+            self._event("error", f"worker {name} failed: {last}")
             code = 1
         else:
             self._log_line(max(1e-9, time.monotonic() - last_log), tokens_at_log)
             self.checkpoint()
-            if not self.stop_requested.is_set() and cfg.eval_prompts > 0:
+            if not self.stop_requested.is_set() and cfg.eval_prompts > 0 and self.dist.is_main:
                 self.evaluate()
         if stuck:
             self.log(f"warning: workers did not exit in time: {', '.join(stuck)}")
@@ -369,6 +471,6 @@ class Trainer:
 def train(cfg: TrainConfig, resume: bool = False) -> int:
     try:
         return Trainer(cfg, resume=resume).run()
-    except (TrainError, ConfigError) as e:
+    except (TrainError, ConfigError, DistError) as e:
         print(f"dflash train: error: {e}", file=sys.stderr)
         return 2

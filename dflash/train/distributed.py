@@ -1,0 +1,174 @@
+"""Multi-process training on torch.distributed: one pipeline replica per rank, drafters in DDP.
+
+Launched by torchrun (or `dflash train --nproc N`, which runs torchrun). Each rank trains on its own
+shard of every batch index and the drafters' gradients are averaged by DistributedDataParallel (NCCL
+on CUDA, gloo on CPU). Besides the default group, a small gloo group carries the per-step control
+exchange (stop / checkpoint / evaluate decisions and the training clock), so CPU tensors work whatever
+the training backend, and every collective has a timeout: a rank that dies or hangs ends the job
+with a message instead of blocking the others forever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class DistError(RuntimeError):
+    """Another rank failed, hung, or disagrees; the message is one line for the user."""
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    control: Any = None  # the gloo group for control messages
+    store: Any = None  # a client of the job's TCPStore (the cluster view's reports)
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def from_env() -> Dist:
+    """The rank layout torchrun put in the environment (a plain process is rank 0 of 1)."""
+    values = {}
+    for key, default in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)):
+        raw = os.environ.get(key)
+        try:
+            values[key] = int(raw) if raw is not None else default
+        except ValueError:
+            raise DistError(f"environment variable {key}={raw!r} is not an integer") from None
+    d = Dist(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"])
+    if d.world_size < 1 or not 0 <= d.rank < d.world_size:
+        raise DistError(f"RANK={d.rank} does not fit WORLD_SIZE={d.world_size}")
+    return d
+
+
+def localize(device: str, d: Dist) -> str:
+    """A bare `cuda` means this rank's own GPU (cuda:LOCAL_RANK), so one config serves every rank."""
+    return f"cuda:{d.local_rank}" if d.enabled and device == "cuda" else device
+
+
+def init(d: Dist, cuda: bool, timeout_s: float) -> None:
+    if not d.enabled:
+        return
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        if key not in os.environ:
+            raise DistError(f"WORLD_SIZE={d.world_size} but {key} is not set: launch with torchrun or --nproc")
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        if cuda:
+            torch.cuda.set_device(d.local_rank)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        d.control = dist.new_group(backend="gloo", timeout=timeout)
+        d.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                timeout=timedelta(seconds=10))
+    except (RuntimeError, ValueError) as e:
+        raise DistError(f"cannot join the process group: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def collective_error(e: BaseException, what: str, d: Dist) -> DistError:
+    return DistError(f"rank {d.rank}: {what} failed - another rank died or hung "
+                     f"(see its log and torchrun's summary): {_first_line(e)}")
+
+
+def agree(d: Dist, flags: list[bool], clock: float) -> tuple[list[bool], float]:
+    """Every rank leaves with the same decisions (any rank's `True` wins) and the same training clock
+    (the slowest rank's), so they stop, checkpoint and follow the LR schedule in step."""
+    t = torch.tensor([float(f) for f in flags] + [clock], dtype=torch.float64)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=d.control)
+    except RuntimeError as e:
+        raise collective_error(e, "the per-step control exchange", d) from None
+    return [bool(v) for v in t[:-1].tolist()], float(t[-1])
+
+
+def gather(d: Dist, obj: Any) -> list[Any]:
+    out: list[Any] = [None] * d.world_size
+    try:
+        dist.all_gather_object(out, obj, group=d.control)
+    except RuntimeError as e:
+        raise collective_error(e, "gathering state from all ranks", d) from None
+    return out
+
+
+def barrier(d: Dist, what: str) -> None:
+    if d.enabled:
+        try:
+            dist.barrier(group=d.control)
+        except RuntimeError as e:
+            raise collective_error(e, what, d) from None
+
+
+def param_digest(module: torch.nn.Module) -> str:
+    """Exact fingerprint of a module's parameters: replicas in sync have identical digests."""
+    h = hashlib.sha1()
+    for name, p in sorted(module.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def wrap_ddp(module: torch.nn.Module, device: torch.device, stats) -> torch.nn.Module:
+    """DDP around the drafter, with a comm hook that books the all-reduce's wall time as the counter
+    `allreduce_seconds`: mostly waiting for the slowest rank, which is how the cluster view finds it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp.config = module.config  # the objective reads block size and mask token from the module it runs
+    world = dist.get_world_size()
+
+    def timed_allreduce(state, bucket):
+        t0 = time.perf_counter()
+        buf = bucket.buffer().div_(world)
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+
+        def done(f):
+            stats.count("allreduce_seconds", time.perf_counter() - t0)
+            try:
+                return f.value()[0]
+            except Exception as e:
+                # Autograd re-raises this as a generic RuntimeError; remembering it here lets the
+                # drafter stage say "another rank failed" instead of printing a backward traceback.
+                ddp.comm_error = _first_line(e)
+                raise
+
+        return fut.then(done)
+
+    ddp.register_comm_hook(None, timed_allreduce)
+    return ddp
+
+
+def explain_backward_error(module: torch.nn.Module, e: BaseException, rank: int) -> BaseException:
+    """A backward that failed because the gradient all-reduce failed is another rank's failure."""
+    comm = getattr(module, "comm_error", None)
+    if comm is None:
+        return e
+    return DistError(f"rank {rank}: the gradient all-reduce failed - another rank died or hung "
+                     f"(see its log and torchrun's summary): {comm}")
+
+
+def shutdown(d: Dist) -> None:
+    if d.enabled and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except RuntimeError:
+            pass  # a peer already gone: nothing left to tidy

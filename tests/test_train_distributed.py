@@ -1,0 +1,155 @@
+"""Multi-rank training for real: torchrun (through `dflash train --nproc 2`) on CPU with gloo.
+
+Each test launches two real ranks; they load a tiny random target built in the test, train, and
+talk over real process groups and torchrun's real TCPStore.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_model_helpers import make_target_dir, make_tokenizer
+from test_train_pipeline import _write_data
+
+from dflash.telemetry.protocol import Hello, Snapshot, parse_socket_filename
+from dflash.telemetry.recorder import read_frames
+from dflash.train.checkpoint import list_checkpoints
+from dflash.train.stages import BatchSource
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    target = make_target_dir(root / "target", layers=4, tokenizer=make_tokenizer())
+    data = _write_data(root / "data.jsonl", rows=48)
+    return target, data
+
+
+def _launch(target: Path, data: Path, run_dir: Path, sock_dir: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "dflash", "train", "--nproc", "2", "--target", str(target), "--data", str(data),
+           "--run-dir", str(run_dir), "--batch-size", "4", "--num-anchors", "8", "--drafter-layers", "1",
+           "--eval-prompts", "0", "--threads-per-worker", "1", "--log-every", "0.5", "--telemetry-interval", "0.5",
+           "--socket-dir", str(sock_dir), "--checkpoint-every", "1e9", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    return out
+
+
+def test_data_shards_do_not_overlap_and_cover_each_batch_index():
+    from dflash.data import Sample
+
+    samples = [Sample(input_ids=[i, i + 1], loss_mask=[0, 1]) for i in range(40)]
+    seen = []
+    for rank in range(2):
+        src = BatchSource(samples, batch_size=4, seed=3, pad_id=0, rank=rank, world_size=2)
+        assert src.per_epoch == 5
+        seen.append([tuple(src(i).input_ids[:, 0].tolist()) for i in range(src.per_epoch)])
+    flat = [x for rank in seen for batch in rank for x in batch]
+    assert len(flat) == len(set(flat)) == 40  # one epoch: every sample once, on exactly one rank
+    assert seen[0][0] != seen[1][0]
+
+
+def test_two_ranks_train_in_sync_publish_the_cluster_view_and_resume(setup, tmp_path):
+    target, data = setup
+    run, socks = tmp_path / "run", tmp_path / "socks"
+    # By time, so that the ranks exchange several reports whatever this machine's speed.
+    out = _finish(_launch(target, data, run, socks, "--max-steps", "100000", "--max-time", "4"))
+    assert "distributed: 2 ranks (gloo)" in out, out[-3000:]
+    ckpt = torch.load(list_checkpoints(run)[-1], weights_only=False)
+    step = ckpt["state"]["step"]
+    # Parameters are compared for real: a digest of every byte of every drafter parameter, per rank.
+    assert f"replicas in sync at step {step}" in out and "on all 2 ranks" in out, out[-3000:]
+    assert "[rank 0] telemetry:" in out and "[rank 1] telemetry:" in out
+    assert step >= 2 and len(ckpt["rng_per_rank"]) == 2
+
+    # Every rank records its own telemetry; rank 0's snapshots carry the cluster view of both.
+    hellos = {}
+    for name in ("telemetry.jsonl", "telemetry-r1.jsonl"):
+        frames = list(read_frames(run / name))
+        hello = next(f for f in frames if isinstance(f, Hello))
+        hellos[hello.rank] = hello
+        assert hello.world_size == 2
+    assert set(hellos) == {0, 1}
+    views = [f.cluster for f in read_frames(run / "telemetry.jsonl") if isinstance(f, Snapshot) and f.cluster]
+    assert views, "rank 0 published no cluster view"
+    assert all(v.world_size == 2 and [r.rank for r in v.ranks] == [0, 1] for v in views)
+    full = [v for v in views if {r.pid for r in v.ranks} == {hellos[0].pid, hellos[1].pid}]
+    assert full, "no cluster view heard from both ranks"
+    assert all(r.step >= 1 and r.tokens_per_s > 0 for r in full[-1].ranks), full[-1]
+    assert any(c.key == "drafter-0/drafter_forward" for v in full for c in v.categories)
+    assert not views[-1].stale, views[-1]  # both ranks finished on purpose: not flagged
+    assert all(f.cluster is None for f in read_frames(run / "telemetry-r1.jsonl") if isinstance(f, Snapshot))
+
+    out = _finish(_launch(target, data, run, socks, "--max-steps", str(step + 3), "--max-time", "1000", "--resume"))
+    assert f"resumed from step {step}" in out and f"replicas in sync at step {step + 3}" in out, out[-3000:]
+    assert torch.load(list_checkpoints(run)[-1], weights_only=False)["state"]["step"] == step + 3
+
+
+def _wait_for_training(proc: subprocess.Popen, socks: Path, timeout: float = 120) -> dict[int, int]:
+    """Both ranks' pids (from their socket names) once rank 0 logged a step."""
+    deadline, seen = time.monotonic() + timeout, []
+    os.set_blocking(proc.stdout.fileno(), False)
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "".join(seen)[-3000:]
+        line = proc.stdout.readline()
+        if line:
+            seen.append(line)
+        pids = {}
+        for p in socks.glob("*.sock"):
+            name = parse_socket_filename(p.name)
+            if name is not None and name.rank is not None:
+                pids[name.rank] = name.pid
+        if len(pids) == 2 and any(s.startswith("step ") for s in seen):
+            os.set_blocking(proc.stdout.fileno(), True)
+            return pids
+        if not line:
+            time.sleep(0.1)
+    raise AssertionError("ranks did not start training: " + "".join(seen)[-3000:])
+
+
+def test_killing_a_rank_ends_the_job_with_a_clear_message(setup, tmp_path):
+    target, data = setup
+    socks = tmp_path / "socks"
+    proc = _launch(target, data, tmp_path / "run", socks, "--max-steps", "100000", "--collective-timeout", "20")
+    pids = _wait_for_training(proc, socks)
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    out = _finish(proc, timeout=90)
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 60
+    assert "dflash train: rank 0: " in out and "failed - another rank died or hung" in out, out[-4000:]
+    assert "rank      : 1" in out and "SIGKILL" in out  # torchrun's summary names the root cause
+
+
+def test_a_hung_rank_times_out_instead_of_blocking_forever(setup, tmp_path):
+    target, data = setup
+    socks = tmp_path / "socks"
+    proc = _launch(target, data, tmp_path / "run", socks, "--max-steps", "100000", "--collective-timeout", "8")
+    pids = _wait_for_training(proc, socks)
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGSTOP)  # alive but stuck: only a timeout can end the wait
+    try:
+        out = _finish(proc, timeout=120)
+    finally:
+        try:
+            os.kill(pids[1], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode != 0
+    # the collective timeout, then torchrun's 30 s grace before it SIGKILLs the stopped rank
+    assert time.monotonic() - t0 < 8 + 30 + 30
+    assert "another rank died or hung" in out and "Timed out" in out, out[-4000:]
+    assert "[cluster view: stopped reporting: rank 1" in out, out[-4000:]
