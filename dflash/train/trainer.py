@@ -356,16 +356,18 @@ class Trainer:
             if cfg.telemetry:
                 from dflash.telemetry import TelemetryServer
 
+                d = self.dist
                 if cfg.metrics_port is not None:
                     from dflash.telemetry.prometheus import MetricsExporter, MetricsServerError
 
-                    self.exporter = MetricsExporter(cfg.name)
+                    self.exporter = MetricsExporter(cfg.name, rank=d.rank)
+                    # One port per rank on a node: the given one plus the local rank (0 stays "any").
+                    want = cfg.metrics_port + d.local_rank if cfg.metrics_port else 0
                     try:
-                        port = self.exporter.serve(cfg.metrics_port, addr=cfg.metrics_addr)
+                        port = self.exporter.serve(want, addr=cfg.metrics_addr)
                     except MetricsServerError as e:
                         raise TrainError(str(e)) from None
-                    self.log(f"metrics:   http://{cfg.metrics_addr}:{port}/metrics")
-                d = self.dist
+                    self.say(f"metrics:   http://{cfg.metrics_addr}:{port}/metrics")
                 if d.enabled:
                     from dflash.telemetry.cluster import ClusterExchange
 
