@@ -5,6 +5,10 @@ folds them into `RunState` and, at most `MAX_REFRESH_HZ` times a second, asks th
 from the state inside one `batch_update()` (the dense ones at most once a second: drawing is nearly
 all of the app's CPU time). Blocking work (py-spy, requests, discovery) runs on worker
 threads and comes back as messages, so no key press ever waits on the trainer.
+
+A multi-rank run is shown one rank at a time: `[`/`]` and `g` point the panels at another rank by
+attaching to its socket when it is on this machine. Only rank 0 publishes the cluster view, so while
+another rank is shown a second, view-only connection to rank 0 keeps that panel current.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -25,6 +30,7 @@ from textual.reactive import reactive
 from textual.timer import Timer
 from textual.widgets import Footer
 
+from dflash.telemetry.protocol import Hello, recording_filename
 from dflash_tui import sources
 from dflash_tui.messages import ProfileDone, SourceUpdated, TrainersFound
 from dflash_tui.pyspy import (
@@ -39,14 +45,15 @@ from dflash_tui.pyspy import (
     save_report,
 )
 from dflash_tui.sources import FrameSource, SocketInfo, SourceUpdate, TargetError
-from dflash_tui.state import RunState
+from dflash_tui.state import RunState, step_rank
 from dflash_tui.widgets.bottleneck import BottleneckPanel
 from dflash_tui.widgets.categories import CategoryTable
+from dflash_tui.widgets.cluster import ClusterPanel
 from dflash_tui.widgets.curves import CurvesPanel
 from dflash_tui.widgets.events import EventsLog
 from dflash_tui.widgets.gpus import GpuPanel
 from dflash_tui.widgets.header import RunHeader
-from dflash_tui.widgets.picker import PickerScreen, WaitingScreen
+from dflash_tui.widgets.picker import ChoiceScreen, PickerScreen, WaitingScreen
 from dflash_tui.widgets.record import ProfileScreen, RecordDialog, RecordSettings
 from dflash_tui.widgets.stacks import StacksScreen
 from dflash_tui.widgets.statusline import StatusLine
@@ -91,6 +98,10 @@ class DFlashTop(App[None]):
         Binding("plus,equals_sign", "faster", "faster"),
         Binding("minus", "slower", "slower"),
         Binding("w", "next_worker", "worker"),
+        # multi-rank runs only: the panels follow the chosen rank (when its socket is on this machine)
+        Binding("right_square_bracket", "rank(1)", "rank", key_display="[ ]"),
+        Binding("left_square_bracket", "rank(-1)", "previous rank", show=False),
+        Binding("g", "pick_rank", "ranks"),
         Binding("1", "panel(0)", "zoom 1-6"),
         Binding("2", "panel(1)", "table", show=False),
         Binding("3", "panel(2)", "gpu", show=False),
@@ -118,7 +129,11 @@ class DFlashTop(App[None]):
         self.record_defaults = RecordSettings(seconds=record_seconds, gil=False, native=True)
         self.request_timeout = request_timeout
         self.source: FrameSource | None = source
+        #: while the panels follow a rank other than 0: a second connection, to rank 0, which alone
+        #: publishes the cluster view
+        self.cluster_source: sources.LiveSource | None = None
         self.state = RunState()
+        self._multi_rank = False
         self.job: str | None = None
         self._job_end: float | None = None
         self._job_timer: Timer | None = None
@@ -133,6 +148,7 @@ class DFlashTop(App[None]):
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
+        yield Panel("cluster", ClusterPanel(id="cluster"), id="p-cluster")
         with Container(id="body"):
             with Vertical(id="left"):
                 yield Panel("bottleneck", BottleneckPanel(id="bottleneck"), id="p-bottleneck")
@@ -148,14 +164,16 @@ class DFlashTop(App[None]):
 
     @property
     def panels(self) -> list:
-        return [self.query_one(sel) for sel in ("#header", "#bars", "#bottleneck", "#table", "#gpus", "#threads",
-                                                "#curves", "#events", "#status")]
+        return [self.query_one(sel) for sel in ("#header", "#cluster", "#bars", "#bottleneck", "#table", "#gpus",
+                                                "#threads", "#curves", "#events", "#status")]
 
     def on_mount(self) -> None:
         self._panels = self.panels
         self._main = self.screen  # the dashboard, whatever modal is on top of it later
+        self._cluster_box = self.query_one("#p-cluster")
+        self._cluster_box.display = False
         if self.source is not None:
-            self.source.start(self._sink)
+            self._start(self.source)
         elif self.target is not None:
             self.attach(self.target)
         else:
@@ -165,6 +183,7 @@ class DFlashTop(App[None]):
     def on_unmount(self) -> None:
         if self.source is not None:
             self.source.stop()
+        self._stop_cluster_feed()
 
     # ------------------------------------------------------------------ sources
 
@@ -173,14 +192,26 @@ class DFlashTop(App[None]):
             self.source.stop()
         self.target = path
         self.source = sources.open_source(path, speed=self.speed, paused=self.start_paused)
-        self.source.start(self._sink)
+        self._start(self.source)
 
-    def _sink(self, update: SourceUpdate) -> None:
-        self.post_message(SourceUpdated(update))
+    def _start(self, source: FrameSource) -> None:
+        source.start(partial(self._sink, source))
+
+    def _sink(self, source: FrameSource, update: SourceUpdate) -> None:
+        self.post_message(SourceUpdated(update, source))
 
     def on_source_updated(self, message: SourceUpdated) -> None:
         update = message.update
+        if message.source is not self.source:
+            if message.source is not None and message.source is self.cluster_source:
+                self.state.apply_cluster_update(update)
+                self._bindings_follow_ranks()
+                self.schedule_refresh()
+            return  # the last words of a source we have switched away from
         self.state.apply_update(update)
+        if any(isinstance(f, Hello) for f in update.frames):
+            self._sync_cluster_feed()
+        self._bindings_follow_ranks()
         if update.state is not None:
             self.disconnected = update.state in (sources.DISCONNECTED, sources.INCOMPATIBLE)
             if update.state == sources.INCOMPATIBLE:
@@ -222,6 +253,9 @@ class DFlashTop(App[None]):
         elif self._slow_timer is None:
             self._slow_timer = self.set_timer(self._last_slow + self.SLOW_INTERVAL_S - now, self._timed_slow)
         with self.batch_update():
+            show_cluster = self.state.cluster is not None
+            if self._cluster_box.display != show_cluster:
+                self._cluster_box.display = show_cluster
             for panel in self._panels:
                 if slow or panel.id not in self.SLOW_PANELS or panel.parent is maximized:
                     panel.refresh_from(self.state)
@@ -256,10 +290,11 @@ class DFlashTop(App[None]):
         if self._waiting is not None:
             self._waiting.dismiss(found)
             self._waiting = None
-        if len(found) == 1:
-            self.attach(found[0].path)
+        jobs = sources.group_jobs(found)  # one ssh session to rank 0's node shows the whole job
+        if len(jobs) == 1:
+            self.attach(jobs[0][0].path)
         else:
-            self.push_screen(PickerScreen(found), self._picked)
+            self.push_screen(PickerScreen(jobs), self._picked)
 
     def _picked(self, path: Path | None) -> None:
         if path is None:
@@ -277,6 +312,8 @@ class DFlashTop(App[None]):
             return self.source is not None and not replay
         if action == "next_worker":
             return self.source is not None
+        if action in ("rank", "pick_rank"):
+            return self.state.multi_rank
         return True
 
     def action_pause(self) -> None:
@@ -308,6 +345,91 @@ class DFlashTop(App[None]):
         table = self.query_one(CategoryTable)
         chosen = table.cycle_worker(self.state)
         self.notify(f"table shows {chosen or 'all workers'}", timeout=2)
+
+    # ------------------------------------------------------------------ ranks
+
+    def _bindings_follow_ranks(self) -> None:
+        """The rank keys appear in the footer once the run turns out to have several ranks."""
+        if self.state.multi_rank != self._multi_rank:
+            self._multi_rank = self.state.multi_rank
+            self.refresh_bindings()
+
+    def _local_ranks(self) -> dict[int, Path]:
+        """The job's sockets on this machine, by rank (they share the socket directory)."""
+        src = self.source
+        if not isinstance(src, sources.LiveSource) or src.info.run is None:
+            return {}
+        return sources.rank_sockets(src.info.run, src.path.parent)
+
+    def _locate_rank(self, rank: int, local: dict[int, Path] | None = None) -> tuple[Path | None, str]:
+        src = self.source
+        if not isinstance(src, sources.LiveSource):
+            return None, f"rank {rank}: a recording holds one rank; replay {recording_filename(rank)}"
+        return sources.rank_socket(rank, self._local_ranks() if local is None else local, src.path.parent,
+                                   self.state.cluster_rank(rank))
+
+    def action_rank(self, delta: int) -> None:
+        st = self.state
+        current = st.selected_rank if st.selected_rank is not None else st.shown_rank
+        rank = step_rank(st.job_ranks(self._local_ranks()), current, delta)
+        if rank is not None:
+            self.select_rank(rank)
+
+    def action_pick_rank(self) -> None:
+        st = self.state
+        local = self._local_ranks()
+        ranks = st.job_ranks(local)
+        current = st.selected_rank if st.selected_rank is not None else st.shown_rank
+        choices = []
+        for r in ranks:
+            info = st.cluster_rank(r)
+            path, why = (None, "shown now") if r == st.shown_rank else self._locate_rank(r, local)
+            label = Text(f"r{r:<4} {(info.host if info else '') or '-':<16.16} ")
+            label.append(f"{('STALE' if info.stale else info.state) if info else '?':<9}",
+                         style="bold red" if info and info.stale else "")
+            label.append(f" {path}" if path is not None else f" {why}", style="" if path is not None else "dim")
+            choices.append((label, r))
+        highlighted = ranks.index(current) if current in ranks else None
+        self.push_screen(ChoiceScreen(f"{len(ranks)} ranks: the panels follow the one you pick", choices,
+                                      highlighted), self.select_rank)
+
+    def select_rank(self, rank: int | None) -> None:
+        """Point the panels at `rank`: follow its socket when it is on this machine; otherwise keep the
+        current rank's panels and say in the status line why (its cluster row stays marked)."""
+        if rank is None:
+            return
+        st = self.state
+        st.selected_rank = rank
+        path, why = (None, "") if rank == st.shown_rank else self._locate_rank(rank)
+        if path is None:
+            st.rank_note = why
+        else:
+            st.rank_note = ""
+            if self.source is None or path != self.source.path:
+                st.forget_source()
+                st.note("info", f"following rank {rank} ({path})")
+                self.attach(path)  # its hello then decides whether rank 0 needs a second connection
+        self.refresh_panels()
+
+    def _sync_cluster_feed(self) -> None:
+        """Keep a connection to rank 0 exactly while the panels follow another rank of a multi-rank run."""
+        hello, src = self.state.hello, self.source
+        want = (hello is not None and hello.world_size > 1 and hello.rank != 0
+                and isinstance(src, sources.LiveSource))
+        feed = self.cluster_source
+        if feed is not None and (not want or feed.info.run != src.info.run):
+            self._stop_cluster_feed()
+        if want and self.cluster_source is None:
+            leader, _ = self._locate_rank(0)
+            if leader is not None:
+                self.cluster_source = sources.LiveSource(leader)
+                self._start(self.cluster_source)
+
+    def _stop_cluster_feed(self) -> None:
+        feed, self.cluster_source = self.cluster_source, None
+        if feed is not None:
+            feed.stop()
+            self.state.cluster_connection = None
 
     def action_panel(self, index: int) -> None:
         panel = self.query_one(f"#{PANELS[index]}")
@@ -447,12 +569,19 @@ def list_sockets(directory: Path | None) -> int:
     if not found:
         print(f"no trainer sockets in {d}", file=sys.stderr)
         return 1
-    print(f"{'STATE':<6} {'RUN':<20} {'PID':>8} {'RANK':>4} {'HOST':<16} {'RUN DIR':<24} SOCKET")
-    for info in found:
-        hello = sources.read_hello(info.path, timeout=0.5) if info.alive else None
-        print(f"{'live' if info.alive else 'stale':<6} {(info.run or '?'):<20.20} {info.pid or '?':>8} "
-              f"{info.rank if info.rank is not None else '-':>4} {(hello.host if hello else '-'):<16.16} "
-              f"{((hello.run_dir or '-') if hello else '-'):<24} {info.path}")
+    print(f"{'STATE':<6} {'RUN':<20} {'PID':>8} {'RANK':>5} {'HOST':<16} {'RUN DIR':<24} SOCKET")
+    for job in sources.group_jobs(found):
+        hellos = [sources.read_hello(info.path, timeout=0.5) if info.alive else None for info in job]
+        for info, hello in zip(job, hellos, strict=True):
+            rank = "-" if info.rank is None else f"{info.rank}/{hello.world_size}" if hello else str(info.rank)
+            print(f"{'live' if info.alive else 'stale':<6} {(info.run or '?'):<20.20} {info.pid or '?':>8} "
+                  f"{rank:>5} {(hello.host if hello else '-'):<16.16} "
+                  f"{((hello.run_dir or '-') if hello else '-'):<24} {info.path}")
+        if len(job) > 1:
+            world = next((h.world_size for h in hellos if h is not None), None)
+            print(f"{'':<6} └ one job: ranks {sources.rank_list(i.rank or 0 for i in job)}"
+                  + (f" of {world}" if world else "") + f" on this machine; dflash-top shows it from rank "
+                  f"{job[0].rank}, [ ] switch ranks")
     return 0
 
 

@@ -40,6 +40,17 @@ def duration(v: float | None) -> str:
     return f"{h}:{m:02d}:{sec:02d}"
 
 
+def age(v: float | None) -> str:
+    """How long ago, to the precision that matters: 0.4s, 12s, 0:03:05."""
+    if v is None or not math.isfinite(v):
+        return NA
+    if v < 10:
+        return f"{max(0.0, v):.1f}s"
+    if v < 100:
+        return f"{v:.0f}s"
+    return duration(v)
+
+
 def percent(v: float | None, scale: float = 100.0) -> str:
     """A fraction (scale=100) or an already-percent value (scale=1) as `12.3%`."""
     if v is None or not math.isfinite(v):

@@ -15,6 +15,7 @@ from typing import Any, TextIO
 
 import msgspec
 
+from dflash.telemetry.protocol import Cluster
 from dflash_tui import fmt
 from dflash_tui.sources import (
     ENDED,
@@ -23,11 +24,13 @@ from dflash_tui.sources import (
     SourceUpdate,
     TargetError,
     discover,
+    group_jobs,
     open_source,
     resolve,
     socket_dir,
 )
 from dflash_tui.state import RunState
+from dflash_tui.widgets.cluster import cluster_summary, cluster_text
 
 
 def summarize(state: RunState) -> dict[str, Any]:
@@ -71,6 +74,8 @@ def summarize(state: RunState) -> dict[str, Any]:
         "rates": dict(snap.rates) if snap else {},
         "gauges": dict(snap.gauges) if snap else {},
         "errors": list(state.errors),
+        #: rank 0's cross-rank view (protocol.Cluster as JSON) in multi-rank runs, else None
+        "cluster": msgspec.to_builtins(state.cluster) if state.cluster is not None else None,
     }
 
 
@@ -114,6 +119,13 @@ def render_text(s: dict[str, Any]) -> str:
             lines.append(gpu_line(g))
     else:
         lines.append(f"GPUs: {s['gpu_error'] or 'none reported'}")
+    if s.get("cluster"):
+        cluster = msgspec.convert(s["cluster"], Cluster)
+        lines.append("")
+        lines.append(f"cluster (rank 0's view): {cluster_summary(cluster)}")
+        table = cluster_text(cluster, 80, selected=s["rank"], shown=s["rank"], max_ranks=max(1, len(cluster.ranks)),
+                             max_categories=8)
+        lines += [line.rstrip() for line in table.plain.splitlines()]
     if s["errors"]:
         lines.append(f"{len(s['errors'])} bad frames; last: {s['errors'][-1]}")
     return "\n".join(lines)
@@ -175,11 +187,12 @@ def run_once(target: str | None, as_json: bool, timeout: float = 10.0, out: Text
             print(f"dflash-top: no running trainer found in {where}; start one with `dflash train`, or pass "
                   "a run directory or telemetry.jsonl to summarize a recording", file=sys.stderr)
             return 1
-        if len(alive) > 1:
-            names = "\n  ".join(str(i.path) for i in alive)
+        jobs = group_jobs(alive)  # a multi-rank job is one trainer, summarized from rank 0
+        if len(jobs) > 1:
+            names = "\n  ".join(str(job[0].path) for job in jobs)
             print(f"dflash-top: several trainers are running; pass one of:\n  {names}", file=sys.stderr)
             return 2
-        path = alive[0].path
+        path = jobs[0][0].path
     source = open_source(path, speed=math.inf)
     state = collect(source, timeout)
     if state.connection == INCOMPATIBLE:

@@ -15,11 +15,17 @@ from dflash_tui.sources import SocketInfo, SourceUpdate
 
 
 class SourceUpdated(Message):
-    """Posted (thread-safely) by the source's sink; the app applies it inside batch_update()."""
+    """Posted (thread-safely) by the source's sink; the app applies it inside batch_update().
 
-    def __init__(self, update: SourceUpdate) -> None:
+    `source` says which source sent it: after a switch to another rank, updates the old source had
+    already posted must not land in the new rank's state, and the second connection (to rank 0, for
+    the cluster view) feeds only that view.
+    """
+
+    def __init__(self, update: SourceUpdate, source: object = None) -> None:
         super().__init__()
         self.update = update
+        self.source = source
 
 
 class ProfileDone(Message):

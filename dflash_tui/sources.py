@@ -17,7 +17,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,6 +28,7 @@ from dflash.telemetry.protocol import (
     MAX_FRAME_BYTES,
     PROTO,
     Bye,
+    ClusterRank,
     Frame,
     Hello,
     ProtocolError,
@@ -38,6 +39,7 @@ from dflash.telemetry.protocol import (
     default_socket_dir,
     encode,
     parse_socket_filename,
+    pid_alive,
 )
 
 #: connection states a source reports; the header and the status line show them
@@ -165,6 +167,81 @@ def discover(directory: Path | str | None = None, check_alive: bool = True) -> l
     return found
 
 
+def group_jobs(infos: Iterable[SocketInfo]) -> list[list[SocketInfo]]:
+    """Sockets grouped by job, in the order given: the ranks of one multi-rank run (same run name, each
+    `-r<rank>`) together, lowest rank first; every other socket alone. Two jobs under one run name
+    cannot be told apart by name, so when a rank appears twice those sockets stay alone."""
+    infos = list(infos)
+    by_run: dict[str, list[SocketInfo]] = {}
+    for i in infos:
+        if i.run is not None and i.rank is not None:
+            by_run.setdefault(i.run, []).append(i)
+    jobs: list[list[SocketInfo]] = []
+    placed: set[int] = set()
+    for i in infos:
+        if id(i) in placed:
+            continue
+        group = by_run.get(i.run, []) if i.rank is not None else []
+        if len(group) > 1 and len({g.rank for g in group}) == len(group):
+            job = sorted(group, key=lambda g: g.rank or 0)
+        else:
+            job = [i]
+        jobs.append(job)
+        placed.update(id(g) for g in job)
+    return jobs
+
+
+def rank_list(ranks: Iterable[int]) -> str:
+    """`0-3,6` for ranks 0, 1, 2, 3 and 6."""
+    spans: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if spans and spans[-1][1] == r - 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def job_label(job: list[SocketInfo]) -> str:
+    """How the picker names a job: a lone socket by its own label, a multi-rank job by its ranks here."""
+    lead = job[0]
+    if len(job) == 1:
+        return lead.label
+    return f"{lead.run} (ranks {rank_list(i.rank or 0 for i in job)} here; rank {lead.rank} is pid {lead.pid})"
+
+
+def rank_sockets(run: str, directory: Path | str | None) -> dict[int, Path]:
+    """This machine's sockets of `run`, by rank (the newest when a rank has several). Judged by the
+    pid in the name rather than by connecting, so that the UI thread may ask on a key press."""
+    found: dict[int, Path] = {}
+    for info in sorted(discover(directory, check_alive=False), key=lambda i: i.mtime):
+        if info.run == run and info.rank is not None and info.pid is not None and pid_alive(info.pid):
+            found[info.rank] = info.path
+    return found
+
+
+def rank_socket(rank: int, local: dict[int, Path], directory: Path | str | None,
+                reported: ClusterRank | None = None) -> tuple[Path | None, str]:
+    """Where rank `rank` of a job can be attached from this machine, or None and why not.
+
+    The socket rank 0 reported for it counts when it is a socket here (its host is ours); else the
+    job's socket for that rank in `local` (`rank_sockets()`: a rank that restarted has a new pid, so a
+    new name). `directory` is only named in the explanation.
+    """
+    here = socket.gethostname()
+    if (reported is not None and reported.socket and reported.host in ("", here)
+            and is_socket(Path(reported.socket))):
+        return Path(reported.socket), ""
+    if rank in local:
+        return local[rank], ""
+    if reported is not None and reported.host and reported.host != here:
+        return None, (f"rank {rank} runs on {reported.host}: its socket is not on this machine "
+                      f"(ssh {reported.host} and run dflash-top there)")
+    if reported is not None and reported.state == "silent":
+        return None, f"rank {rank} has not reported yet and has no socket in {directory}"
+    return None, f"rank {rank} has no live socket of this run in {directory}"
+
+
 def read_hello(path: Path, timeout: float = 1.0) -> Hello | None:
     """Connect, read the first frame and hang up: how `--list` and run-dir matching learn who is there."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -241,7 +318,7 @@ def resolve(target: str | None, directory: Path | str | None = None) -> Path | N
         return path
     matches = [i for i in discover(directory) if i.alive and i.run == target]
     if matches:
-        return matches[-1].path
+        return group_jobs(matches)[-1][0].path  # a multi-rank job is shown from rank 0
     raise TargetError(f"{target}: not a socket, a run directory, a {RECORDING_NAME} or a running run's name "
                       f"(sockets are looked for in {Path(directory) if directory else socket_dir()})")
 

@@ -16,6 +16,8 @@ from dflash.telemetry.protocol import (
     Bottleneck,
     Bye,
     CategoryStats,
+    Cluster,
+    ClusterRank,
     Event,
     Frame,
     GpuSample,
@@ -93,6 +95,16 @@ class RunState:
         #: every (worker -> categories) seen so far: a category idle in one window keeps its table row
         self.known: dict[str, dict[str, None]] = {}
         self.version = 0
+        #: the cross-rank view rank 0 publishes, and the stream time it came with. It outlives a switch
+        #: to another rank: then a second connection to rank 0 keeps it current (`apply_cluster_update`)
+        self.cluster: Cluster | None = None
+        self.cluster_t: float | None = None
+        #: the state of that second connection; None while this connection is rank 0's own
+        self.cluster_connection: str | None = None
+        #: the rank picked with the rank keys (None: whichever rank this connection is)
+        self.selected_rank: int | None = None
+        #: why the selected rank's details cannot be shown here (its socket is on another machine)
+        self.rank_note: str = ""
 
     # ------------------------------------------------------------------ writing
 
@@ -118,6 +130,8 @@ class RunState:
         elif isinstance(frame, Hello):
             if self.hello is not None and (frame.run != self.hello.run or frame.rank != self.hello.rank):
                 self.reset_history()
+            if self.hello is not None and frame.run != self.hello.run:
+                self.forget_cluster()
             self.hello = frame
         elif isinstance(frame, Event):
             self._log(LoggedEvent(frame.t, frame.kind, frame.message + _event_data(frame.data)))
@@ -130,6 +144,28 @@ class RunState:
         if t is None:
             t = self.snapshot.t if self.snapshot is not None else time.time()
         self._log(LoggedEvent(t, kind, message))
+
+    def apply_cluster_update(self, update: SourceUpdate) -> None:
+        """An update from the second connection, to rank 0: only its cluster view is taken."""
+        for frame in update.frames:
+            if isinstance(frame, Snapshot) and frame.cluster is not None:
+                self.cluster, self.cluster_t = frame.cluster, frame.t
+        if update.state is not None:
+            self.cluster_connection = update.state
+        self.version += 1
+
+    def forget_source(self) -> None:
+        """Before following another rank: its hello and snapshots replace this one's, and nothing of
+        this rank may show under the other's name meanwhile. The log and the cluster view stay."""
+        self.hello = None
+        self.snapshot = None
+        self.reset_history()
+        self.version += 1
+
+    def forget_cluster(self) -> None:
+        """Another run: its ranks are not this one's."""
+        self.cluster = self.cluster_t = self.cluster_connection = self.selected_rank = None
+        self.rank_note = ""
 
     def reset_history(self) -> None:
         for d in (self.category_mean, self.category_share, self.untracked, self.gpu_util, self.gpu_mem, self.known):
@@ -152,6 +188,8 @@ class RunState:
     def _apply_snapshot(self, snap: Snapshot) -> None:
         self.snapshot = snap
         self.snapshots += 1
+        if snap.cluster is not None:
+            self.cluster, self.cluster_t = snap.cluster, snap.t
         for worker, cats in snap.workers.items():
             known = self.known.get(worker)
             if known is None and len(self.known) < MAX_SERIES:
@@ -242,6 +280,34 @@ class RunState:
         v = _first(self.snapshot.metrics, "sim_tau", "tau", "simulated_tau")
         return v if isinstance(v, (int, float)) else None
 
+    @property
+    def shown_rank(self) -> int | None:
+        """The rank whose details the panels show (None until its hello)."""
+        return self.hello.rank if self.hello is not None else None
+
+    @property
+    def multi_rank(self) -> bool:
+        return (self.hello is not None and self.hello.world_size > 1) or self.cluster is not None
+
+    def job_ranks(self, local: Iterable[int] = ()) -> list[int]:
+        """Every rank of the job we know of: from the hello's world size, rank 0's cluster view, and
+        `local` (ranks with a socket on this machine)."""
+        ranks = set(local)
+        if self.hello is not None:
+            ranks.add(self.hello.rank)
+            if self.hello.world_size > 1:
+                ranks.update(range(self.hello.world_size))
+        if self.cluster is not None:
+            ranks.update(range(self.cluster.world_size))
+            ranks.update(r.rank for r in self.cluster.ranks)
+        return sorted(ranks)
+
+    def cluster_rank(self, rank: int) -> ClusterRank | None:
+        """What rank 0 last said about `rank`."""
+        if self.cluster is None:
+            return None
+        return next((r for r in self.cluster.ranks if r.rank == rank), None)
+
     def thread_cpu(self) -> dict[int, float]:
         """Native thread id -> CPU% from the latest snapshot (py-spy joins on this)."""
         s = self.system
@@ -265,6 +331,19 @@ class RunState:
                 continue
             for c, st in sorted(cats.items(), key=lambda kv: -kv[1].share):
                 yield w, c, st
+
+
+def step_rank(ranks: list[int], current: int | None, delta: int) -> int | None:
+    """The rank `delta` places after `current` in `ranks`, wrapping around (from nothing: the first
+    or the last); None when there are no ranks."""
+    if not ranks:
+        return None
+    if current is None or current not in ranks:
+        after = [r for r in ranks if current is None or (r > current if delta > 0 else r < current)]
+        if not after:
+            return ranks[0] if delta > 0 else ranks[-1]
+        return after[0] if delta > 0 else after[-1]
+    return ranks[(ranks.index(current) + delta) % len(ranks)]
 
 
 def _first(d: dict, *keys: str) -> float | None:

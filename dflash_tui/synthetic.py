@@ -15,6 +15,9 @@ from dflash.telemetry.protocol import (
     PROTO,
     Bottleneck,
     CategoryStats,
+    Cluster,
+    ClusterCategory,
+    ClusterRank,
     DeviceStats,
     Event,
     GpuSample,
@@ -43,12 +46,12 @@ def worker_names(n: int) -> list[str]:
 
 
 def hello(run: str = "demo", pid: int = 4242, host: str = "trainbox", workers: int = 4,
-          run_dir: str | None = None, interval_s: float = 0.5) -> Hello:
+          run_dir: str | None = None, interval_s: float = 0.5, rank: int = 0, world_size: int = 1) -> Hello:
     names = worker_names(workers)
     threads = {str(pid + 10 + i): name for i, name in enumerate(names)}
     threads[str(pid)] = "MainThread"
-    return Hello(proto=PROTO, run=run, pid=pid, host=host, workers=names, threads=threads, started=T0,
-                 interval_s=interval_s, run_dir=run_dir)
+    return Hello(proto=PROTO, run=run, pid=pid, host=host, rank=rank, world_size=world_size, workers=names,
+                 threads=threads, started=T0, interval_s=interval_s, run_dir=run_dir)
 
 
 def _stats(rng: random.Random, cat: str, share: float, interval: float, device: bool) -> CategoryStats:
@@ -114,6 +117,47 @@ def snapshot(seq: int, *, workers: int = 4, categories: int = 12, interval_s: fl
                     system=system, bottleneck=bottleneck)
 
 
+def cluster(seq: int, world_size: int = 2, *, workers: int = 4, interval_s: float = 0.5, straggler: int | None = 1,
+            stale: tuple[int, ...] = (), seed: int = 7) -> Cluster:
+    """Rank 0's cross-rank view at snapshot `seq`: rank `straggler` computes slower, so it waits least in
+    the all-reduce and is the slowest rank of the compute categories; `stale` ranks stopped reporting."""
+    rng = random.Random(seed * 7_919 + seq)
+    steps = seq * 4
+    ranks = []
+    for r in range(world_size):
+        slow = r == straggler
+        age = 14.5 + 0.5 * seq if r in stale else round(rng.uniform(0.1, 0.9), 1)
+        ranks.append(ClusterRank(
+            rank=r, host="trainbox" if r < 8 else f"trainbox{r // 8 + 1}", pid=4242 + r,
+            step=steps - (2 if slow else 0) - (40 if r in stale else 0),
+            tokens_per_s=round(4096 * 4 / interval_s * (0.78 if slow else rng.uniform(0.97, 1.03)), 1),
+            loss=round(6.0 * math.exp(-seq / 80) + 1.8 + 0.05 * rng.uniform(-1, 1), 4),
+            allreduce_share=round(0.03 if slow else 0.24 * rng.uniform(0.9, 1.1), 4), age_s=age, stale=r in stale,
+            socket=f"/run/user/1000/dflash/demo-{4242 + r}-r{r}.sock"))
+    live = [r for r in range(world_size) if r not in stale]
+    categories = []
+    for worker in worker_names(workers):
+        base = _TARGET if worker.startswith("target") else _DRAFTER
+        for cat, share in base.items():
+            # compute stretches on the straggler; waiting shrinks there (it is the one waited for)
+            factor = 1.25 if cat.endswith(("forward", "backward")) else 0.6 if cat.endswith("wait") else 1.0
+            shares = {r: share * (factor if r == straggler else 1.0) * rng.uniform(0.97, 1.03) for r in live}
+            if not shares:
+                continue
+            lo, hi = min(shares, key=shares.get), max(shares, key=shares.get)
+            categories.append(ClusterCategory(key=f"{worker}/{cat}", min=round(shares[lo], 4),
+                                              mean=round(sum(shares.values()) / len(shares), 4),
+                                              max=round(shares[hi], 4), min_rank=lo, max_rank=hi))
+    categories.sort(key=lambda c: -(c.max - c.min))
+    reason = ""
+    if straggler is not None:
+        waits = [r.allreduce_share for r in ranks if r.rank != straggler and not r.stale]
+        reason = (f"waits {ranks[straggler].allreduce_share:.0%} of its time in the gradient all-reduce, the others "
+                  f"{sum(waits) / max(1, len(waits)):.0%}: they wait for it")
+    return Cluster(world_size=world_size, ranks=ranks, categories=categories, straggler=straggler,
+                   straggler_reason=reason, stale=list(stale))
+
+
 def events(seq: int, t: float) -> list[Event]:
     out: list[Event] = []
     if seq and seq % 40 == 0:
@@ -126,11 +170,18 @@ def events(seq: int, t: float) -> list[Event]:
     return out
 
 
-def frames(n: int, **kw) -> list:
-    """A hello then `n` snapshots with their events, in recording order."""
-    out: list = [hello(workers=kw.get("workers", 4), interval_s=kw.get("interval_s", 0.5))]
+def frames(n: int, world_size: int = 1, **kw) -> list:
+    """A hello then `n` snapshots with their events, in recording order; with `world_size` > 1, rank 0's,
+    each snapshot carrying the cluster view."""
+    workers, interval_s = kw.get("workers", 4), kw.get("interval_s", 0.5)
+    out: list = [hello(workers=workers, interval_s=interval_s, world_size=world_size)]
     for seq in range(1, n + 1):
         snap = snapshot(seq, **kw)
+        if world_size > 1:
+            snap.cluster = cluster(seq, world_size, workers=workers, interval_s=interval_s)
+            own = snap.cluster.ranks[0]  # rank 0's row agrees with rank 0's own snapshot
+            own.step, own.tokens_per_s = int(snap.counters["steps"]), snap.rates["tokens"]
+            own.loss = snap.gauges["loss"]
         out.append(snap)
         out.extend(events(seq, snap.t))
     return out

@@ -28,8 +28,9 @@ from dflash_tui.app import DFlashTop
 from dflash_tui.pyspy import ProfileFailure, StackReport, find_pyspy
 from dflash_tui.sources import DISCONNECTED, INCOMPATIBLE, LIVE, LiveSource, ReplaySource
 from dflash_tui.widgets.categories import CategoryTable
+from dflash_tui.widgets.cluster import STRAGGLER, ClusterPanel
 from dflash_tui.widgets.events import EventsLog
-from dflash_tui.widgets.picker import PickerScreen, WaitingScreen
+from dflash_tui.widgets.picker import ChoiceScreen, PickerScreen, WaitingScreen
 from dflash_tui.widgets.stacks import StacksScreen
 
 PY = sys.executable
@@ -86,10 +87,10 @@ class Workload:
     CATS = ("target_forward", "pack_hidden", "hs_queue_put")
     DCATS = ("hs_queue_wait", "drafter_forward", "drafter_backward")
 
-    def __init__(self, run: str, sock_dir: Path, run_dir: Path, interval_s: float = 0.1) -> None:
+    def __init__(self, run: str, sock_dir: Path, run_dir: Path, interval_s: float = 0.1, **server_kw) -> None:
         self.stats = ProfileStats()
         self.server = TelemetryServer(run=run, stats=self.stats, interval_s=interval_s, run_dir=run_dir,
-                                      socket_dir=sock_dir)
+                                      socket_dir=sock_dir, **server_kw)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._work, name="workload", daemon=True)
 
@@ -371,6 +372,110 @@ async def test_replay_keys_pause_step_and_change_speed(tmp_path: Path) -> None:
         assert not src.paused and app.check_action("snapshot", ()) is False
         await pilot.press("minus")
         assert src.speed == 2.0
+
+
+# ----------------------------------------------------------------------------- multi-rank jobs
+
+
+class TwoRanks:
+    """Ranks 0 and 1 of a 3-rank job on this machine (real servers, one run directory); rank 2 is on
+    "node-b". Rank 0 publishes a cluster view naming rank 1 the straggler; rank 1 publishes none."""
+
+    def __init__(self, workloads, short_dir: Path) -> None:
+        self.sock_dir, self.run_dir = short_dir / "s", short_dir / "run"
+        self.remote = self.sock_dir / "job-999999-r2.sock"
+        self.views = 0
+        self.r1 = workloads("job", self.sock_dir, self.run_dir, rank=1, world_size=3)
+        self.r0 = workloads("job", self.sock_dir, self.run_dir, rank=0, world_size=3, cluster_view=self.view)
+
+    def view(self) -> protocol.Cluster:
+        self.views += 1
+        here = socket.gethostname()
+        own = getattr(self, "r0", None)  # the view is asked for as soon as rank 0's server starts
+        return protocol.Cluster(
+            world_size=3, straggler=1, straggler_reason="rank 1 waits least in the all-reduce",
+            ranks=[protocol.ClusterRank(rank=0, host=here, step=self.views, tokens_per_s=9000.0, allreduce_share=0.3,
+                                        socket=str(own.server.path) if own else None),
+                   protocol.ClusterRank(rank=1, host=here, step=self.views, tokens_per_s=7000.0, allreduce_share=0.02,
+                                        socket=str(self.r1.server.path)),
+                   protocol.ClusterRank(rank=2, host="node-b", step=self.views, tokens_per_s=9100.0,
+                                        allreduce_share=0.29, socket=str(self.remote))],
+            categories=[protocol.ClusterCategory(key="drafter-0/drafter_forward", min=0.2, mean=0.3, max=0.5,
+                                                 min_rank=0, max_rank=1)])
+
+
+def styled(text, style: str) -> list[str]:
+    """The pieces of a Rich Text drawn in `style`."""
+    return [text.plain[sp.start:sp.end] for sp in text.spans if str(sp.style) == style]
+
+
+async def test_cluster_panel_and_rank_keys_follow_each_rank(short_dir: Path, workloads) -> None:
+    job = TwoRanks(workloads, short_dir)
+    app = DFlashTop(job.r0.server.path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        panel = app.query_one(ClusterPanel)
+        await until(pilot, lambda: app.query_one("#p-cluster").display and "r2" in panel.content.plain, "the cluster")
+        text = panel.content.plain
+        assert "node-b" in text and "straggler r1" in text and "rank 1 waits least" in text
+        # rank 1's row, the rank with the category's highest share and the reason line
+        assert sorted(styled(panel.content, STRAGGLER)) == [" straggler r1 ", "r1", "r1"]
+        assert "drafter-0/drafter_forward" in text and "▶ r0" in text
+        assert app.check_action("rank", (1,)) and app.check_action("pick_rank", ())
+
+        # ] : the detailed panels follow rank 1; the cluster view keeps coming from rank 0
+        await pilot.press("right_square_bracket")
+        await until(pilot, lambda: app.state.hello is not None and app.state.hello.rank == 1, "rank 1's hello")
+        assert app.source.path == job.r1.server.path and "rank 1/3" in text_of(app, "#header")
+        await until(pilot, lambda: app.state.workers, "rank 1's timings")
+        assert app.cluster_source is not None and app.cluster_source.path == job.r0.server.path
+        seen = job.views
+        await until(pilot, lambda: app.state.cluster_connection == LIVE and app.state.cluster.ranks[0].step > seen,
+                    "fresh cluster views through the second connection")
+        assert "▶ r1" in panel.content.plain and "view from" not in app.query_one("#p-cluster").border_title
+
+        # ] again: rank 2 is on another machine: say so, keep rank 1's panels and mark rank 2's row
+        await pilot.press("right_square_bracket")
+        await until(pilot, lambda: "node-b" in text_of(app, "#status"), "the status line")
+        assert "rank 2 runs on node-b: its socket is not on this machine" in text_of(app, "#status")
+        assert app.state.hello.rank == 1 and app.source.path == job.r1.server.path
+        assert "▶ r2" in panel.content.plain and "• r1" in panel.content.plain
+
+        # ] wraps to rank 0, whose own connection carries the cluster view again
+        await pilot.press("right_square_bracket")
+        await until(pilot, lambda: app.state.hello is not None and app.state.hello.rank == 0, "rank 0 again")
+        assert app.cluster_source is None and not app.state.rank_note
+        assert "node-b" not in text_of(app, "#status")
+
+        # g: the list of every rank; the panels follow the one picked
+        await pilot.press("g")
+        await until(pilot, lambda: isinstance(app.screen, ChoiceScreen), "the rank list")
+        await pilot.press("down", "enter")
+        await until(pilot, lambda: app.state.hello is not None and app.state.hello.rank == 1, "rank 1 picked")
+
+
+async def test_a_job_on_this_machine_attaches_to_rank_0_without_a_picker(short_dir: Path, workloads) -> None:
+    job = TwoRanks(workloads, short_dir)
+    app = DFlashTop(None, socket_directory=job.sock_dir)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.state.hello is not None, "attach")
+        assert app.state.hello.rank == 0 and not isinstance(app.screen, PickerScreen)
+        await until(pilot, lambda: app.state.cluster is not None, "the cluster view")
+
+
+def test_cli_list_groups_ranks_and_once_shows_the_cluster(short_dir: Path, workloads) -> None:
+    job = TwoRanks(workloads, short_dir)
+    listed = run_cli("--list", "--socket-dir", str(job.sock_dir))
+    assert listed.returncode == 0, listed.stderr
+    assert "0/3" in listed.stdout and "1/3" in listed.stdout and "one job: ranks 0-1 of 3" in listed.stdout
+    once = run_cli("--once", "--json", "--socket-dir", str(job.sock_dir))
+    assert once.returncode == 0, once.stderr
+    s = json.loads(once.stdout)
+    assert s["rank"] == 0 and s["world_size"] == 3
+    assert s["cluster"]["straggler"] == 1 and [r["rank"] for r in s["cluster"]["ranks"]] == [0, 1, 2]
+    text = run_cli("--once", str(job.r0.server.path))
+    assert text.returncode == 0, text.stderr
+    assert "cluster (rank 0's view): 3 ranks" in text.stdout and "straggler r1" in text.stdout
+    assert "node-b" in text.stdout
 
 
 # ----------------------------------------------------------------------------- live source

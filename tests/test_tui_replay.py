@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import time
@@ -21,7 +22,11 @@ from dflash_tui.sources import (
     SourceUpdate,
     TargetError,
     discover,
+    group_jobs,
     open_source,
+    rank_list,
+    rank_socket,
+    rank_sockets,
     resolve,
 )
 
@@ -146,3 +151,39 @@ def test_resolve_run_dir_and_errors(tmp_path: Path) -> None:
         resolve(str(empty), directory=tmp_path / "nosockets")
     with pytest.raises(TargetError, match="not a socket"):
         resolve("no-such-run", directory=tmp_path / "nosockets")
+
+
+def test_sockets_of_one_run_group_into_a_job_led_by_rank_0() -> None:
+    infos = [SocketInfo.from_path(Path(f"/x/{name}")) for name in
+             ("alone-7.sock", "job-11-r1.sock", "job-10-r0.sock", "job-12-r3.sock", "twice-1-r0.sock",
+              "twice-2-r0.sock", "forwarded.sock")]
+    jobs = [[i.path.name for i in job] for job in group_jobs(infos)]
+    assert jobs == [["alone-7.sock"], ["job-10-r0.sock", "job-11-r1.sock", "job-12-r3.sock"],
+                    ["twice-1-r0.sock"], ["twice-2-r0.sock"], ["forwarded.sock"]]
+    assert rank_list([3, 0, 1, 2, 6, 8, 9]) == "0-3,6,8-9" and rank_list([]) == ""
+
+
+def test_a_rank_is_found_by_its_reported_socket_or_by_name_and_a_remote_one_is_explained() -> None:
+    d = Path("/tmp") / f"dft-{time.monotonic_ns()}"
+    d.mkdir()
+    listeners = []
+    try:
+        for name in (f"job-{os.getpid()}-r0.sock", f"job-{os.getpid()}-r1.sock", "job-999999999-r2.sock"):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(str(d / name))
+            listeners.append(s)
+        assert set(rank_sockets("job", d)) == {0, 1}, "rank 2's pid is dead: its file is a leftover"
+        here, local = socket.gethostname(), rank_sockets("job", d)
+        reported = protocol.ClusterRank(rank=1, host=here, socket=str(d / f"job-{os.getpid()}-r1.sock"))
+        assert rank_socket(1, {}, d, reported) == (d / f"job-{os.getpid()}-r1.sock", "")
+        assert rank_socket(0, local, d) == (d / f"job-{os.getpid()}-r0.sock", ""), "found by name alone"
+        path, why = rank_socket(2, local, d, protocol.ClusterRank(rank=2, host="node-b", socket=str(d / "x.sock")))
+        assert path is None and "runs on node-b" in why and "not on this machine" in why
+        path, why = rank_socket(2, local, d, protocol.ClusterRank(rank=2, state="silent"))
+        assert path is None and "has not reported yet" in why
+    finally:
+        for s in listeners:
+            s.close()
+        for p in d.iterdir():
+            p.unlink()
+        d.rmdir()

@@ -28,8 +28,8 @@ def utc() -> None:
     time.tzset()
 
 
-def fixed_app(gpus: int) -> DFlashTop:
-    frames = synthetic.frames(80, workers=8, gpus=gpus)
+def fixed_app(gpus: int, world_size: int = 1) -> DFlashTop:
+    frames = synthetic.frames(80, workers=8, gpus=gpus, world_size=world_size)
     return DFlashTop(source=MemorySource(frames, path="runs/demo/telemetry.jsonl", detail="replay of runs/demo"),
                      pyspy_exe="py-spy")
 
@@ -58,3 +58,8 @@ def test_gpu_panel_zoomed_says_no_driver(snap_compare) -> None:
         await pilot.pause()
 
     assert snap_compare(fixed_app(gpus=0), terminal_size=(80, 24), run_before=zoom)
+
+
+def test_cluster_view_of_two_ranks_120x40(snap_compare) -> None:
+    """Rank 0 of a 2-rank job: the cluster panel on top (rank 1 is the straggler), rank keys in the footer."""
+    assert snap_compare(fixed_app(gpus=1, world_size=2), terminal_size=(120, 40), run_before=settle)

@@ -9,8 +9,9 @@ from dflash.telemetry import protocol
 from dflash_tui import fmt, synthetic
 from dflash_tui.headless import render_text, summarize
 from dflash_tui.sources import DISCONNECTED, LIVE, SourceUpdate
-from dflash_tui.state import MAX_EVENTS, RunState
+from dflash_tui.state import MAX_EVENTS, RunState, step_rank
 from dflash_tui.widgets.bottleneck import evidence_value
+from dflash_tui.widgets.cluster import STRAGGLER, cluster_summary, cluster_text, pick_ranks
 from dflash_tui.widgets.timebars import bars_text, split_width
 
 
@@ -122,3 +123,99 @@ def test_formatters_are_short_and_na_safe() -> None:
     assert len(fmt.sparkline(range(100), 12)) == 12 and fmt.sparkline([], 5) == ""
     assert evidence_value("drafter.hs_queue_wait", 0.31) == "31.0%"
     assert evidence_value("targets", 1.0) == "1"
+
+
+# ----------------------------------------------------------------------------- multi-rank
+
+
+def _cluster_snapshot(seq: int, world_size: int = 2, **kw) -> protocol.Snapshot:
+    snap = synthetic.snapshot(seq)
+    snap.cluster = synthetic.cluster(seq, world_size, **kw)
+    return snap
+
+
+def test_the_cluster_view_outlives_a_rank_switch_but_not_a_new_run() -> None:
+    state = RunState()
+    state.apply(synthetic.hello(world_size=2))
+    state.apply(_cluster_snapshot(1))
+    assert state.multi_rank and state.cluster.straggler == 1 and state.cluster_t == synthetic.snapshot(1).t
+    state.forget_source()  # the panels now follow rank 1
+    assert state.hello is None and state.snapshot is None and not state.category_mean
+    assert state.cluster is not None, "rank 0's view stays while rank 1's stream starts"
+    state.apply(synthetic.hello(rank=1, world_size=2))
+    state.apply(synthetic.snapshot(2))  # other ranks publish no cluster view: the last one stays
+    assert state.cluster.ranks[0].step == synthetic.cluster(1).ranks[0].step
+    # the second connection, to rank 0, refreshes the view and only the view
+    state.apply_cluster_update(SourceUpdate(frames=[synthetic.hello(world_size=2), _cluster_snapshot(3)],
+                                            state=LIVE, detail="attached"))
+    assert state.cluster_t == synthetic.snapshot(3).t and state.cluster_connection == LIVE
+    assert state.hello.rank == 1 and state.snapshot.seq == 2
+    state.apply(synthetic.hello(run="another", world_size=1))
+    assert state.cluster is None and not state.multi_rank
+
+
+def test_job_ranks_come_from_the_hello_the_cluster_view_and_local_sockets() -> None:
+    state = RunState()
+    assert state.job_ranks() == [] and state.job_ranks([3]) == [3]
+    state.apply(synthetic.hello(rank=1, world_size=3))
+    assert state.job_ranks() == [0, 1, 2] and state.shown_rank == 1
+    state.apply(_cluster_snapshot(1, world_size=4))
+    assert state.job_ranks([5]) == [0, 1, 2, 3, 5]
+    assert state.cluster_rank(3).rank == 3 and state.cluster_rank(9) is None
+
+
+def test_step_rank_wraps_and_starts_from_either_end() -> None:
+    ranks = [0, 1, 2, 5]
+    assert step_rank(ranks, 0, 1) == 1 and step_rank(ranks, 5, 1) == 0 and step_rank(ranks, 0, -1) == 5
+    assert step_rank(ranks, None, 1) == 0 and step_rank(ranks, None, -1) == 5
+    assert step_rank(ranks, 3, 1) == 5 and step_rank(ranks, 3, -1) == 2  # a rank that left the list
+    assert step_rank(ranks, 9, 1) == 0 and step_rank([], 0, 1) is None
+
+
+def test_cluster_text_flags_the_straggler_stale_ranks_and_the_selection() -> None:
+    cluster = synthetic.cluster(10, 3, stale=(2,))
+    wide = cluster_text(cluster, 120, selected=2, shown=0)
+    lines = wide.plain.splitlines()
+    assert "rank" in lines[0] and "worker/category" in lines[0], "side by side when wide"
+    assert lines[1].startswith("• r0") and lines[3].startswith("▶ r2") and "STALE" in lines[3]
+    assert "straggler r1" in wide.plain and "stale r2" in wide.plain
+    assert {wide.plain[s.start:s.end] for s in wide.spans if str(s.style) == STRAGGLER} >= {"r1", " straggler r1 "}
+    narrow = cluster_text(cluster, 76).plain.splitlines()
+    assert "worker/category" not in narrow[0] and any(line.startswith("worker/category") for line in narrow)
+    assert cluster_summary(cluster).startswith("3 ranks") and cluster_summary(cluster).endswith("1 stale")
+    broken = protocol.Cluster(world_size=2, error="store unreachable")
+    assert cluster_text(broken, 120).plain.startswith("⚠ cross-rank exchange: store unreachable")
+
+
+def test_many_ranks_keep_the_straggler_stale_and_selected_rows() -> None:
+    cluster = synthetic.cluster(10, 64, straggler=40, stale=(50,))
+    rows, hidden = pick_ranks(cluster, 8, keep=(33, 0))
+    assert len(rows) == 8 and hidden == 56
+    assert {0, 33, 40, 50} <= {r.rank for r in rows} and [r.rank for r in rows] == sorted(r.rank for r in rows)
+    assert "… 56 more ranks" in cluster_text(cluster, 120, selected=33, shown=0).plain
+
+
+def test_once_summary_and_text_carry_the_cluster_view() -> None:
+    state = RunState()
+    for f in synthetic.frames(3, world_size=2):
+        state.apply(f)
+    s = summarize(state)
+    json.dumps(s)
+    assert s["world_size"] == 2 and s["cluster"]["straggler"] == 1
+    assert [r["rank"] for r in s["cluster"]["ranks"]] == [0, 1]
+    text = render_text(s)
+    assert "cluster (rank 0's view): 2 ranks" in text and "straggler r1" in text and "▶ r0" in text
+    single = RunState()
+    for f in synthetic.frames(2):
+        single.apply(f)
+    assert summarize(single)["cluster"] is None and "cluster" not in render_text(summarize(single))
+
+
+def test_dflash_top_takes_only_the_protocol_from_dflash_and_never_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, dflash_tui.app, dflash_tui.headless, dflash_tui.pyspy\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dflash', 'torch')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['dflash', 'dflash.telemetry', 'dflash.telemetry.protocol']"

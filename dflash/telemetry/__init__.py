@@ -8,17 +8,20 @@
 torch is only touched (never imported) by CUDA spans, when the trainer has already imported it.
 """
 
-from dflash.telemetry.stats import ProfileStats, Worker
-from dflash.telemetry.summary import Summary, format_profile_stats
+from __future__ import annotations
+
+import importlib
 
 __all__ = ["ProfileStats", "Summary", "TelemetryServer", "Worker", "format_profile_stats"]
 
+# Resolved on first use, so that importing dflash.telemetry.protocol (all dflash-top takes from this
+# package) loads nothing else of it, and code that only times things never loads the server (psutil,
+# selectors).
+_WHERE = {"ProfileStats": "stats", "Worker": "stats", "Summary": "summary", "format_profile_stats": "summary",
+          "TelemetryServer": "server"}
+
 
 def __getattr__(name: str) -> object:
-    # The server pulls in psutil and the selector machinery; keep `import dflash.telemetry` light for
-    # code that only times things.
-    if name == "TelemetryServer":
-        from dflash.telemetry.server import TelemetryServer
-
-        return TelemetryServer
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"dflash.telemetry.{_WHERE[name]}"), name)
     raise AttributeError(f"module 'dflash.telemetry' has no attribute {name!r}")

@@ -1,8 +1,10 @@
-"""Choosing a trainer: a picker when several sockets answer, a waiting screen when none does yet."""
+"""Choosing: a trainer when several sockets answer (a multi-rank job counts once), a rank of the job
+(`g`), and a waiting screen while no trainer answers yet."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -12,30 +14,50 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, OptionList, Static
 from textual.widgets.option_list import Option
 
-from dflash_tui.sources import SocketInfo
+from dflash_tui.sources import SocketInfo, job_label
+
+T = TypeVar("T")
 
 
-class PickerScreen(ModalScreen[Path | None]):
-    BINDINGS = [Binding("escape,q", "dismiss(None)", "quit")]
+class ChoiceScreen(ModalScreen[T | None], Generic[T]):
+    """A titled list; enter dismisses with the chosen value, escape with None."""
+
+    BINDINGS = [Binding("escape,q", "dismiss(None)", "close")]
     DEFAULT_CSS = """
-    PickerScreen { align: center middle; }
-    PickerScreen > Vertical { width: 90%; max-width: 100; height: auto; max-height: 90%;
+    ChoiceScreen { align: center middle; }
+    ChoiceScreen > Vertical { width: 90%; max-width: 100; height: auto; max-height: 90%;
                               border: round $accent; background: $surface; }
-    PickerScreen OptionList { height: auto; max-height: 20; }
+    ChoiceScreen OptionList { height: auto; max-height: 20; text-wrap: nowrap; text-overflow: ellipsis; }
     """
 
-    def __init__(self, sockets: list[SocketInfo]) -> None:
+    def __init__(self, title: str, choices: list[tuple[str | Text, T]], highlighted: int | None = None) -> None:
         super().__init__()
-        self.sockets = sockets
+        self.title_text = title
+        self.choices = choices
+        self.highlighted = highlighted
 
     def compose(self) -> ComposeResult:
         with Vertical() as v:
-            v.border_title = f"{len(self.sockets)} trainers running: pick one"
-            yield OptionList(*[Option(f"{i.label}   {i.path}", id=str(i.path)) for i in self.sockets])
+            v.border_title = self.title_text
+            options = OptionList(*[Option(label, id=str(i)) for i, (label, _) in enumerate(self.choices)])
+            if self.highlighted is not None:
+                options.highlighted = self.highlighted
+            yield options
         yield Footer()
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
-        self.dismiss(Path(event.option.id))
+        self.dismiss(self.choices[int(event.option.id)][1])
+
+
+class PickerScreen(ChoiceScreen[Path]):
+    """Several trainers answer: pick one. A multi-rank job is one entry (its lowest rank here)."""
+
+    BINDINGS = [Binding("escape,q", "dismiss(None)", "quit")]
+
+    def __init__(self, jobs: list[list[SocketInfo]]) -> None:
+        super().__init__(f"{len(jobs)} trainers running: pick one",
+                         [(f"{job_label(job)}   {job[0].path}", job[0].path) for job in jobs])
+        self.jobs = jobs
 
 
 class WaitingScreen(Screen[list[SocketInfo]]):

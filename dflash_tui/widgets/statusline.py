@@ -23,6 +23,8 @@ class StatusLine(TextPanel):
         t = Text(no_wrap=True, overflow="ellipsis")
         if self.job_text:
             t.append(self.job_text + "  ", style="bold cyan")
+        if state.rank_note:
+            t.append(state.rank_note + "  ", style="bold yellow")
         if state.connection in ("incompatible", "disconnected", "ended", "paused", "replay", "connecting"):
             t.append(state.connection_detail + "  ", style="bold red" if state.connection == "incompatible" else "")
         if state.last_error:
