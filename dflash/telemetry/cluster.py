@@ -93,7 +93,8 @@ class _Smoother:
         dt = s.t - t0
         if dt <= 0:  # first report: the window's own shares and rates
             return ({f"{w}/{c}": st.share for w, cats in s.workers.items() for c, st in cats.items()}, dict(s.rates))
-        shares = {k: max(0.0, (v - tot0.get(k, 0.0)) / dt) for k, v in totals.items()}
+        # Spans are booked when they end, so a long one can push a window's share past 1: clamp.
+        shares = {k: min(1.0, max(0.0, (v - tot0.get(k, 0.0)) / dt)) for k, v in totals.items()}
         rates = {k: max(0.0, (v - cnt0.get(k, 0.0)) / dt) for k, v in counters.items()}
         return shares, rates
 
