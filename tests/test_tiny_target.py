@@ -26,10 +26,7 @@ def test_build_info_meets_the_bar_for_a_real_language_model():
     info = json.loads((tiny_target_dir(build_if_missing=False) / "build_info.json").read_text())
     assert info["heldout_loss"] <= 3.0, info["heldout_loss"]
     assert info["heldout_loss"] < info["bigram_heldout_loss"] - 1.0
-    # The issue asks for >= 30 distinct tokens per 96 greedy ones; the shipped 2.8M-parameter model
-    # reaches 16 (it falls into loops: see the README). This guards against getting worse; raise it
-    # to 30 when a larger target is built.
-    assert info["greedy_distinct_per_96"] >= 12
+    assert info["greedy_distinct_per_96"] >= 30  # greedy continuations vary (a looping model gets ~16)
 
 
 def test_greedy_output_of_the_shipped_model_does_not_loop():
@@ -39,7 +36,7 @@ def test_greedy_output_of_the_shipped_model_does_not_loop():
     t = load_target("tiny")
     _, held = split_files(stdlib_files(), TinyRecipe().heldout_every)
     ids = encode_files(t.tokenizer, held[:3])
-    assert greedy_distinct(t.model, ids, prompts=3) >= 10
+    assert greedy_distinct(t.model, ids, prompts=3) >= 25
 
 
 def test_demo_data_is_shipped_and_loads_with_the_tiny_tokenizer():
