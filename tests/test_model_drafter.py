@@ -104,3 +104,28 @@ def test_zero_mask_embedding_is_rejected():
     w = torch.randn(10, 8)
     w[3] = 0
     assert mask_token_embedding_ok(w, 2) and not mask_token_embedding_ok(w, 3)
+
+
+def test_init_from_target_starts_from_the_targets_top_layer_and_its_input(tmp_path):
+    """With a tap just below the copied layer, the context feature starts as exactly the input that
+    layer normalises in the target, so the injected keys/values begin as the target's own."""
+    from test_model_helpers import make_target_dir
+
+    from dflash.model.drafter import init_from_target
+    from dflash.model.target import load_target
+
+    t = load_target(str(make_target_dir(tmp_path / "t", layers=4)), layer_ids=[1, 2])
+    d = DFlashDrafter(DrafterConfig.for_target(t.config, num_layers=1, block_size=4, target_layer_ids=[1, 2],
+                                               mask_token_id=3))
+    copied = init_from_target(d, t.model)
+    top = t.model.model.layers[-1]
+    assert "fc.weight" in copied and "layers.0.mlp.down_proj.weight" in copied
+    for name, p in top.state_dict().items():
+        assert torch.equal(d.layers[0].state_dict()[name], p), name
+    assert torch.equal(d.norm.weight, t.model.model.norm.weight)
+
+    ids = torch.randint(5, 200, (2, 9))
+    out = t.model(input_ids=ids, output_hidden_states=True)
+    ctx = d.context_feature(t.taps(out.hidden_states))
+    # hidden_states[3] is the output of layer 2, the input of the top layer (layer 3)
+    torch.testing.assert_close(ctx, top.input_layernorm(out.hidden_states[3]))

@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--batch-size", type=int)
     a("--lr", type=float)
     a("--drafter-layers", type=int)
+    a("--init-from-target", action="store_true", default=None,
+      help="start the drafter's layers as copies of the target's top layers")
     a("--block-size", type=int)
     a("--num-anchors", type=int)
     a("--max-seq-len", type=int)

@@ -378,3 +378,39 @@ def mask_token_embedding_ok(embed_weight: torch.Tensor, token_id: int) -> bool:
     outputs for all slots): a one-layer drafter could then only predict one token per block."""
     row = embed_weight[token_id].float()
     return bool(row.norm() > 1e-6 * math.sqrt(row.numel()))
+
+
+def init_from_target(drafter: DFlashDrafter, target_model: nn.Module) -> list[str]:
+    """Start the drafter's layers as copies of the target's top decoder layers (and its final norm).
+
+    The drafter's layers have the target's shapes and Qwen3 parameter names, and the target's LM head
+    reads its output, so the top of the target is a far better starting point than noise: the
+    drafter begins by computing roughly what the target's last layers compute and only has to learn
+    to use the injected context and the masked block. Returns the names copied.
+    """
+    decoder = target_model.get_decoder() if hasattr(target_model, "get_decoder") else target_model.base_model
+    src_layers = list(decoder.layers)[-len(drafter.layers):]
+    copied = []
+    with torch.no_grad():
+        for i, (dst, src) in enumerate(zip(drafter.layers, src_layers, strict=True)):
+            src_state = src.state_dict()
+            for name, p in dst.state_dict().items():
+                if name in src_state and src_state[name].shape == p.shape:
+                    p.copy_(src_state[name].to(p.dtype))
+                    copied.append(f"layers.{i}.{name}")
+        if decoder.norm.weight.shape == drafter.norm.weight.shape:
+            drafter.norm.weight.copy_(decoder.norm.weight.to(drafter.norm.weight.dtype))
+            copied.append("norm.weight")
+        # If one tap is the layer just below the copied ones, start the context feature as exactly what
+        # the first copied layer read in the target (that tap, under that layer's input norm): the
+        # injected keys and values then begin as the target's own.
+        below = len(decoder.layers) - len(drafter.layers) - 1
+        taps = list(drafter.config.target_layer_ids)
+        if below in taps:
+            h = drafter.config.hidden_size
+            k = taps.index(below)
+            drafter.fc.weight.zero_()
+            drafter.fc.weight[:, k * h:(k + 1) * h] = torch.eye(h, dtype=drafter.fc.weight.dtype)
+            drafter.hidden_norm.weight.copy_(src_layers[0].input_layernorm.weight.to(drafter.hidden_norm.weight.dtype))
+            copied += ["fc.weight", "hidden_norm.weight"]
+    return copied

@@ -32,6 +32,9 @@ class TrainConfig:
     num_anchors: int = 512
     gamma: float | None = None
     target_layer_ids: list[int] | None = None
+    # start the drafter's layers as copies of the target's top layers (not in the reference recipe,
+    # which starts from random weights; it speeds up short runs a lot)
+    init_from_target: bool = False
     # data
     max_seq_len: int = 512
     batch_size: int = 8

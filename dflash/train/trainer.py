@@ -77,7 +77,7 @@ class Trainer:
 
     def setup(self) -> None:
         from dflash.data import DataError, load_samples, resolve_data
-        from dflash.model.drafter import DFlashDrafter, DrafterConfig
+        from dflash.model.drafter import DFlashDrafter, DrafterConfig, init_from_target
         from dflash.model.target import TargetError, load_target
         from dflash.telemetry import ProfileStats
 
@@ -127,7 +127,11 @@ class Trainer:
             )
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        drafter = DFlashDrafter(dcfg).to(self.drafter_device)
+        drafter = DFlashDrafter(dcfg)
+        if cfg.init_from_target and ckpt is None:
+            copied = init_from_target(drafter, first.model)
+            self.log(f"drafter initialised from the target's top {dcfg.num_layers} layer(s) ({len(copied)} tensors)")
+        drafter = drafter.to(self.drafter_device)
         # Same drafter init on every rank (DDP also broadcasts rank 0's), different anchors per rank.
         self.generator = torch.Generator().manual_seed(cfg.seed + 1_000_003 * d.rank)
 
