@@ -120,13 +120,19 @@ def _wait_for_training(proc: subprocess.Popen, socks: Path, timeout: float = 120
     raise AssertionError("ranks did not start training: " + "".join(seen)[-3000:])
 
 
-def test_killing_a_rank_ends_the_job_with_a_clear_message(setup, tmp_path):
+def _signal_rank_1_mid_run(setup, tmp_path, sig: int, collective_timeout: int):
+    """Start a long 2-rank run, wait until it trains, send `sig` to rank 1; (proc, pids, time sent)."""
     target, data = setup
     socks = tmp_path / "socks"
-    proc = _launch(target, data, tmp_path / "run", socks, "--max-steps", "100000", "--collective-timeout", "20")
+    proc = _launch(target, data, tmp_path / "run", socks, "--max-steps", "100000",
+                   "--collective-timeout", str(collective_timeout))
     pids = _wait_for_training(proc, socks)
-    t0 = time.monotonic()
-    os.kill(pids[1], signal.SIGKILL)
+    os.kill(pids[1], sig)
+    return proc, pids, time.monotonic()
+
+
+def test_killing_a_rank_ends_the_job_with_a_clear_message(setup, tmp_path):
+    proc, _, t0 = _signal_rank_1_mid_run(setup, tmp_path, signal.SIGKILL, 20)
     out = _finish(proc, timeout=90)
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 60
@@ -135,12 +141,8 @@ def test_killing_a_rank_ends_the_job_with_a_clear_message(setup, tmp_path):
 
 
 def test_a_hung_rank_times_out_instead_of_blocking_forever(setup, tmp_path):
-    target, data = setup
-    socks = tmp_path / "socks"
-    proc = _launch(target, data, tmp_path / "run", socks, "--max-steps", "100000", "--collective-timeout", "8")
-    pids = _wait_for_training(proc, socks)
-    t0 = time.monotonic()
-    os.kill(pids[1], signal.SIGSTOP)  # alive but stuck: only a timeout can end the wait
+    # SIGSTOP: alive but stuck, so only a timeout can end the others' wait
+    proc, pids, t0 = _signal_rank_1_mid_run(setup, tmp_path, signal.SIGSTOP, 8)
     try:
         out = _finish(proc, timeout=120)
     finally:

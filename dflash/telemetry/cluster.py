@@ -26,7 +26,7 @@ from typing import Protocol
 
 import msgspec
 
-from dflash.telemetry.protocol import Cluster, ClusterCategory, ClusterRank
+from dflash.telemetry.protocol import Cluster, ClusterCategory, ClusterRank, RankFigures
 from dflash.telemetry.summary import Summary
 
 log = logging.getLogger(__name__)
@@ -52,21 +52,13 @@ class Store(Protocol):
     def check(self, keys: list[str]) -> bool: ...
 
 
-class RankReport(msgspec.Struct, omit_defaults=True):
+class RankReport(RankFigures, omit_defaults=True):
     """What one rank writes to the store every interval (a few hundred bytes)."""
 
-    rank: int
-    seq: int
-    host: str = ""
-    pid: int = 0
-    state: str = "training"
-    step: int = 0
-    tokens_per_s: float = 0.0
-    loss: float | None = None
-    allreduce_share: float = 0.0
+    #: increases with every report: rank 0 ages a rank by when this last changed (no clock sync needed)
+    seq: int = 0
     #: "worker/category" -> share of that worker's wall time over the last SMOOTH_S seconds
     shares: dict[str, float] = {}
-    socket: str | None = None
 
 
 _enc = msgspec.json.Encoder()
@@ -130,11 +122,8 @@ def build_cluster(world_size: int, reports: Mapping[int, RankReport], ages: Mapp
         else:
             age = ages.get(r, 0.0)
             is_stale = rep.state == "training" and age > stale_after_s
-            ranks.append(ClusterRank(
-                rank=r, host=rep.host, pid=rep.pid, state=rep.state, step=rep.step, tokens_per_s=rep.tokens_per_s,
-                loss=rep.loss, allreduce_share=rep.allreduce_share, age_s=round(age, 1), stale=is_stale,
-                socket=rep.socket,
-            ))
+            figures = {f: getattr(rep, f) for f in RankFigures.__struct_fields__}
+            ranks.append(ClusterRank(**figures, age_s=round(age, 1), stale=is_stale))
         if is_stale:
             stale.append(r)
     live = {r: rep for r, rep in reports.items() if r not in stale and rep.state == "training"}

@@ -83,8 +83,8 @@ class Bottleneck(msgspec.Struct, omit_defaults=True):
     evidence: dict[str, float] = {}
 
 
-class ClusterRank(msgspec.Struct, omit_defaults=True):
-    """One rank as rank 0 last heard of it."""
+class RankFigures(msgspec.Struct, omit_defaults=True):
+    """What a rank says about itself in the cluster exchange."""
 
     rank: int
     host: str = ""
@@ -97,12 +97,17 @@ class ClusterRank(msgspec.Struct, omit_defaults=True):
     #: fraction of the rank's wall time its drafter spent in the gradient all-reduce (waiting for the
     #: other ranks, mostly): the rank that waits least is the one the others wait for
     allreduce_share: float = 0.0
+    #: the rank's own telemetry socket (attachable when it is on the same machine)
+    socket: str | None = None
+
+
+class ClusterRank(RankFigures, omit_defaults=True):
+    """One rank as rank 0 last heard of it."""
+
     #: seconds since rank 0 last received a new report from this rank
     age_s: float = 0.0
     #: True when the rank has stopped reporting (no new report for several intervals while training)
     stale: bool = False
-    #: the rank's own telemetry socket (attachable when it is on the same machine)
-    socket: str | None = None
 
 
 class ClusterCategory(msgspec.Struct, omit_defaults=True):
