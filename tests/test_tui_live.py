@@ -425,7 +425,8 @@ async def test_cluster_panel_and_rank_keys_follow_each_rank(short_dir: Path, wor
         # ] : the detailed panels follow rank 1; the cluster view keeps coming from rank 0
         await pilot.press("right_square_bracket")
         await until(pilot, lambda: app.state.hello is not None and app.state.hello.rank == 1, "rank 1's hello")
-        assert app.source.path == job.r1.server.path and "rank 1/3" in text_of(app, "#header")
+        assert app.source.path == job.r1.server.path
+        await until(pilot, lambda: "rank 1/3" in text_of(app, "#header"), "the header redrawn for rank 1")
         await until(pilot, lambda: app.state.workers, "rank 1's timings")
         assert app.cluster_source is not None and app.cluster_source.path == job.r0.server.path
         seen = job.views

@@ -11,6 +11,7 @@ with a message instead of blocking the others forever.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import time
 from dataclasses import dataclass
@@ -132,7 +133,11 @@ def wrap_ddp(module: torch.nn.Module, device: torch.device, stats) -> torch.nn.M
     `allreduce_seconds`: mostly waiting for the slowest rank, which is how the cluster view finds it."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
+    # The drafter's buffers (RoPE frequencies) are the same constants on every rank: syncing them at
+    # each forward would only add a collective per step (and one more place to time out).
+    no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                      else {"broadcast_buffers": False})
+    ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, **no_buffer_sync)
     ddp.config = module.config  # the objective reads block size and mask token from the module it runs
     world = dist.get_world_size()
 

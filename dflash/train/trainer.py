@@ -426,22 +426,17 @@ class Trainer:
         if self.pipeline.failure:
             name, tb = self.pipeline.failure
             last = tb.strip().splitlines()[-1]
+            quiet = self._quiet_ranks()
             if isinstance(self.pipeline.error, DistError):
                 last = str(self.pipeline.error)
-                view = self.exchange.view() if self.exchange is not None else None
-                if view is not None and view.stale:
-                    # The cluster view saw who went quiet first: name it (torchrun can only name
-                    # the first process to exit, which is the one that noticed).
-                    ages = ", ".join(f"rank {r.rank} {r.age_s:.0f}s ago" for r in view.ranks if r.stale)
-                    last += f" [cluster view: stopped reporting: {ages}]"
-                print(f"dflash train: {last}", file=sys.stderr, flush=True)
+                print(f"dflash train: {last}{quiet}", file=sys.stderr, flush=True)
             else:
                 where = f"rank {self.dist.rank}: " if self.dist.enabled else ""
                 print(f"dflash train: {where}worker {name} failed, stopping the pipeline:\n{tb}", file=sys.stderr,
                       flush=True)
                 if self.dist.enabled:
                     print(f"dflash train: rank {self.dist.rank}: in a multi-rank run a failed collective usually "
-                          "means another rank died or hung first: see its log and torchrun's summary",
+                          f"means another rank died or hung first: see its log and torchrun's summary{quiet}",
                           file=sys.stderr, flush=True)
             self._event("error", f"worker {name} failed: {last}")
             code = 1
@@ -453,6 +448,15 @@ class Trainer:
         if stuck:
             self.log(f"warning: workers did not exit in time: {', '.join(stuck)}")
         return code
+
+    def _quiet_ranks(self) -> str:
+        """Which ranks the cluster view saw go quiet, for a failure message (torchrun can only name the
+        first process to exit, which is the one that noticed, not the one that hung)."""
+        view = self.exchange.view() if self.exchange is not None else None
+        if view is None or not view.stale:
+            return ""
+        ages = ", ".join(f"rank {r.rank} {r.age_s:.0f}s ago" for r in view.ranks if r.stale)
+        return f" [cluster view: stopped reporting: {ages}]"
 
     def _install_signals(self) -> dict:
         if threading.current_thread() is not threading.main_thread():
