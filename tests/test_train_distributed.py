@@ -155,3 +155,43 @@ def test_a_hung_rank_times_out_instead_of_blocking_forever(setup, tmp_path):
     assert time.monotonic() - t0 < 8 + 30 + 30
     assert "another rank died or hung" in out and "Timed out" in out, out[-4000:]
     assert "[cluster view: stopped reporting: rank 1" in out, out[-4000:]
+
+
+def _pin(pid: int, cpu: int) -> None:
+    """Every thread of `pid` onto one CPU (sched_setaffinity on a pid moves only its main thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except ProcessLookupError:
+            pass  # a thread that just ended
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to slow one rank down")
+def test_a_rank_slowed_by_a_cpu_hog_is_named_the_straggler(setup, tmp_path):
+    """A real straggler: each rank gets its own CPU, then a busy loop shares rank 1's. Rank 0 now waits
+    for rank 1 in every all-reduce, and rank 0's cluster view must say so."""
+    target, data = setup
+    run, socks = tmp_path / "run", tmp_path / "socks"
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    proc = _launch(target, data, run, socks, "--max-steps", "100000", "--max-time", "25")
+    pids = _wait_for_training(proc, socks)
+    _pin(pids[0], cpus[0])
+    _pin(pids[1], cpus[1])
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(hog.pid, {cpus[1]})
+        out = _finish(proc)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert proc.returncode == 0, out[-3000:]
+    views = [f.cluster for f in read_frames(run / "telemetry.jsonl") if isinstance(f, Snapshot) and f.cluster]
+    named = [v for v in views if v.straggler is not None]
+    assert named, "no straggler was ever named"
+    # Once the hog has run for a smoothing window, rank 1 is the straggler in (nearly) every view.
+    late = [v.straggler for v in named[len(named) // 2:]]
+    assert late.count(1) >= 0.8 * len(late), late
+    last = next(v for v in reversed(named) if v.straggler == 1)
+    ar = {r.rank: r.allreduce_share for r in last.ranks}
+    assert ar[0] > ar[1] + 0.05, ar  # rank 0 waits for rank 1
+    assert last.straggler_reason.startswith("rank 1 waits")
