@@ -97,6 +97,15 @@ def test_two_ranks_train_in_sync_publish_the_cluster_view_and_resume(setup, tmp_
     assert f"resumed from step {step}" in out and f"replicas in sync at step {step + 3}" in out, out[-3000:]
     assert torch.load(list_checkpoints(run)[-1], weights_only=False)["state"]["step"] == step + 3
 
+    # The same run continued by a single process: allowed, and it says what changes.
+    single = [sys.executable, "-m", "dflash", "train", "--target", str(target), "--data", str(data), "--run-dir",
+              str(run), "--batch-size", "4", "--num-anchors", "8", "--drafter-layers", "1", "--eval-prompts", "0",
+              "--no-telemetry", "--max-steps", str(step + 5), "--max-time", "1000", "--resume"]
+    res = subprocess.run(single, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming a 2-rank run on 1 rank(s)" in res.stdout and f"resumed from step {step + 3}" in res.stdout
+
 
 def _wait_for_training(proc: subprocess.Popen, socks: Path, timeout: float = 120) -> dict[int, int]:
     """Both ranks' pids (from their socket names) once rank 0 logged a step."""

@@ -161,8 +161,9 @@ class Trainer:
                 _set_rng_state(per_rank[d.rank], self.generator)
             else:
                 if per_rank is not None or d.enabled:
-                    self.log(f"resuming a {len(per_rank or [0])}-rank run on {d.world_size} rank(s): "
-                             "the anchor sampling restarts from rank 0's state, the data order is kept")
+                    self.log(f"resuming a {len(per_rank or [0])}-rank run on {d.world_size} rank(s): every rank "
+                             "continues rank 0's anchor sampling, and batch index "
+                             f"{ckpt['state']['next_batch']} is now split {d.world_size} ways")
                 _set_rng_state(ckpt["rng"], self.generator)
             s = ckpt["state"]
             self.state = RunState(step=s["step"], next_batch=s["next_batch"], tokens=s["tokens"],
