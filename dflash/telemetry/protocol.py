@@ -118,7 +118,8 @@ class ClusterCategory(msgspec.Struct, omit_defaults=True):
     mean: float
     max: float
     min_rank: int
-    #: the slowest rank in this category
+    #: the rank with the highest share: the slowest in a compute category, the one that waits most in
+    #: a waiting one (`*_wait`, `*_put`)
     max_rank: int
 
 

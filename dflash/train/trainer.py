@@ -57,6 +57,7 @@ class Trainer:
         self.server = None
         self.exporter = None
         self.exchange = None
+        self.agreement = None  # the per-step control exchange of a multi-rank run
         self._agreed_clock = 0.0
         self._last_ckpt_time = time.monotonic()
         self._last_eval_time = time.monotonic()
@@ -223,25 +224,25 @@ class Trainer:
         if self.drafter_device.type == "cuda" or any(t.device.type == "cuda" for t in self.targets):
             self._allocator_gauges()
         now = time.monotonic()
-        done = self._should_stop()
+        # The step budget is the same number on every rank; signals and the clock are not.
+        steps_done = cfg.max_steps is not None and st.step >= cfg.max_steps
+        wants_stop = self.stop_requested.is_set() or (cfg.max_time is not None
+                                                      and self.pipeline.clock() >= cfg.max_time)
         # Rank 0's clocks decide checkpoints and evaluations for the whole job.
         ckpt = self.dist.is_main and now - self._last_ckpt_time >= cfg.checkpoint_every
         ev = self.dist.is_main and bool(cfg.eval_every) and now - self._last_eval_time >= cfg.eval_every
-        if self.dist.enabled:
-            (done, ckpt, ev), self._agreed_clock = distributed.agree(self.dist, [done, ckpt, ev],
-                                                                    self.pipeline.train_time())
+        if self.agreement is not None:
+            # Decisions proposed after step N take effect after step N+1 on every rank alike.
+            agreed = self.agreement.exchange([wants_stop, ckpt, ev], self.pipeline.train_time())
+            (wants_stop, ckpt, ev), self._agreed_clock = agreed or ((False, False, False), self._agreed_clock)
+        done = steps_done or wants_stop
+        if done and self.agreement is not None:
+            self.agreement.finish()  # every rank stops at this step, so the last exchange completes
         if done or ckpt:
             self.checkpoint()
         if ev and not done:
             self.evaluate(in_training=True)
         return not done
-
-    def _should_stop(self) -> bool:
-        if self.stop_requested.is_set():
-            return True
-        if self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps:
-            return True
-        return self.cfg.max_time is not None and self.pipeline.clock() >= self.cfg.max_time
 
     def _allocator_gauges(self) -> None:
         devs = {self.drafter_device, *(t.device for t in self.targets)}
@@ -351,6 +352,7 @@ class Trainer:
         cfg = self.cfg
         self.pipeline = Pipeline(self.source, self.targets, self.drafter, cfg, self.stats, self.state, self.on_step)
         if self.dist.enabled:
+            self.agreement = distributed.Agreement(self.dist)
             self._agreed_clock = self.state.train_time
             self.pipeline.clock = lambda: self._agreed_clock
         old = self._install_signals()
