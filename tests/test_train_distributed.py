@@ -6,6 +6,7 @@ talk over real process groups and torchrun's real TCPStore.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -204,3 +205,13 @@ def test_a_rank_slowed_by_a_cpu_hog_is_named_the_straggler(setup, tmp_path):
     ar = {r.rank: r.allreduce_share for r in last.ranks}
     assert ar[0] > ar[1] + 0.05, ar  # rank 0 waits for rank 1
     assert last.straggler_reason.startswith("rank 1 waits")
+
+
+def test_bench_distributed_runs_two_ranks_and_reports_json():
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_distributed.py"
+    r = subprocess.run([sys.executable, str(script), "--json", "--steps", "20", "--rounds", "1", "--work-ms", "2"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(r.stdout)
+    assert set(data["overhead_us_per_step"]) == {"waited", "overlapped"}
+    assert data["waited_vs_overlapped"] > 0 and "foreign_load_cores" in data
