@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from bench_pipeline import _busy_seconds, _children_cpu
+from bench_pipeline import _busy_seconds, _children_cpu, print_report
 
 
 def _worker(args) -> None:
@@ -85,13 +85,7 @@ def main() -> None:
         "busy_machine": foreign > 0.2,
         "cpu_count": os.cpu_count(),
     }
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return
-    for k, v in report.items():
-        print(f"{k:>22}: {v}")
-    if report["busy_machine"]:
-        print(f"WARNING: other processes used {foreign:.2f} cores during the run; figures are unreliable")
+    print_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -187,13 +187,20 @@ def main() -> None:
         "steps_per_config": args.steps,
         "cpu_count": os.cpu_count(),
     }
-    if args.json:
+    print_report(report, args.json)
+
+
+def print_report(report: dict, as_json: bool) -> None:
+    """JSON, or one aligned line per figure plus a warning when other processes loaded the machine."""
+    if as_json:
         print(json.dumps(report, indent=2))
         return
+    width = max(len(k) for k in report)
     for k, v in report.items():
-        print(f"{k:>28}: {v}")
+        print(f"{k:>{width}}: {v}")
     if report["busy_machine"]:
-        print(f"WARNING: other processes used {foreign:.2f} cores during the run; ratios are unreliable")
+        print(f"WARNING: other processes used {report['foreign_load_cores']:.2f} cores during the run; "
+              "figures are unreliable")
 
 
 if __name__ == "__main__":
