@@ -90,7 +90,7 @@ def analyze(
             verdict="data-bound",
             reason=(
                 f"targets wait {target_starve:.0%} of their time for batches (batch_queue_wait): the data "
-                "producer limits throughput; speed up loading/collation or add producers"
+                "producer (one thread) limits throughput; make batch building cheaper"
             ),
             evidence=evidence,
         )
@@ -101,7 +101,7 @@ def analyze(
                 reason=(
                     f"drafters wait {drafter_starve:.0%} of their time for hidden states (hs_queue_wait) "
                     f"while targets block only {target_blocked:.0%}: the target forward limits throughput; "
-                    "add target workers/GPUs or batch the target more"
+                    "add target workers/GPUs (--target-devices) or batch the target more"
                 ),
                 evidence=evidence,
             )
@@ -110,7 +110,8 @@ def analyze(
             reason=(
                 f"targets spend {target_blocked:.0%} of their time blocked on a full hidden-state queue "
                 f"(hs_queue_put) while drafters wait only {drafter_starve:.0%}: drafter training limits "
-                "throughput; add drafter workers or make the drafter step cheaper"
+                "throughput; make the drafter step cheaper (fewer anchors or drafter layers) or add ranks (--nproc, "
+                "torchrun), each with its own drafter"
             ),
             evidence=evidence,
         )
