@@ -50,6 +50,7 @@ class Store(Protocol):
     def set(self, key: str, value: bytes) -> None: ...
     def get(self, key: str) -> bytes: ...
     def check(self, keys: list[str]) -> bool: ...
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
 
 
 class RankReport(RankFigures, omit_defaults=True):
@@ -230,11 +231,13 @@ class ClusterExchange:
 
     def _read_all(self) -> None:
         now = time.monotonic()
-        for r in range(self.world_size):
-            key = report_key(r)
-            if not self.store.check([key]):
-                continue
-            rep = _dec.decode(self.store.get(key))
+        keys = [report_key(r) for r in range(self.world_size)]
+        if self.store.check(keys):  # the usual case: two round trips, whatever the world size
+            found = dict(zip(range(self.world_size), self.store.multi_get(keys), strict=True))
+        else:  # some rank has not reported yet (get would block on its key)
+            found = {r: self.store.get(k) for r, k in enumerate(keys) if self.store.check([k])}
+        for r, raw in found.items():
+            rep = _dec.decode(raw)
             last = self._seen.get(r)
             if last is None or last[0] != rep.seq:
                 self._seen[r] = (rep.seq, now)
