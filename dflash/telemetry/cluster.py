@@ -93,8 +93,12 @@ class _Smoother:
 
 
 def make_report(rank: int, seq: int, summary: Summary | None, smoother: _Smoother, state: str,
-                socket_path: str | None) -> RankReport:
+                socket_path: str | None, previous: RankReport | None = None) -> RankReport:
+    """This rank's report. A window without a step has no step or loss gauge, so those carry over
+    from `previous`."""
     r = RankReport(rank=rank, seq=seq, host=socket.gethostname(), pid=os.getpid(), state=state, socket=socket_path)
+    if previous is not None:
+        r.step, r.loss = previous.step, previous.loss
     if summary is None:
         return r
     shares, rates = smoother.update(summary)
@@ -211,11 +215,8 @@ class ClusterExchange:
     def _tick(self) -> None:
         self._seq += 1
         try:
-            rep = make_report(self.rank, self._seq, self._latest(), self._smoother, self._state, self.socket_path)
-            # A window without a step carries no step or loss gauge: keep saying the last ones.
-            if self._last is not None:
-                rep.step = rep.step or self._last.step
-                rep.loss = rep.loss if rep.loss is not None else self._last.loss
+            rep = make_report(self.rank, self._seq, self._latest(), self._smoother, self._state, self.socket_path,
+                              self._last)
             self._last = rep
             self.store.set(report_key(self.rank), _enc.encode(rep))
             if self.rank == 0:

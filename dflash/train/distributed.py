@@ -14,6 +14,8 @@ import hashlib
 import inspect
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -86,9 +88,18 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def collective_error(e: BaseException, what: str, d: Dist) -> DistError:
-    return DistError(f"rank {d.rank}: {what} failed - another rank died or hung "
-                     f"(see its log and torchrun's summary): {_first_line(e)}")
+@contextmanager
+def collective(d: Dist, what: str) -> Iterator[None]:
+    """A collective that fails or times out is, almost always, another rank's failure: say so."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise _peer_failure(d.rank, what, _first_line(e)) from None
+
+
+def _peer_failure(rank: int, what: str, detail: str) -> DistError:
+    return DistError(f"rank {rank}: {what} failed - another rank died or hung "
+                     f"(see its log and torchrun's summary): {detail}")
 
 
 class Agreement:
@@ -110,10 +121,8 @@ class Agreement:
         """Start this step's exchange; return the previous step's agreed values (None after the first)."""
         previous = self._collect()
         self._values = torch.tensor([float(f) for f in flags] + [clock], dtype=torch.float64)
-        try:
+        with collective(self.d, "the per-step control exchange"):
             self._work = dist.all_reduce(self._values, op=dist.ReduceOp.MAX, group=self.d.control, async_op=True)
-        except RuntimeError as e:
-            raise collective_error(e, "the per-step control exchange", self.d) from None
         return previous
 
     def finish(self) -> None:
@@ -123,10 +132,8 @@ class Agreement:
     def _collect(self) -> tuple[list[bool], float] | None:
         if self._work is None:
             return None
-        try:
+        with collective(self.d, "the per-step control exchange"):
             self._work.wait()
-        except RuntimeError as e:
-            raise collective_error(e, "the per-step control exchange", self.d) from None
         self._work = None
         t = self._values
         return [bool(v) for v in t[:-1].tolist()], float(t[-1])
@@ -134,19 +141,15 @@ class Agreement:
 
 def gather(d: Dist, obj: Any) -> list[Any]:
     out: list[Any] = [None] * d.world_size
-    try:
+    with collective(d, "gathering state from all ranks"):
         dist.all_gather_object(out, obj, group=d.control)
-    except RuntimeError as e:
-        raise collective_error(e, "gathering state from all ranks", d) from None
     return out
 
 
 def barrier(d: Dist, what: str) -> None:
     if d.enabled:
-        try:
+        with collective(d, what):
             dist.barrier(group=d.control)
-        except RuntimeError as e:
-            raise collective_error(e, what, d) from None
 
 
 def param_digest(module: torch.nn.Module) -> str:
@@ -197,8 +200,7 @@ def explain_backward_error(module: torch.nn.Module, e: BaseException, rank: int)
     comm = getattr(module, "comm_error", None)
     if comm is None:
         return e
-    return DistError(f"rank {rank}: the gradient all-reduce failed - another rank died or hung "
-                     f"(see its log and torchrun's summary): {comm}")
+    return _peer_failure(rank, "the gradient all-reduce", comm)
 
 
 def shutdown(d: Dist) -> None:
