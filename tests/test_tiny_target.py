@@ -63,3 +63,57 @@ def test_demo_responses_are_the_targets_own_greedy_text():
     with torch.no_grad():
         out = generate_batch(t, [prompt], 32)[0]
     assert row["response"].startswith(t.tokenizer.decode(out[:24], skip_special_tokens=True)[:40])
+
+
+def test_repeated_ngram_mask_marks_only_tokens_of_an_earlier_ngram():
+    from dflash.model.tiny import repeated_ngram_mask
+
+    #        prefix | continuation: "1 2 3" repeats the prefix's 3-gram, then "7 8 9" is new
+    seq = [1, 2, 3, 4, 1, 2, 3, 7, 8, 9]
+    assert repeated_ngram_mask(seq, start=4, n=3) == [True, True, True, False, False, False]
+    assert repeated_ngram_mask(seq, start=4, n=4) == [False] * 6
+    assert repeated_ngram_mask([5] * 6, start=2, n=2) == [True] * 4  # a one-token loop
+
+
+def test_unlikelihood_phase_lowers_the_probability_of_repeats(tmp_path):
+    """On a model taught to loop, phase 2 makes its own repeated tokens less likely than the same
+    schedule with the unlikelihood steps switched off (the objective hits the right tokens with the
+    right sign)."""
+    import copy
+
+    import torch
+    from test_model_helpers import make_target_dir
+    from transformers import AutoModelForCausalLM
+
+    from dflash.model.tiny import TinyRecipe, lm_loss, repeated_ngram_mask, unlikelihood_finetune
+
+    torch.manual_seed(0)
+    looper = AutoModelForCausalLM.from_pretrained(make_target_dir(tmp_path / "m", layers=2))
+    stream = torch.tensor([7, 8, 9] * 400)  # a corpus that teaches nothing but a loop
+    opt = torch.optim.AdamW(looper.parameters(), lr=1e-2)
+    for _ in range(30):
+        opt.zero_grad()
+        lm_loss(looper, stream, 32, 4, torch.Generator().manual_seed(1)).backward()
+        opt.step()
+    prefix = stream[:8].unsqueeze(0)
+    with torch.no_grad():
+        loop = looper.generate(prefix, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                               attention_mask=torch.ones_like(prefix))
+    mask = torch.tensor(repeated_ngram_mask(loop[0].tolist(), 8, 4))
+    assert mask.all(), loop  # it does loop
+
+    def repeat_logprob(model) -> float:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=loop[:, :-1]).logits[0, 7:], -1)
+        return float(logp.gather(-1, loop[0, 8:, None]).mean())
+
+    def finetuned(ngram: int):
+        model = copy.deepcopy(looper)
+        recipe = TinyRecipe(seq_len=32, ul_batch=4, ul_prefix=8, ul_new_tokens=16, ul_steps=12, ul_lr=1e-2,
+                            ul_ngram=ngram)
+        unlikelihood_finetune(model, stream, recipe, torch.Generator().manual_seed(0), log=lambda s: None)
+        return model
+
+    with_ul = repeat_logprob(finetuned(4))
+    mle_only = repeat_logprob(finetuned(10_000))  # no n-gram that long: every unlikelihood step is skipped
+    assert with_ul < mle_only - 0.5, (with_ul, mle_only)  # measured: -0.94 vs -0.01
