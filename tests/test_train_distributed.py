@@ -137,8 +137,21 @@ def _signal_rank_1_mid_run(setup, tmp_path, sig: int, collective_timeout: int):
     proc = _launch(target, data, tmp_path / "run", socks, "--max-steps", "100000",
                    "--collective-timeout", str(collective_timeout))
     pids = _wait_for_training(proc, socks)
+    _wait_for_rank_0_to_hear_from(tmp_path / "run", pids[1])
     os.kill(pids[1], sig)
     return proc, pids, time.monotonic()
+
+
+def _wait_for_rank_0_to_hear_from(run: Path, pid: int, timeout: float = 60) -> None:
+    """Until rank 0's recorded cluster view holds a report from process `pid`: a rank stopped before
+    its first report is "silent", which is only flagged after a long grace (ranks start unevenly)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        views = [f.cluster for f in read_frames(run / "telemetry.jsonl") if isinstance(f, Snapshot) and f.cluster]
+        if any(r.pid == pid for v in views for r in v.ranks):
+            return
+        time.sleep(0.2)
+    raise AssertionError("rank 0's cluster view never heard from rank 1")
 
 
 def test_killing_a_rank_ends_the_job_with_a_clear_message(setup, tmp_path):

@@ -209,6 +209,7 @@ class ClusterExchange:
         self._tick()
 
     def _run(self) -> None:
+        self._tick()  # at once: a rank is known to rank 0 from the moment it trains
         while not self._stop.wait(self.interval_s):
             self._tick()
 
