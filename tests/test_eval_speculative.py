@@ -1,5 +1,7 @@
 """Speculative decoding must be lossless: token for token the target's own greedy output, whether the
-drafter is untrained (tau ~ 1) or trained so that many drafts are accepted (real modules throughout)."""
+drafter is untrained (tau ~ 1) or trained so that many drafts are accepted (real modules throughout);
+every round drafts a full block and is counted as the reference benchmark counts it; a divergence that
+rounding decided (a near-tie) is told apart from a real one."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import pytest
 import torch
 from test_model_helpers import make_target_dir, one_thread  # noqa: F401
 
-from dflash.eval.speculative import evaluate, greedy_generate, speculative_generate
+from dflash.eval import speculative
+from dflash.eval.speculative import classify_divergence, evaluate, greedy_generate, speculative_generate
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.objective import dflash_loss
 from dflash.model.target import load_target
@@ -97,8 +100,67 @@ def test_output_equals_greedy_token_for_token_across_limits_and_blocks(targets, 
         for bs in (2, 5, BLOCK):
             out = speculative_generate(drafter, target, prompt, n, stop_token_ids=[], block_size=bs)
             assert out.tokens == ref[:n], (n, bs)
-            assert sum(out.produced) == n - 1 and out.target_forwards == 1 + len(out.produced)
-            assert all(0 <= a <= d for a, d in zip(out.accepted, out.drafted, strict=True))
+            assert sum(out.produced) == n - 1 and out.target_forwards == 1 + len(out.accepted)
+            assert all(0 <= a < bs for a in out.accepted)
+            assert len(out.produced) == len(out.accepted) and out.acceptance_lengths == [a + 1 for a in out.accepted]
+
+
+def reference_rounds(accepted: list[int], max_new_tokens: int) -> int:
+    """Rounds the reference benchmark's loop runs: while the newest token (the first one came from the
+    prefill) is inside the budget, i.e. until more than max_new_tokens tokens exist."""
+    have, rounds = 1, 0
+    while have <= max_new_tokens:
+        have += accepted[rounds] + 1
+        rounds += 1
+    return rounds
+
+
+def test_budget_ending_mid_block_still_drafts_and_counts_full_blocks(targets, trained):
+    """The rounds of a decode whose budget ends inside a block are those of a longer decode, cut: the
+    last block is drafted and verified whole (a shorter block changes the drafter's guesses) and counted
+    whole, as the reference's acceptance lengths are; only the output is cut."""
+    target = targets["qwen3"]
+    drafter, prompts, _ = trained
+    cut_inside = 0
+    for prompt in prompts[:4]:
+        full = speculative_generate(drafter, target, prompt, 60, stop_token_ids=[])
+        ref = greedy_generate(target, prompt, 60, stop_token_ids=[])
+        assert full.tokens == ref
+        ends, have = [], 1  # number of tokens after each round
+        for a in full.accepted:
+            have += a + 1
+            ends.append(have)
+        # budgets one short of a round's end (cutting its last accepted draft or its bonus), and exact ends
+        budgets = [e - 2 for e, a in zip(ends, full.accepted, strict=True) if a >= 2 and 2 < e - 2 < 50]
+        budgets += [e for e in ends if 2 < e < 50][:2]
+        for n in budgets:
+            out = speculative_generate(drafter, target, prompt, n, stop_token_ids=[])
+            r = reference_rounds(full.accepted, n)
+            assert out.accepted == full.accepted[:r], (n, out.accepted, full.accepted)
+            assert out.tokens == ref[:n]
+            assert sum(out.produced) == n - 1 and out.produced[-1] < full.accepted[r - 1] + 1
+        cut_inside += sum(1 for e, a in zip(ends, full.accepted, strict=True) if a >= 2 and 2 < e - 2 < 50)
+    assert cut_inside >= 3  # the trained drafter gives rounds long enough to end a budget inside them
+
+
+def test_stop_token_inside_a_round_counts_the_round_whole(targets, trained):
+    target = targets["qwen3"]
+    drafter, prompts, _ = trained
+    full = speculative_generate(drafter, target, prompts[1], 40, stop_token_ids=[])
+    start = 1
+    for a in full.accepted:  # a round whose accepted drafts include a token seen nowhere before
+        new = full.tokens[start: start + a + 1]
+        fresh = [t for t in new[:-1] if t not in full.tokens[:start]]
+        if a >= 2 and fresh:
+            break
+        start += a + 1
+    else:
+        pytest.skip("no round with a fresh token among its accepted drafts")
+    stop = fresh[0]
+    out = speculative_generate(drafter, target, prompts[1], 40, stop_token_ids=[stop])
+    rounds = len(out.accepted)
+    assert out.tokens == full.tokens[: full.tokens.index(stop) + 1]
+    assert out.accepted == full.accepted[:rounds] and out.produced[-1] < out.accepted[-1] + 1
 
 
 def test_stop_tokens_end_both_decodes_at_the_same_place(targets, trained):

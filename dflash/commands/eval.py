@@ -66,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict()))
     else:
         print(format_result(result))
+    for d in result.divergences:
+        kind = "near-tie (rounding, not a loss)" if d["near_tie"] else "DIVERGED"
+        gap = "" if d["logit_gap"] is None else f", logit gap {d['logit_gap']:.3g} (tolerance {d['tolerance']:.3g})"
+        print(f"dflash eval: prompt {d['prompt']} {kind} at token {d['position']}: speculative "
+              f"{d['speculative_token']} vs greedy {d['greedy_token']}{gap}", file=sys.stderr)
     if result.lossless is False:
         print(f"dflash eval: NOT LOSSLESS on prompts {result.mismatched_prompts}", file=sys.stderr)
         return 1
@@ -77,13 +82,15 @@ def format_result(r) -> str:
     hist = " ".join(f"{i}:{n}" for i, n in enumerate(r.acceptance_histogram))
     acc = " ".join(f"{a:.2f}" for a in r.per_position_acceptance)
     lossless = {True: "yes", False: "NO", None: "not checked"}[r.lossless]
+    if r.near_tie_prompts:
+        lossless += f" ({len(r.near_tie_prompts)} prompt(s) left greedy only at a near-tie: {r.near_tie_prompts})"
     speed = ""
     if r.greedy_seconds > 0 and r.speculative_seconds > 0:
         speed = f"  wall {r.speculative_seconds:.1f}s vs greedy {r.greedy_seconds:.1f}s " \
                 f"({r.greedy_seconds / r.speculative_seconds:.2f}x)"
     return "\n".join([
         f"tau {r.tau:.3f} tokens/round over {r.rounds} rounds ({r.num_prompts} prompts, block {r.block_size}, "
-        f"{r.tokens_generated} tokens)",
+        f"{r.tokens_generated} tokens); mean over prompts {r.acceptance_length:.3f}",
         f"target forwards {r.target_forwards} vs {r.baseline_forwards} greedy (saved {r.forwards_saved}){speed}",
         f"accepted drafts per round (count): {hist}",
         f"acceptance by position 1..{r.block_size - 1}: {acc}",

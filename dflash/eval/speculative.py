@@ -1,11 +1,14 @@
 """Speculative decoding with a DFlash drafter, greedy, batch size 1 — and the numbers that judge it.
 
-One round: the drafter fills the block [last token, MASK, ...] in one pass; the target verifies the whole
-block in one forward; the longest prefix of drafts that equals the target's own argmax is kept, plus the
-target's next token (the "bonus"). So every round yields accepted + 1 tokens, and the output is exactly
-the target's greedy output — which ``evaluate`` checks against a plain greedy decode, token for token.
+One round: the drafter fills the full block [last token, MASK, ...] in one pass; the target verifies the
+whole block in one forward; the longest prefix of drafts that equals the target's own argmax is kept,
+plus the target's next token (the "bonus"). So every round yields accepted + 1 tokens, and the output
+(cut at the token budget and the first stop token) is exactly the target's greedy output — which
+``evaluate`` checks against a plain greedy decode, token for token, telling a real divergence from a
+near-tie that rounding decided.
 
-tau = mean tokens per round (accepted + 1). A drafter that is always wrong gives tau = 1.0 (no
+tau = mean tokens per round (accepted + 1), every round counted whole, the last one too: the
+reference benchmark's "acceptance length". A drafter that is always wrong gives tau = 1.0 (no
 speculation); a perfect one gives the block size.
 """
 
@@ -66,17 +69,27 @@ def greedy_generate(
     return out
 
 
+def _pick(logits: torch.Tensor) -> torch.Tensor:
+    """The target's greedy choice in the speculative loop (one seam, so tests can break verification)."""
+    return logits.argmax(-1)
+
+
 @dataclass
 class SpecOutput:
-    """One speculative decode. Per round: ``accepted`` drafts matched (0..block-1), ``produced`` tokens
-    appended (accepted + 1, fewer when a stop token or the token limit cut the round), ``drafted`` slots
-    verified."""
+    """One speculative decode. Per round: ``accepted`` drafts matched the target (0..block-1) in the full
+    block that was verified; ``produced`` tokens of the round that are in ``tokens`` after the output was
+    cut at the token budget and the first stop token (accepted + 1, fewer in the last round, 0 for a round
+    that only ran past the budget)."""
 
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)
     produced: list[int] = field(default_factory=list)
-    drafted: list[int] = field(default_factory=list)
     target_forwards: int = 0
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        """Tokens each verify round yielded (accepted + 1), uncut: the reference benchmark's figures."""
+        return [a + 1 for a in self.accepted]
 
 
 def check_compatible(drafter: DFlashDrafter, target: Target) -> None:
@@ -93,6 +106,13 @@ def check_compatible(drafter: DFlashDrafter, target: Target) -> None:
         raise ValueError("drafter does not match the target: " + "; ".join(problems))
 
 
+def _cut(tokens: list[int], max_new_tokens: int, stops: set[int]) -> list[int]:
+    """The output as a user gets it: at most ``max_new_tokens``, ending at the first stop token."""
+    out = tokens[:max_new_tokens]
+    first_stop = next((i for i, t in enumerate(out) if t in stops), None)
+    return out if first_stop is None else out[: first_stop + 1]
+
+
 @torch.inference_mode()
 def speculative_generate(
     drafter: DFlashDrafter,
@@ -104,11 +124,17 @@ def speculative_generate(
 ) -> SpecOutput:
     """Draft-then-verify greedy decoding; returns the same tokens as ``greedy_generate``.
 
+    Every round drafts and verifies a *full* block, as training shows the drafter (attention inside a
+    block is bidirectional, so a shorter block would change every guess) and as serving engines run it.
+    Rounds go on while the newest token lies inside the budget and no stop token has appeared (checked
+    after each round, so at least one round runs); the output is cut at the budget and the first stop
+    token afterwards. This is the reference benchmark's loop, so ``acceptance_lengths`` are its numbers.
+
     The drafter's context is incremental: its per-layer cache holds keys/values of the context feature
     for every verified position; each round appends the hidden states of the tokens just accepted.
     """
     stops = set(stop_token_ids or [])
-    bs_max = block_size or drafter.config.block_size
+    bs = block_size or drafter.config.block_size
     taps = drafter.config.target_layer_ids
     dev = target.device
     ddev = drafter.fc.weight.device  # may differ from the target's (a pipeline's drafter GPU)
@@ -117,16 +143,17 @@ def speculative_generate(
     cache = _new_cache(target.model)
     prompt = torch.tensor([prompt_ids], device=dev)
     out = _forward(target, prompt, cache, 0, hidden=True, last_only=True)
-    res = SpecOutput(tokens=[int(out.logits[0, -1].argmax())], target_forwards=1)
+    seq = [int(_pick(out.logits[0, -1]))]  # committed tokens, possibly past the budget
+    res = SpecOutput(tokens=[], target_forwards=1)
     ctx = torch.cat([out.hidden_states[i + 1] for i in taps], dim=-1)  # context not yet seen by the drafter
     ctx_start = 0
     dcache = drafter.new_cache()
+    scanned = 0  # seq[:scanned] holds no stop token
 
-    while res.tokens[-1] not in stops and len(res.tokens) < max_new_tokens:
-        cur = len(prompt_ids) + len(res.tokens) - 1  # position of the newest token (the anchor)
-        bs = min(bs_max, max_new_tokens - len(res.tokens) + 1)
+    while True:
+        cur = len(prompt_ids) + len(seq) - 1  # position of the newest token (the anchor)
         block = torch.full((bs,), mask_id, dtype=torch.long, device=dev)
-        block[0] = res.tokens[-1]
+        block[0] = seq[-1]
         positions = torch.arange(cur, cur + bs, device=ddev)[None]
         ctx_positions = torch.arange(ctx_start, cur, device=ddev)[None]
         h = drafter(target.embed_tokens(block)[None].to(ddev), ctx.to(ddev), positions, ctx_positions, cache=dcache)
@@ -134,30 +161,77 @@ def speculative_generate(
 
         out = _forward(target, block[None], cache, cur, hidden=True)
         res.target_forwards += 1
-        posterior = out.logits[0].argmax(-1)  # target's choice after each block token
+        posterior = _pick(out.logits[0])  # target's choice after each block token
         accepted = int((block[1:] == posterior[:-1]).int().cumprod(0).sum())
-        new = block[1 : accepted + 1].tolist() + [int(posterior[accepted])]
-        produced = 0
-        for tok in new:
-            res.tokens.append(tok)
-            produced += 1
-            if tok in stops or len(res.tokens) >= max_new_tokens:
-                break
+        seq += block[1 : accepted + 1].tolist() + [int(posterior[accepted])]
         res.accepted.append(accepted)
-        res.produced.append(produced)
-        res.drafted.append(bs - 1)
 
         _crop(cache, cur + accepted + 1)  # keep the anchor and the accepted drafts; drop the rest
         ctx = torch.cat([out.hidden_states[i + 1] for i in taps], dim=-1)[:, : accepted + 1]
         ctx_start = cur
+        if len(seq) > max_new_tokens or not stops.isdisjoint(seq[scanned:]):
+            break
+        scanned = len(seq)
+
+    res.tokens = _cut(seq, max_new_tokens, stops)
+    start = 1  # seq[0] came from the prefill; round r added seq[start : start + accepted_r + 1]
+    for a in res.accepted:
+        res.produced.append(max(0, min(a + 1, len(res.tokens) - start)))
+        start += a + 1
     return res
+
+
+# Two evaluations of the same logits by different kernels (a block of queries vs one, a cache vs a
+# full prefix) differ by a few units in the last place of the logits' magnitude; a greedy choice
+# between two tokens closer than this is decided by rounding, not by the model.
+TIE_ULPS = 4
+
+
+@dataclass
+class Divergence:
+    """Where a speculative decode first left the target's greedy decode, and whether that was a near-tie."""
+
+    prompt: int
+    position: int  # index into the generated tokens
+    speculative_token: int | None  # None: that decode had already ended
+    greedy_token: int | None
+    logit_gap: float | None  # |logit(greedy) - logit(speculative)| in a fresh full-prefix target forward
+    tolerance: float | None
+    near_tie: bool
+
+
+def tie_tolerance(dtype: torch.dtype, scale: float) -> float:
+    """Largest logit gap that ``dtype`` rounding can flip, for logits of magnitude ``scale``."""
+    return TIE_ULPS * torch.finfo(dtype).eps * max(1.0, scale)
+
+
+@torch.inference_mode()
+def classify_divergence(target: Target, index: int, prompt_ids: list[int], speculative: list[int],
+                        greedy: list[int]) -> Divergence | None:
+    """None when the two decodes are equal; else their first difference, judged on the target's logits
+    there: a near-tie (the two tokens' logits within ``tie_tolerance``) is rounding, anything else a
+    real loss."""
+    pos = next((i for i, (a, b) in enumerate(zip(speculative, greedy, strict=False)) if a != b), None)
+    if pos is None:
+        if len(speculative) == len(greedy):
+            return None
+        pos = min(len(speculative), len(greedy))  # one stopped, the other went on: a real difference
+        return Divergence(index, pos, speculative[pos] if pos < len(speculative) else None,
+                          greedy[pos] if pos < len(greedy) else None, None, None, False)
+    s, g = speculative[pos], greedy[pos]
+    ids = torch.tensor([prompt_ids + greedy[:pos]], device=target.device)
+    logits = target.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+    gap = float((logits[g] - logits[s]).abs())
+    tol = tie_tolerance(target.dtype, float(torch.maximum(logits[g].abs(), logits[s].abs())))
+    return Divergence(index, pos, s, g, gap, tol, gap <= tol)
 
 
 @dataclass
 class EvalResult:
     """What ``dflash eval`` reports; ``to_dict()`` is its --json output."""
 
-    tau: float  # mean tokens per verify round (accepted + 1)
+    tau: float  # mean tokens per verify round (accepted + 1) over all rounds of all prompts
+    acceptance_length: float  # mean over prompts of per_prompt_tau: the reference benchmark's average
     rounds: int
     tokens_generated: int
     target_forwards: int  # speculative: prefill + one per round
@@ -165,8 +239,10 @@ class EvalResult:
     forwards_saved: int
     acceptance_histogram: list[int]  # rounds with 0, 1, ..., block-1 drafts accepted
     per_position_acceptance: list[float]  # slot k (k = 1..block-1): fraction of rounds it was accepted
-    lossless: bool | None  # speculative output == the target's greedy output everywhere (None: unchecked)
-    mismatched_prompts: list[int]
+    lossless: bool | None  # no real divergence from the target's greedy output (None: unchecked)
+    mismatched_prompts: list[int]  # prompts that diverged for real
+    near_tie_prompts: list[int]  # prompts that diverged only where two logits were within rounding
+    divergences: list[dict]  # one Divergence per prompt in the two lists above
     num_prompts: int
     block_size: int
     max_new_tokens: int
@@ -203,9 +279,9 @@ def evaluate(
     was_training = drafter.training
     drafter.eval()
     hist = [0] * bs
-    pos_acc, pos_n = [0] * (bs - 1), [0] * (bs - 1)
-    produced = rounds = tokens = spec_fwd = base_fwd = 0
-    mismatched: list[int] = []
+    accepted: list[int] = []
+    tokens = spec_fwd = 0
+    divergences: list[Divergence] = []
     per_prompt: list[float] = []
     t_spec = t_greedy = 0.0
     try:
@@ -213,36 +289,37 @@ def evaluate(
             t0 = time.perf_counter()
             res = speculative_generate(drafter, target, prompt, max_new_tokens, stops, bs)
             t_spec += time.perf_counter() - t0
-            for a, d in zip(res.accepted, res.drafted, strict=True):
+            for a in res.accepted:
                 hist[a] += 1
-                for k in range(d):
-                    pos_n[k] += 1
-                    pos_acc[k] += int(k < a)
-            rounds += len(res.produced)
-            produced += sum(res.produced)
+            accepted += res.accepted
             tokens += len(res.tokens)
             spec_fwd += res.target_forwards
-            base_fwd += len(res.tokens)
-            per_prompt.append(sum(res.produced) / len(res.produced) if res.produced else 1.0)
+            per_prompt.append(sum(res.acceptance_lengths) / len(res.accepted))
             if check_lossless:
                 t0 = time.perf_counter()
                 ref = greedy_generate(target, prompt, max_new_tokens, stops)
                 t_greedy += time.perf_counter() - t0
-                if ref != res.tokens:
-                    mismatched.append(i)
+                d = classify_divergence(target, i, prompt, res.tokens, ref)
+                if d is not None:
+                    divergences.append(d)
     finally:
         drafter.train(was_training)
+    rounds = len(accepted)
+    mismatched = [d.prompt for d in divergences if not d.near_tie]
     return EvalResult(
-        tau=produced / rounds if rounds else 1.0,
+        tau=(sum(accepted) + rounds) / rounds,
+        acceptance_length=sum(per_prompt) / len(per_prompt),
         rounds=rounds,
         tokens_generated=tokens,
         target_forwards=spec_fwd,
-        baseline_forwards=base_fwd,
-        forwards_saved=base_fwd - spec_fwd,
+        baseline_forwards=tokens,
+        forwards_saved=tokens - spec_fwd,
         acceptance_histogram=hist,
-        per_position_acceptance=[a / n if n else 0.0 for a, n in zip(pos_acc, pos_n, strict=True)],
+        per_position_acceptance=[sum(a > k for a in accepted) / rounds for k in range(bs - 1)],
         lossless=(not mismatched) if check_lossless else None,
         mismatched_prompts=mismatched,
+        near_tie_prompts=[d.prompt for d in divergences if d.near_tie],
+        divergences=[asdict(d) for d in divergences],
         num_prompts=len(prompts),
         block_size=bs,
         max_new_tokens=max_new_tokens,

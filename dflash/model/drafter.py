@@ -183,15 +183,30 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Default RoPE (no scaling), cos/sin for arbitrary integer positions."""
+    """Default RoPE (no scaling), cos/sin for arbitrary integer positions.
+
+    The frequencies are float32 whatever dtype the drafter is cast to: ``.to(bfloat16)`` would round
+    them by up to 2^-9 relative, an angle error of about position x 2^-9 rad (radians wrong by position
+    4000). cos/sin are computed in float32 and only then cast to the activations' dtype.
+    """
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._frequencies(), persistent=False)
+
+    def _frequencies(self) -> torch.Tensor:
+        # Computed on the CPU, as transformers' Qwen3 rotary does, so every device gets the same bits.
+        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+
+    def _apply(self, fn, recurse: bool = True):
+        # Every .to()/.cuda()/.half() ends here: follow the move, undo the cast.
+        super()._apply(fn, recurse)
+        self.inv_freq = self._frequencies().to(self.inv_freq.device)
+        return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, S, head_dim/2]
+        freqs = positions[..., None].float() * self.inv_freq  # [B, S, head_dim/2], float32
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, S, head_dim]
 

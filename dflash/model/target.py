@@ -88,6 +88,19 @@ class Target:
     def vocab_size(self) -> int:
         return int(self.embed_tokens.weight.shape[0])
 
+    def frozen_head(self, device: str | torch.device) -> tuple[nn.Embedding, nn.Linear]:
+        """The embedding and LM head as frozen modules on ``device``, in the target's own dtype.
+
+        Kept in that dtype (bf16 on GPUs) rather than float32: under autocast a float32 frozen weight is
+        cast to bf16 again at every call (it is not a leaf that autocast caches), so each LM-head chunk
+        of every step would copy the 152K-row head. On the target's device the weights are shared, not
+        copied: nothing ever writes to them.
+        """
+        embed = nn.Embedding.from_pretrained(self.embed_tokens.weight.detach().to(device), freeze=True)
+        head = nn.Linear(self.hidden_size, self.vocab_size, bias=False, device="meta")
+        head.weight = nn.Parameter(self.lm_head.weight.detach().to(device), requires_grad=False)
+        return embed, head
+
     def taps(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Concatenate the tap layers from a ``hidden_states`` tuple (index 0 = embeddings, so layer i
         is ``hidden_states[i + 1]``, the reference's convention)."""

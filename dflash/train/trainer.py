@@ -140,13 +140,11 @@ class Trainer:
         if cfg.pipeline:
             self.stats.worker("batch-producer")  # registered now so every snapshot lists it
         names = ["drafter-0"] if cfg.pipeline else ["trainer"]
-        embed = torch.nn.Embedding.from_pretrained(first.embed_tokens.weight.detach().clone().float(), freeze=True)
-        lm_head = torch.nn.Linear(first.hidden_size, first.vocab_size, bias=False)
-        lm_head.weight = torch.nn.Parameter(first.lm_head.weight.detach().clone().float(), requires_grad=False)
+        embed, lm_head = first.frozen_head(self.drafter_device)
         if ckpt is not None:
             drafter.load_state_dict(ckpt["drafter"])
         ddp = distributed.wrap_ddp(drafter, self.drafter_device, self.stats) if d.enabled else None
-        self.drafter = DrafterStage(drafter, embed.to(self.drafter_device), lm_head.to(self.drafter_device),
+        self.drafter = DrafterStage(drafter, embed, lm_head,
                                     self.drafter_device, cfg, self.stats.worker(names[0]), self.generator, ddp)
         self.targets = []
         for i, dev in enumerate(devices if cfg.pipeline else devices[:1]):
