@@ -6,9 +6,13 @@ import json
 
 import pytest
 import torch
+from test_eval_speculative import runner_up, tie_last
 from test_model_helpers import WORDS, make_target_dir, make_tokenizer, one_thread  # noqa: F401
 
 from dflash.cli import main
+from dflash.data import load_prompts
+from dflash.eval import speculative
+from dflash.eval.speculative import greedy_generate
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.export import checkpoint_dict, export_drafter
 from dflash.model.target import load_target
@@ -59,3 +63,31 @@ def test_eval_text_report_and_errors(setup, capsys):
         assert main(["eval", *bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith("dflash eval: error:") and needle in err and err.count("\n") == 1, err
+
+
+def test_exit_status_is_1_only_for_a_real_divergence(setup, capsys, monkeypatch, tmp_path):
+    """A near-tie that verification broke the other way is reported and exits 0; a broken verification
+    exits 1. Real target on disk; the fault is injected at the verification's greedy choice."""
+    root, target_dir, data = setup
+    args = ["--drafter", str(root / "export"), "--data", str(data), "--max-new-tokens", "10",
+            "--num-prompts", "2", "--device", "cpu"]
+    monkeypatch.setattr(speculative, "_pick", runner_up)
+    assert main(["eval", "--target", str(target_dir), *args]) == 1
+    err = capsys.readouterr().err
+    assert "DIVERGED at token 0" in err and "NOT LOSSLESS on prompts [0, 1]" in err
+
+    # Tie the LM-head row of the first token greedy decoding picks with the last (unused) row.
+    target = load_target(target_dir, num_draft_layers=2)
+    first = greedy_generate(target, load_prompts(str(data), target.tokenizer, 1)[0], 1)[0]
+    model, tok = target.model, target.tokenizer
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[-1] = head[first]
+    model.save_pretrained(tmp_path / "tied")
+    tok.save_pretrained(tmp_path / "tied")
+    monkeypatch.setattr(speculative, "_pick", tie_last)
+    capsys.readouterr()
+    assert main(["eval", "--target", str(tmp_path / "tied"), *args]) == 0
+    captured = capsys.readouterr()
+    assert "near-tie (rounding, not a loss)" in captured.err and "NOT LOSSLESS" not in captured.err
+    assert "left greedy only at a near-tie" in captured.out

@@ -179,3 +179,64 @@ def test_evaluate_rejects_a_drafter_for_another_target(targets):
     drafter.config.num_target_layers = 12
     with pytest.raises(ValueError, match="does not match the target"):
         evaluate(drafter, targets["qwen3"], [[5, 6, 7]], max_new_tokens=4)
+
+
+def tie_last(logits: torch.Tensor) -> torch.Tensor:
+    """argmax that breaks exact ties towards the highest id (torch's argmax takes the lowest): what
+    rounding noise does to a near-tie between verification and one-token decoding."""
+    return logits.shape[-1] - 1 - logits.flip(-1).argmax(-1)
+
+
+def runner_up(logits: torch.Tensor) -> torch.Tensor:
+    """A broken verification: the target's second choice."""
+    return logits.topk(2, dim=-1).indices[..., 1]
+
+
+@pytest.fixture()
+def tied_target(tmp_path):
+    """A real target whose LM head has two equal rows: token `low` (one greedy decoding produces) and a
+    higher id `high`, so wherever `low` wins, `high` ties with it exactly."""
+    target = load_target(make_target_dir(tmp_path / "t", "qwen3", layers=4), num_draft_layers=2)
+    prompt = prompts_for(1, 7, seed=5)[0]
+    ref = greedy_generate(target, prompt, 20, stop_token_ids=[])
+    low = max(set(ref), key=ref.count)
+    high = target.vocab_size - 2
+    with torch.no_grad():
+        target.lm_head.weight[high] = target.lm_head.weight[low]
+    return target, prompt, low, high
+
+
+def test_a_tie_broken_the_other_way_is_a_near_tie_not_a_loss(tied_target, monkeypatch):
+    target, prompt, low, high = tied_target
+    drafter = new_drafter(target)
+    assert evaluate(drafter, target, [prompt], max_new_tokens=20, stop_token_ids=[]).divergences == []
+    monkeypatch.setattr(speculative, "_pick", tie_last)
+    r = evaluate(drafter, target, [prompt], max_new_tokens=20, stop_token_ids=[])
+    assert r.lossless is True and r.mismatched_prompts == [] and r.near_tie_prompts == [0]
+    (d,) = r.divergences
+    assert (d["speculative_token"], d["greedy_token"]) == (high, low)
+    assert d["near_tie"] and d["logit_gap"] <= d["tolerance"]
+
+
+def test_a_broken_verify_is_a_real_divergence(tied_target, monkeypatch):
+    target, prompt, _, _ = tied_target
+    monkeypatch.setattr(speculative, "_pick", runner_up)
+    r = evaluate(new_drafter(target), target, [prompt, prompt[:4]], max_new_tokens=12, stop_token_ids=[])
+    assert r.lossless is False and r.mismatched_prompts == [0, 1] and r.near_tie_prompts == []
+    assert all(d["logit_gap"] > d["tolerance"] for d in r.divergences)
+
+
+def test_classify_divergence_judges_the_first_difference(tied_target):
+    target, prompt, low, high = tied_target
+    ref = greedy_generate(target, prompt, 20, stop_token_ids=[])
+    i = ref.index(low)
+    assert classify_divergence(target, 0, prompt, ref, ref) is None
+    tie = classify_divergence(target, 0, prompt, ref[:i] + [high, 5, 6], ref)
+    assert tie.position == i and tie.near_tie
+    other = next(t for t in range(target.vocab_size) if t not in (low, high))
+    loss = classify_divergence(target, 0, prompt, ref[:i] + [other], ref)
+    assert loss.position == i and not loss.near_tie and loss.logit_gap > loss.tolerance
+    shorter = classify_divergence(target, 0, prompt, ref[:i], ref)  # one decode ended early: always real
+    assert shorter.position == i and not shorter.near_tie and shorter.speculative_token is None
+    # the tolerance is a few units in the last place of the logits' dtype
+    assert speculative.tie_tolerance(torch.bfloat16, 20.0) > 100 * speculative.tie_tolerance(torch.float32, 20.0)
