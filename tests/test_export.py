@@ -166,3 +166,34 @@ def test_export_command(tmp_path, capsys):
     assert main(["export", str(tmp_path / "nothing.pt"), "--out", str(tmp_path / "o2")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dflash export: error:") and err.count("\n") == 1
+
+
+def far_block_outputs(d: DFlashDrafter, start: int) -> torch.Tensor:
+    """Drafter hidden states for one block at positions start.., reading context spread over 0..start-1
+    (RoPE is relative: what a rounded frequency spoils is attention across thousands of positions)."""
+    g = torch.Generator().manual_seed(4)
+    noise = torch.randn(1, 8, H, generator=g)
+    hidden = torch.randn(1, 64, 3 * H, generator=g)
+    positions = torch.arange(start, start + 8)[None]
+    ctx_positions = torch.linspace(0, start - 1, 64).long()[None]
+    with torch.no_grad():
+        return d(noise, hidden, positions, ctx_positions).float()
+
+
+@pytest.mark.parametrize("run_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_export_evaluated_as_dflash_eval_does_matches_fp32_far_into_the_sequence(tmp_path, run_dtype):
+    """A bf16 export, loaded as `dflash eval` loads it (then cast to the target's dtype), computes what
+    the fp32 drafter computes within bf16 tolerance at position ~4000: the RoPE frequencies must not be
+    rounded to bf16 (that alone turns angles there by radians)."""
+    d = make_drafter(head_dim=16)
+    with torch.no_grad():  # sharp attention whose output outweighs the residual, so positions matter
+        for name, p in d.named_parameters():
+            p.mul_(3.0 if "q_norm" in name or "k_norm" in name else 10.0 if "v_proj" in name or "o_proj" in name
+                   else 1.0)
+    export_drafter(d, tmp_path / "x", dtype=torch.bfloat16)
+    loaded = load_drafter(tmp_path / "x").to(device="cpu", dtype=run_dtype)  # as commands/eval.py does
+    assert loaded.fc.weight.dtype == run_dtype and loaded.rotary.inv_freq.dtype == torch.float32
+    for start in (8, 3990, 4000):
+        ref = far_block_outputs(d, start)
+        err = (far_block_outputs(loaded, start) - ref).norm() / ref.norm()
+        assert err < 0.1, (start, float(err))  # rounded frequencies: 0.6-0.8 at 3990-4000

@@ -129,3 +129,19 @@ def test_init_from_target_starts_from_the_targets_top_layer_and_its_input(tmp_pa
     ctx = d.context_feature(t.taps(out.hidden_states))
     # hidden_states[3] is the output of layer 2, the input of the top layer (layer 3)
     torch.testing.assert_close(ctx, top.input_layernorm(out.hidden_states[3]))
+
+
+def test_rope_frequencies_stay_float32_through_every_cast():
+    """Casting the drafter (bf16 for serving, fp16, double) must not round the RoPE frequencies; the
+    cos/sin it computes are the float32 ones, cast only at the end."""
+    fresh = DFlashDrafter(small_config(rope_theta=1e6))
+    want = fresh.rotary.inv_freq.clone()
+    positions = torch.tensor([[0, 1, 4000, 40000]])
+    cos32, sin32 = fresh.rotary(positions, torch.float32)
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.double(),
+                 lambda m: m.to("cpu", torch.bfloat16).float()):
+        d = cast(DFlashDrafter(small_config(rope_theta=1e6)))
+        assert d.rotary.inv_freq.dtype == torch.float32 and torch.equal(d.rotary.inv_freq, want)
+        cos, sin = d.rotary(positions, torch.bfloat16)
+        assert torch.equal(cos, cos32.to(torch.bfloat16)) and torch.equal(sin, sin32.to(torch.bfloat16))
+    assert DFlashDrafter(small_config()).to("meta").rotary.inv_freq.device.type == "meta"  # moves still follow

@@ -118,3 +118,19 @@ def test_builtin_tiny_target_when_present():
     assert t.path == path and t.tokenizer is not None
     mask = t.default_mask_token_id()
     assert t.tokenizer.convert_ids_to_tokens(mask) == t.tokenizer.mask_token
+
+
+def test_frozen_head_keeps_the_targets_dtype_and_shares_its_weights(dirs):
+    """The trainer's embedding and LM head: the target's dtype (a float32 copy would be re-cast to bf16
+    under autocast on every LM-head chunk), frozen, and the very same weights on the target's device."""
+    t = load_target(dirs["qwen3"], dtype=torch.bfloat16, num_draft_layers=3)
+    embed, head = t.frozen_head("cpu")
+    assert embed.weight.dtype == head.weight.dtype == torch.bfloat16
+    assert not embed.weight.requires_grad and not head.weight.requires_grad
+    assert embed.weight.data_ptr() == t.embed_tokens.weight.data_ptr()
+    assert head.weight.data_ptr() == t.lm_head.weight.data_ptr()
+    h = torch.randn(3, t.hidden_size, dtype=torch.bfloat16)
+    ids = torch.tensor([1, 5, 7])
+    assert torch.equal(head(h), t.lm_head(h)) and torch.equal(embed(ids), t.embed_tokens(ids))
+    with torch.autocast("cpu", torch.bfloat16):  # as the drafter stage runs it on CUDA
+        assert head(h.float()).dtype == torch.bfloat16
