@@ -125,7 +125,7 @@ def speculative_generate(
     """Draft-then-verify greedy decoding; returns the same tokens as ``greedy_generate``.
 
     Every round drafts and verifies a *full* block, as training shows the drafter (attention inside a
-    block is bidirectional, so a shorter block would change every guess) and as serving engines run it.
+    block is bidirectional, so a shorter block would change every guess).
     Rounds go on while the newest token lies inside the budget and no stop token has appeared (checked
     after each round, so at least one round runs); the output is cut at the budget and the first stop
     token afterwards. This is the reference benchmark's loop, so ``acceptance_lengths`` are its numbers.
