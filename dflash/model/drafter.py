@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.model.masks import flex_or_sdpa
+
 # Loss-decay gamma per block size, as the DFlash paper trains them; other sizes interpolate.
 _GAMMA_BY_BLOCK = {8: 4.0, 10: 5.0, 16: 7.0}
 
@@ -220,26 +222,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-_compiled_flex = None
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
     """Attention of q [B, Hq, Q, D] over k, v [B, Hkv, K, D].
 
     ``mask`` is None (everything visible), a boolean tensor broadcastable to [B, 1, Q, K] (True =
     visible; runs ``scaled_dot_product_attention``), or a FlexAttention ``BlockMask`` (runs
-    ``flex_attention``, compiled on CUDA; on CPU torch only runs it uncompiled and forward-only).
+    ``flex_attention``: compiled on CUDA, with an SDPA fallback if that fails; uncompiled on CPU).
     """
     if mask is not None and not isinstance(mask, torch.Tensor):
-        global _compiled_flex
-        from torch.nn.attention.flex_attention import flex_attention
-
-        fn = flex_attention
-        if q.is_cuda:
-            if _compiled_flex is None:
-                _compiled_flex = torch.compile(flex_attention)
-            fn = _compiled_flex
-        return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        return flex_or_sdpa(q, k, v, mask, compiled=q.is_cuda)
     if q.shape[1] != k.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

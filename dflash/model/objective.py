@@ -15,8 +15,8 @@ from its last logits, the drafter gets the target's hidden states for positions 
 accuracy and useless drafts; tests/test_model_objective.py pins both.
 
 All blocks of a sequence are packed into one drafter pass: queries are the N*B block slots, keys are
-[T context positions ; N*B block slots], and the mask above is built explicitly (SDPA) or as a
-FlexAttention BlockMask (CUDA).
+[T context positions ; N*B block slots], and the mask above is built explicitly (SDPA, CPU) or as a
+FlexAttention BlockMask from tile metadata (CUDA; masks.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.model.drafter import DFlashDrafter
+from dflash.model.masks import block_attention_mask, flex_block_mask, use_flex
 
 
 @dataclass
@@ -101,56 +102,6 @@ def build_blocks(
     block_ids = torch.full_like(positions, mask_token_id)
     block_ids[:, :, 0] = torch.gather(input_ids, 1, anchors)
     return block_ids.view(bsz, n * block_size), positions.view(bsz, n * block_size), positions[:, :, 1:]
-
-
-def block_attention_mask(
-    anchors: torch.Tensor, block_size: int, ctx_len: int, ctx_valid: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Boolean mask [Bsz, 1, N*B, ctx_len + N*B] (True = may attend).
-
-    Query slot of block n sees context position j iff j < anchors[n] (and ctx_valid[j]), and block key
-    slot iff it belongs to the same block n.
-    """
-    bsz, n = anchors.shape
-    dev = anchors.device
-    q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [Bsz, Q]
-    sees_ctx = torch.arange(ctx_len, device=dev)[None, None, :] < q_anchor[:, :, None]  # [Bsz, Q, T]
-    if ctx_valid is not None:
-        sees_ctx = sees_ctx & ctx_valid.bool()[:, None, :]
-    block_of = torch.arange(n, device=dev).repeat_interleave(block_size)
-    sees_block = (block_of[:, None] == block_of[None, :]).expand(bsz, -1, -1)  # [Bsz, Q, Q]
-    return torch.cat([sees_ctx, sees_block], dim=-1)[:, None]
-
-
-def flex_block_mask(anchors: torch.Tensor, block_size: int, ctx_len: int, ctx_valid: torch.Tensor | None = None):
-    """The same mask as ``block_attention_mask`` as a FlexAttention BlockMask (sparse: skips the
-    all-masked tiles, which is most of them once N*B is large)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    bsz, n = anchors.shape
-    q_len = n * block_size
-    q_anchor = anchors.repeat_interleave(block_size, dim=1)
-    valid = ctx_valid.bool() if ctx_valid is not None else torch.ones(bsz, max(ctx_len, 1), dtype=torch.bool,
-                                                                        device=anchors.device)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        is_ctx = kv_idx < ctx_len
-        ctx_ok = (kv_idx < q_anchor[b, q_idx]) & valid[b, kv_idx.clamp(max=max(ctx_len, 1) - 1)]
-        same_block = (kv_idx - ctx_len) // block_size == q_idx // block_size
-        return torch.where(is_ctx, ctx_ok, same_block)
-
-    return create_block_mask(mask_mod, bsz, None, q_len, ctx_len + q_len, device=anchors.device)
-
-
-def use_flex(device: torch.device) -> bool:
-    """FlexAttention only where it is compiled (CUDA); the CPU path is SDPA with an explicit mask."""
-    if device.type != "cuda":
-        return False
-    try:
-        import torch.nn.attention.flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _head_ce(lm_head: torch.nn.Module, h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

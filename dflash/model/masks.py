@@ -1,0 +1,262 @@
+"""The packed-block attention mask, in two forms: dense (SDPA, CPU) and block-sparse (FlexAttention, CUDA).
+
+Layout (see objective.py): queries are the N*B slots of N packed blocks; keys are ``[T context positions ;
+N*B block slots]``. Query slot of block n sees context position j iff ``j < anchors[n]`` (and
+``ctx_valid[j]``), and the block keys of block n itself; nothing of any other block.
+
+At the recipe's size (512 anchors x block 16 over 4096 tokens) the dense mask has Q x KV = 8192 x 12288
+= 100M entries per sequence (and SDPA's float bias from it is 4x that), rebuilt every step. The CUDA
+path therefore never builds it: ``flex_block_mask`` derives FlexAttention's tile metadata (which
+128 x 128 tiles are empty, partial or fully visible) arithmetically from the anchors, in O(Q + KV)
+per-position tensors plus O(Q/128 x KV/128) tile tensors, and the partial tiles are resolved in the
+kernel by a ``mask_mod`` that reads two O(Q + KV) lookup tables. ``block_attention_mask`` (dense) stays
+for the CPU path, where sequences are tiny and SDPA is the fast kernel.
+
+Compilation: ``flex_attention`` is compiled once with dynamic shapes (``compiled_flex``); the
+``mask_mod`` captures only tensors and the block size (no sequence length or anchor count as a Python
+int), so a new sequence length or anchor count does not recompile it. If compilation fails, attention
+falls back to SDPA with a dense mask evaluated from the same ``mask_mod``, with one warning.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+TILE = 128  # FlexAttention's default sparse block: the granularity at which empty tiles are skipped
+
+
+def block_attention_mask(
+    anchors: torch.Tensor, block_size: int, ctx_len: int, ctx_valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Dense boolean mask [Bsz, 1, N*B, ctx_len + N*B] (True = may attend): the CPU/SDPA form.
+
+    Allocates Q x KV booleans, which is fine at the CPU path's sizes and is exactly what the CUDA
+    path avoids (see ``flex_block_mask``).
+    """
+    bsz, n = anchors.shape
+    dev = anchors.device
+    q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [Bsz, Q]
+    sees_ctx = torch.arange(ctx_len, device=dev)[None, None, :] < q_anchor[:, :, None]  # [Bsz, Q, T]
+    if ctx_valid is not None:
+        sees_ctx = sees_ctx & ctx_valid.bool()[:, None, :]
+    block_of = torch.arange(n, device=dev).repeat_interleave(block_size)
+    sees_block = (block_of[:, None] == block_of[None, :]).expand(bsz, -1, -1)  # [Bsz, Q, Q]
+    return torch.cat([sees_ctx, sees_block], dim=-1)[:, None]
+
+
+def _ceil(x: int, m: int) -> int:
+    return -(-x // m)
+
+
+def _tiles(q_len: int, kv_len: int, tile: int) -> tuple[int, int]:
+    """Query and key tile counts, at least 2 each: a count of 1 is a size the compiler specialises on
+    (and, on CPU, miscompiles), so short inputs get one empty padding tile instead."""
+    return max(2, _ceil(q_len, tile)), max(2, _ceil(kv_len, tile))
+
+
+def block_mask_mod(
+    anchors: torch.Tensor, block_size: int, ctx_len: int, ctx_valid: torch.Tensor | None = None,
+    tile: int = TILE,
+) -> Callable:
+    """The mask as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` reading two small lookup tables.
+
+    ``key_code[b, k]``: for a context key its position (or ``ctx_len`` if padded, which no anchor
+    exceeds), for block key k of block m ``-1 - m``. ``q_anchor[b, n]``: the anchor of block n. A query
+    of block n then sees key k iff ``0 <= code < anchor[n]`` or ``code == -1 - n``. Both tables are
+    padded to whole tiles so the kernel's out-of-range indices in a ragged last tile stay in bounds
+    without a clamp (a clamp bound would be a Python int, recompiling per length).
+    """
+    bsz, n = anchors.shape
+    dev = anchors.device
+    q_len = n * block_size
+    kv_len = ctx_len + q_len
+    nq, nk = _tiles(q_len, kv_len, tile)
+    kv_pad = nk * tile
+    code = torch.full((bsz, kv_pad), ctx_len, dtype=torch.long, device=dev)
+    pos = torch.arange(ctx_len, device=dev).expand(bsz, ctx_len)
+    code[:, :ctx_len] = pos if ctx_valid is None else torch.where(ctx_valid.bool(), pos, ctx_len)
+    code[:, ctx_len:kv_len] = -1 - torch.arange(n, device=dev).repeat_interleave(block_size)
+    n_pad = _ceil(nq * tile, block_size)
+    q_anchor = torch.full((bsz, n_pad), -1, dtype=torch.long, device=dev)
+    q_anchor[:, :n] = anchors
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        c = code[b, kv_idx]
+        blk = q_idx // block_size
+        return ((c >= 0) & (c < q_anchor[b, blk])) | (c == -1 - blk)
+
+    return mask_mod
+
+
+def _ordered(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tile grid [..., rows, cols] (bool) -> (count per row, column indices with the set ones first)."""
+    g = grid.to(torch.int32)
+    return g.sum(-1, dtype=torch.int32), torch.argsort(g, dim=-1, descending=True, stable=True).to(torch.int32)
+
+
+def block_tiles(
+    anchors: torch.Tensor, block_size: int, ctx_len: int, ctx_valid: torch.Tensor | None = None,
+    tile: int = TILE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full) bool grids [Bsz, 1, Q/tile, KV/tile] of the mask, computed from the anchors.
+
+    A tile (query tile i, key tile j) is *full* when every query in it sees every key in it, *partial*
+    when some but not all do (resolved by ``mask_mod`` in the kernel), else skipped. Exactly what
+    ``create_block_mask`` would derive from the dense mask (ragged last tiles are never full), but from
+    per-tile extremes: context keys [ks, ke) are all visible to every query of the tile iff
+    ``ke <= min anchor`` and all are valid (a prefix count of ``ctx_valid`` answers that), some are
+    visible iff a valid key lies below the tile's largest anchor; block keys are visible iff the
+    tile's query blocks and key blocks overlap, and all visible iff both are one and the same block.
+    """
+    bsz, n = anchors.shape
+    dev = anchors.device
+    q_len = n * block_size
+    kv_len = ctx_len + q_len
+    nq, nk = _tiles(q_len, kv_len, tile)
+    big = ctx_len + 1
+
+    # Per query tile: smallest/largest anchor and first/last block among its real queries.
+    q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [Bsz, Q]
+    pad = nq * tile - q_len
+    a_min = F.pad(q_anchor, (0, pad), value=big).view(bsz, nq, tile).amin(-1)
+    a_max = F.pad(q_anchor, (0, pad), value=0).view(bsz, nq, tile).amax(-1)
+    qi = torch.arange(nq, device=dev)
+    q_lo = qi * tile
+    q_hi = torch.clamp((qi + 1) * tile, max=q_len)  # exclusive
+    n_lo, n_hi = q_lo // block_size, (q_hi - 1) // block_size
+    q_whole = ((qi + 1) * tile <= q_len)[:, None]
+
+    # Per key tile: its context part [ks, ke) and its block part [bs, be) (relative to the block keys).
+    kj = torch.arange(nk, device=dev)
+    k_lo, k_hi_raw = kj * tile, (kj + 1) * tile
+    ks, ke = torch.clamp(k_lo, max=ctx_len), torch.clamp(k_hi_raw, max=ctx_len)
+    bs = torch.clamp(k_lo, min=ctx_len, max=kv_len) - ctx_len
+    be = torch.clamp(k_hi_raw, min=ctx_len, max=kv_len) - ctx_len
+    has_ctx, has_blk = ke > ks, be > bs
+    k_whole = (k_hi_raw <= kv_len)[None, :]
+
+    # Context part: prefix counts of valid positions answer "any"/"all valid in a range" per tile pair.
+    valid = torch.ones(bsz, ctx_len, dtype=torch.int32, device=dev) if ctx_valid is None else ctx_valid.to(torch.int32)
+    cs = F.pad(valid.cumsum(-1, dtype=torch.int32), (1, 0))  # [Bsz, T+1]
+    top = torch.minimum(ke[None, None, :], a_max[:, :, None])  # [Bsz, nq, nk] visible ctx keys end here
+    top = torch.maximum(top, ks[None, None, :])
+    n_vis = torch.gather(cs, 1, top.view(bsz, -1)).view(bsz, nq, nk) - cs[:, ks][:, None, :]
+    ctx_any = has_ctx[None, None, :] & (n_vis > 0)
+    all_valid = (cs[:, ke] - cs[:, ks]) == (ke - ks)[None, :]  # [Bsz, nk]
+    ctx_all = (ke[None, None, :] <= a_min[:, :, None]) & all_valid[:, None, :]
+
+    # Block part: block ranges of the query tile and of the key tile.
+    m_lo, m_hi = bs // block_size, (be - 1) // block_size
+    blk_any = (q_hi > q_lo)[:, None] & has_blk[None, :] & (m_lo[None, :] <= n_hi[:, None]) & (n_lo[:, None] <= m_hi[None, :])
+    blk_all = (n_lo == n_hi)[:, None] & (m_lo == m_hi)[None, :] & (n_lo[:, None] == m_lo[None, :])
+
+    any_ = ctx_any | blk_any[None]
+    full = (q_whole & k_whole)[None] & (ctx_all | ~has_ctx[None, None, :]) & (blk_all | ~has_blk[None, :])[None]
+    full = full & any_
+    return (any_ & ~full)[:, None], full[:, None]
+
+
+def flex_block_mask(
+    anchors: torch.Tensor, block_size: int, ctx_len: int, ctx_valid: torch.Tensor | None = None,
+    tile: int = TILE,
+):
+    """The mask as a FlexAttention ``BlockMask`` built from tile metadata: no Q x KV tensor anywhere.
+
+    Its sequence lengths are the query and key counts rounded up to whole tiles: attention pads q, k, v
+    to them (padded keys are invisible, padded query rows are dropped), so the compiled kernel only
+    ever sees tile multiples and does not specialise on ragged lengths. Everything runs on the anchors' device with no host synchronisation (the tile counts are only
+    ever tensors).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    partial, full = block_tiles(anchors, block_size, ctx_len, ctx_valid, tile)
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile,
+        mask_mod=block_mask_mod(anchors, block_size, ctx_len, ctx_valid, tile),
+        seq_lengths=(partial.shape[-2] * tile, partial.shape[-1] * tile),
+    )
+
+
+def use_flex(device: torch.device) -> bool:
+    """FlexAttention where it is compiled (CUDA); the CPU path is SDPA with an explicit (small) mask."""
+    if device.type != "cuda":
+        return False
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Running flex attention: compiled once, SDPA if compilation fails
+# --------------------------------------------------------------------------------------------------
+
+_compiled = None
+_compile_lock = threading.Lock()
+_flex_failed: str | None = None  # why compiled flex was given up (set once; later calls go to SDPA)
+_dense = threading.local()  # the fallback's dense mask, kept for the layers of one forward
+
+
+def compiled_flex() -> Callable:
+    """``torch.compile(flex_attention, dynamic=True)``, built once per process.
+
+    ``dynamic=True`` makes sequence length, anchor count and tile counts symbolic from the first call,
+    so varying shapes reuse one graph instead of recompiling per length (or twice, as automatic dynamic
+    shapes would: static first, dynamic on the first change).
+    """
+    global _compiled
+    with _compile_lock:
+        if _compiled is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            _compiled = torch.compile(flex_attention, dynamic=True)
+        return _compiled
+
+
+def _dense_from_block_mask(mask, bsz: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Dense [Bsz, 1, Q, KV] bool from a BlockMask's mask_mod (fallback only), reused across layers."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    cached = getattr(_dense, "value", None)
+    if cached is None or cached[0] is not mask:
+        _dense.value = (mask, create_mask(mask.mask_mod, bsz, None, q_len, kv_len, device))
+    return _dense.value[1]
+
+
+def flex_or_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, compiled: bool) -> torch.Tensor:
+    """FlexAttention of q [B, Hq, Q, D] over k, v [B, Hkv, K, D] under ``mask`` (a BlockMask).
+
+    ``compiled``: use the compiled kernel (CUDA; on CPU torch runs flex uncompiled, forward only). If
+    compiling or running it fails, warn once and answer every later call with SDPA and a dense mask.
+    """
+    global _flex_failed
+    from torch.nn.attention.flex_attention import flex_attention
+
+    gqa = q.shape[1] != k.shape[1]
+    if not compiled or _flex_failed is None:
+        q_len = q.shape[2]
+        q_pad, kv_pad = mask.seq_lengths
+        qp = F.pad(q, (0, 0, 0, q_pad - q_len))
+        kp, vp = F.pad(k, (0, 0, 0, kv_pad - k.shape[2])), F.pad(v, (0, 0, 0, kv_pad - v.shape[2]))
+    if not compiled:
+        return flex_attention(qp, kp, vp, block_mask=mask, enable_gqa=gqa)[:, :, :q_len]
+    if _flex_failed is None:
+        try:
+            return compiled_flex()(qp, kp, vp, block_mask=mask, enable_gqa=gqa)[:, :, :q_len]
+        except Exception as e:  # compiler or kernel missing/broken on this machine: train on, slower
+            _flex_failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            warnings.warn(f"compiled FlexAttention failed ({_flex_failed}); using SDPA with a dense mask "
+                          "from now on (slower, Q x KV memory per step)", RuntimeWarning, stacklevel=2)
+    dense = _dense_from_block_mask(mask, q.shape[0], q.shape[2], k.shape[2], q.device)
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
