@@ -219,3 +219,21 @@ def test_dflash_top_takes_only_the_protocol_from_dflash_and_never_torch():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dflash', 'torch')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['dflash', 'dflash.telemetry', 'dflash.telemetry.protocol']"
+
+
+def test_gpu_panel_shows_cuda_ordinal_gpm_activity_and_mig_instances() -> None:
+    from dflash_tui.widgets.gpus import gpu_text
+
+    gpu = protocol.GpuSample(index=3, name="NVIDIA H200", util_percent=95.0, mem_used=2**30, mem_total=2**37,
+                             cuda_index=0, sm_active=71.5, tensor_active=42.0,
+                             mig=[protocol.MigSample(index=1, name="H200 MIG 3g.71gb", cuda_index=1,
+                                                     mem_used=2**30, mem_total=2**36)])
+    plain = protocol.GpuSample(index=4, name="NVIDIA H200")
+    state = RunState()
+    state.apply(protocol.Snapshot(seq=1, t=0.0, interval_s=1.0,
+                                  system=protocol.SystemSample(gpus=[gpu, plain])))
+    text = gpu_text(state, 120).plain
+    assert "GPU3 cuda:0 NVIDIA H200" in text
+    assert "SM active 71.5%" in text and "tensor 42.0%" in text
+    assert "MIG1 H200 MIG 3g.71gb cuda:1" in text
+    assert "GPU4 NVIDIA H200" in text and text.count("SM active") == 1

@@ -90,6 +90,8 @@ GPU_FIELDS = (
     ("temp_c", "dflash_gpu_temperature_celsius", "GPU temperature, degrees Celsius."),
     ("sm_clock_mhz", "dflash_gpu_sm_clock_mhz", "GPU SM clock, MHz."),
     ("process_mem", "dflash_gpu_process_memory_bytes", "GPU memory used by the trainer process, bytes."),
+    ("sm_active", "dflash_gpu_sm_active_percent", "SMs busy (NVML GPM, Hopper and later), percent."),
+    ("tensor_active", "dflash_gpu_tensor_active_percent", "Time tensor cores were in use (NVML GPM), percent."),
 )
 
 _SPAN_HELP = (

@@ -54,8 +54,20 @@ class ThreadSample(msgspec.Struct):
     cpu_percent: float
 
 
+class MigSample(msgspec.Struct, omit_defaults=True):
+    """One MIG instance of a GPU (NVML reads no utilisation for it)."""
+
+    index: int  # MIG device index on its GPU
+    name: str
+    uuid: str | None = None
+    #: its CUDA ordinal in the trainer's process (None: not visible to the trainer)
+    cuda_index: int | None = None
+    mem_used: int | None = None
+    mem_total: int | None = None
+
+
 class GpuSample(msgspec.Struct, omit_defaults=True):
-    index: int
+    index: int  # NVML index (PCI bus order), which need not equal the CUDA ordinal
     name: str
     util_percent: float | None = None
     mem_used: int | None = None
@@ -65,6 +77,13 @@ class GpuSample(msgspec.Struct, omit_defaults=True):
     sm_clock_mhz: float | None = None
     #: memory used on this GPU by the trainer's process
     process_mem: int | None = None
+    uuid: str | None = None
+    #: the CUDA ordinal (``cuda:N``) of this GPU in the trainer's process; None: not visible to it
+    cuda_index: int | None = None
+    #: percent of SMs busy / of time tensor cores were in use, from NVML GPM (Hopper and later)
+    sm_active: float | None = None
+    tensor_active: float | None = None
+    mig: list[MigSample] = []
 
 
 class SystemSample(msgspec.Struct, omit_defaults=True):

@@ -3,17 +3,26 @@
 Every query degrades instead of raising (the nvitop habit): a field NVML cannot read is None, and a
 machine without a driver reports `gpus=[]` with the reason in `gpu_error`. The sampler runs in the
 publisher thread, never in a worker.
+
+NVML numbers GPUs in PCI bus order; CUDA numbers the devices a process may see, after
+``CUDA_VISIBLE_DEVICES`` (indices, ``GPU-``/``MIG-`` UUIDs or unique UUID prefixes) and in its own
+order. Each sample therefore carries the GPU's UUID and its CUDA ordinal in the trainer
+(``cuda_index``), matched by UUID: from torch when the trainer has already initialised CUDA, else from
+``CUDA_VISIBLE_DEVICES`` (an index there is taken as an NVML index: exact with
+``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical GPUs, CUDA's fastest-first order otherwise).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import psutil
 
-from dflash.telemetry.protocol import GpuSample, SystemSample, ThreadSample
+from dflash.telemetry.protocol import GpuSample, MigSample, SystemSample, ThreadSample
 
 T = TypeVar("T")
 
@@ -37,6 +46,65 @@ def _nvml_reason(exc: BaseException) -> str:
     return f"NVML unavailable: {exc}"
 
 
+def _uuid(u: Any) -> str | None:
+    """NVML/CUDA UUID in one spelling: lower case, no ``GPU-``/``MIG-`` prefix."""
+    if u is None:
+        return None
+    u = (u.decode(errors="replace") if isinstance(u, bytes) else str(u)).strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if u.startswith(prefix):
+            return u[len(prefix):]
+    return u
+
+
+def cuda_ordinals(gpus: list[tuple[str | None, bool]], visible: str | None,
+                  cuda_uuids: list[str] | None = None) -> dict[int, int]:
+    """CUDA ordinal of each device, as {position in ``gpus``: ordinal}.
+
+    ``gpus``: (uuid, is_mig) of every device NVML lists, GPUs in NVML index order. ``cuda_uuids``: the
+    UUIDs of the trainer's CUDA devices by ordinal (from torch); when known they decide alone.
+    Otherwise ``visible`` (``CUDA_VISIBLE_DEVICES``) is read as CUDA reads it: entries in order, an
+    index names the NVML GPU of that index, a ``GPU-``/``MIG-`` entry the device whose UUID starts with
+    it, and the first entry that names nothing (or a device again) ends the list. Unset: every GPU
+    (not MIG instance), ordinal = NVML index.
+    """
+    norm = [_uuid(u) for u, _ in gpus]
+    if cuda_uuids is not None:
+        wanted = [_uuid(u) for u in cuda_uuids]
+        return {pos: wanted.index(u) for pos, u in enumerate(norm) if u is not None and u in wanted}
+    physical = [pos for pos, (_, mig) in enumerate(gpus) if not mig]
+    if visible is None:
+        return {pos: i for i, pos in enumerate(physical)}
+    out: dict[int, int] = {}
+    for entry in visible.split(","):
+        entry = entry.strip()
+        low = entry.lower()
+        if entry.isdigit():
+            pos = physical[int(entry)] if int(entry) < len(physical) else None
+        elif low.startswith(("gpu-", "mig-")) and len(low) > 4:
+            mig, key = low.startswith("mig-"), _uuid(low)
+            hits = [p for p, u in enumerate(norm) if u and gpus[p][1] == mig and u.startswith(key)]
+            pos = hits[0] if len(hits) == 1 else None
+        else:
+            pos = None
+        if pos is None or pos in out:
+            break
+        out[pos] = len(out)
+    return out
+
+
+def _torch_cuda_uuids() -> list[str] | None:
+    """UUIDs of the trainer's CUDA devices, only if torch is loaded and has initialised CUDA already
+    (never imports torch, never creates a context)."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return None
+        return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    except Exception:
+        return None
+
+
 class SystemSampler:
     """Samples CPU%, RSS and per-thread CPU% of one process, plus every NVIDIA GPU on the machine.
 
@@ -52,6 +120,7 @@ class SystemSampler:
         self._nvml: Any = None  # None: not tried yet; False: failed (reason in _gpu_error)
         self._gpu_error: str | None = None if nvml else "GPU sampling disabled"
         self._comm: dict[int, str] = {}
+        self._gpm: dict[int, Any] = {}  # NVML index -> last GPM sample (metrics need two)
         self._proc.cpu_percent(None)  # primes psutil's delta
         self._last_t = time.monotonic()
         self._last_cpu = self._thread_times()
@@ -128,32 +197,88 @@ class SystemSampler:
             count = nv.nvmlDeviceGetCount()
         except Exception as e:
             return [], f"NVML: {e}"
-        gpus = []
+        gpus: list[GpuSample] = []
+        handles: list[tuple[GpuSample | MigSample, Any]] = []  # every device, for the CUDA mapping
         for i in range(count):
             try:
                 h = nv.nvmlDeviceGetHandleByIndex(i)
             except Exception:
                 continue
-            name = _na(lambda h=h: nv.nvmlDeviceGetName(h))
-            if isinstance(name, bytes):  # older bindings return bytes
-                name = name.decode(errors="replace")
             util = _na(lambda h=h: nv.nvmlDeviceGetUtilizationRates(h).gpu)
             mem = _na(lambda h=h: nv.nvmlDeviceGetMemoryInfo(h))
             power_mw = _na(lambda h=h: nv.nvmlDeviceGetPowerUsage(h))
-            gpus.append(
-                GpuSample(
-                    index=i,
-                    name=name or f"GPU {i}",
-                    util_percent=float(util) if util is not None else None,
-                    mem_used=int(mem.used) if mem is not None else None,
-                    mem_total=int(mem.total) if mem is not None else None,
-                    power_w=power_mw / 1000.0 if power_mw is not None else None,
-                    temp_c=_float(_na(lambda h=h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))),
-                    sm_clock_mhz=_float(_na(lambda h=h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))),
-                    process_mem=self._process_mem(nv, h),
-                )
+            sm_active, tensor_active = self._gpm_metrics(nv, i, h)
+            g = GpuSample(
+                index=i,
+                name=_name(nv, h) or f"GPU {i}",
+                util_percent=float(util) if util is not None else None,
+                mem_used=int(mem.used) if mem is not None else None,
+                mem_total=int(mem.total) if mem is not None else None,
+                power_w=power_mw / 1000.0 if power_mw is not None else None,
+                temp_c=_float(_na(lambda h=h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))),
+                sm_clock_mhz=_float(_na(lambda h=h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))),
+                process_mem=self._process_mem(nv, h),
+                uuid=_text(_na(lambda h=h: nv.nvmlDeviceGetUUID(h))),
+                sm_active=sm_active,
+                tensor_active=tensor_active,
+                mig=self._mig_instances(nv, h),
             )
+            gpus.append(g)
+            handles.append((g, h))
+            handles.extend((m, None) for m in g.mig)
+        ordinals = cuda_ordinals([(d.uuid, isinstance(d, MigSample)) for d, _ in handles],
+                                 os.environ.get("CUDA_VISIBLE_DEVICES"), _torch_cuda_uuids())
+        for pos, ordinal in ordinals.items():
+            handles[pos][0].cuda_index = ordinal
         return gpus, None
+
+    def _mig_instances(self, nv: Any, handle: Any) -> list[MigSample]:
+        """The GPU's MIG instances, or [] when MIG is off or unsupported."""
+        mode = _na(lambda: nv.nvmlDeviceGetMigMode(handle))
+        if not mode or mode[0] != getattr(nv, "NVML_DEVICE_MIG_ENABLE", 1):
+            return []
+        out = []
+        for k in range(_na(lambda: nv.nvmlDeviceGetMaxMigDeviceCount(handle)) or 0):
+            m = _na(lambda k=k: nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, k))
+            if m is None:  # empty slot
+                continue
+            mem = _na(lambda m=m: nv.nvmlDeviceGetMemoryInfo(m))
+            out.append(MigSample(index=k, name=_name(nv, m) or f"MIG {k}",
+                                 uuid=_text(_na(lambda m=m: nv.nvmlDeviceGetUUID(m))),
+                                 mem_used=int(mem.used) if mem is not None else None,
+                                 mem_total=int(mem.total) if mem is not None else None))
+        return out
+
+    def _gpm_metrics(self, nv: Any, index: int, handle: Any) -> tuple[float | None, float | None]:
+        """SM-active and tensor-active percent between this sample and the last, from NVML GPM
+        (GPU performance monitoring: Hopper and later). None on GPUs/drivers without it, and on the
+        first sample (a GPM metric needs two)."""
+        if index not in self._gpm:
+            ok = _na(lambda: nv.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
+            self._gpm[index] = None if not ok else False  # False: supported, no sample yet
+        prev = self._gpm[index]
+        if prev is None:
+            return None, None
+        cur = _na(nv.nvmlGpmSampleAlloc)
+        if cur is None or _na(lambda: nv.nvmlGpmSampleGet(handle, cur)) is None:
+            if cur is not None:
+                _na(lambda: nv.nvmlGpmSampleFree(cur))
+            self._gpm[index] = None
+            return None, None
+        self._gpm[index] = cur
+        if prev is False:
+            return None, None
+        try:
+            req = nv.c_nvmlGpmMetricsGet_t()
+            req.version, req.numMetrics, req.sample1, req.sample2 = nv.NVML_GPM_METRICS_GET_VERSION, 2, prev, cur
+            req.metrics[0].metricId = nv.NVML_GPM_METRIC_SM_UTIL
+            req.metrics[1].metricId = nv.NVML_GPM_METRIC_ANY_TENSOR_UTIL
+            nv.nvmlGpmMetricsGet(req)
+            return tuple(float(m.value) if m.nvmlReturn == 0 else None for m in req.metrics[:2])
+        except Exception:
+            return None, None
+        finally:
+            _na(lambda: nv.nvmlGpmSampleFree(prev))
 
     def _process_mem(self, nv: Any, handle: Any) -> int | None:
         """This process's memory on one GPU; None when NVML does not list our pid (not using that
@@ -164,9 +289,22 @@ class SystemSampler:
 
     def close(self) -> None:
         if self._nvml:
+            for sample in self._gpm.values():
+                if sample is not None and sample is not False:  # (a ctypes sample handle is falsy)
+                    _na(lambda sample=sample: self._nvml.nvmlGpmSampleFree(sample))
+            self._gpm.clear()
             _na(self._nvml.nvmlShutdown)
             self._nvml = None
 
 
 def _float(v: Any) -> float | None:
     return float(v) if v is not None else None
+
+
+def _text(v: Any) -> str | None:
+    """NVML strings: older bindings return bytes."""
+    return v.decode(errors="replace") if isinstance(v, bytes) else (str(v) if v is not None else None)
+
+
+def _name(nv: Any, handle: Any) -> str | None:
+    return _text(_na(lambda: nv.nvmlDeviceGetName(handle)))

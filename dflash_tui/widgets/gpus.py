@@ -37,7 +37,10 @@ def gpu_text(state: RunState, width: int) -> Text:
     for i, g in enumerate(sys_.gpus):
         if i:
             t.append("\n")
-        t.append(f"GPU{g.index} ", style="bold").append(f"{g.name[:22]:<22} ")
+        t.append(f"GPU{g.index} ", style="bold")
+        if g.cuda_index is not None:  # NVML's index need not be the trainer's cuda:N
+            t.append(f"cuda:{g.cuda_index} ", style="dim")
+        t.append(f"{g.name[:22]:<22} ")
         util = g.util_percent
         style = "green" if util is not None and util >= 70 else "yellow" if util is not None and util >= 30 else "red"
         t.append("util ", style="dim").append(f"{fmt.percent(util, scale=1):>5} ", style=f"bold {style}")
@@ -57,4 +60,12 @@ def gpu_text(state: RunState, width: int) -> Text:
         t.append("power ", style="dim").append(f"{g.power_w:.0f}W" if g.power_w is not None else fmt.NA)
         t.append("  temp ", style="dim").append(f"{g.temp_c:.0f}C" if g.temp_c is not None else fmt.NA)
         t.append("  SM ", style="dim").append(f"{g.sm_clock_mhz:.0f}MHz" if g.sm_clock_mhz is not None else fmt.NA)
+        if g.sm_active is not None:  # NVML GPM (Hopper+): busy SMs and tensor-core time, not just "a kernel ran"
+            t.append("  SM active ", style="dim").append(fmt.percent(g.sm_active, scale=1))
+            t.append("  tensor ", style="dim").append(fmt.percent(g.tensor_active, scale=1))
+        for m in g.mig:
+            t.append(f"\n     MIG{m.index} ", style="bold").append(f"{m.name[:24]} ")
+            if m.cuda_index is not None:
+                t.append(f"cuda:{m.cuda_index} ", style="dim")
+            t.append(f"{fmt.nbytes(m.mem_used)}/{fmt.nbytes(m.mem_total)}" if m.mem_used is not None else fmt.NA)
     return t
