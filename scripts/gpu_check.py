@@ -1,0 +1,688 @@
+"""One-shot proof of dflash's CUDA paths on one GPU (written for an H200; <= 8 minutes), as a JSON report.
+
+    python scripts/gpu_check.py --json gpu_check.json         # on the GPU box
+    python scripts/gpu_check.py --cpu-smoke --json smoke.json # every check that can run on CPU, tiny
+
+Each check is an independent function with its own time budget. On CUDA each runs in its own child
+process (a sticky CUDA error, a hang or the CUDA sanitizer stay inside it; the budget is a hard
+timeout); with ``--cpu-smoke`` they run in this process at tiny shapes, to prove the script itself
+before a GPU is lent. A failing check never hides the others: every result lands in the report.
+Without CUDA (and without ``--cpu-smoke``) the script prints one line and exits 0.
+
+Checks (see README "GPU check"): sync_free, flex_vs_sdpa, compile_count, mask_build, side_stream_copy,
+cuda_spans, verdicts, nvml, ddp_resume, eval_lossless, throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+H200_BF16_DENSE_FLOPS = 989e12  # H200 SXM bf16 dense tensor-core peak (the H100 SXM's; same chip)
+TOTAL_BUDGET_S = 480.0
+
+# Qwen3-8B's config.json (public): what the throughput check builds with random weights.
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1_000_000.0,
+                max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=512, rope_theta=1_000_000.0,
+            max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+@dataclass
+class Ctx:
+    """Where and how big: ``smoke`` means CPU at tiny shapes."""
+
+    device: str
+    smoke: bool
+    tmp: Path
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+class Skip(Exception):
+    """The check cannot run here (the reason is reported, it is not a failure)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Building blocks: the real target/drafter/stages at a chosen size
+# --------------------------------------------------------------------------------------------------
+
+
+def make_target(ctx: Ctx, shape: dict, layers: int | None = None, device: str | None = None):
+    """A Qwen3-shaped target from a config with random weights (nothing downloaded)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash.model.drafter import default_target_layer_ids
+    from dflash.model.target import Target
+
+    device = device or ctx.device
+    cfg = Qwen3Config(**{**shape, "num_hidden_layers": layers or shape["num_hidden_layers"]})
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(dtype)
+    model.eval().requires_grad_(False)
+    return Target(model, None, default_target_layer_ids(cfg.num_hidden_layers, 5))
+
+
+def make_parts(ctx: Ctx, target, drafter_layers: int, seq_len: int, num_anchors: int, batch_size: int,
+               samples: int = 16, target_device: str | None = None):
+    """Real stages around ``target``: a BatchSource over random token sequences (second half is the
+    response), a TargetStage and a DrafterStage with the recipe's optimizer."""
+    import torch
+
+    from dflash.data import Sample
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash.telemetry import ProfileStats
+    from dflash.train.config import TrainConfig
+    from dflash.train.stages import BatchSource, DrafterStage, TargetStage
+
+    dev = torch.device(ctx.device)
+    vocab = target.vocab_size
+    g = torch.Generator().manual_seed(1)
+    rows = [Sample(torch.randint(0, vocab - 1, (seq_len,), generator=g).tolist(),
+                   [0] * (seq_len // 2) + [1] * (seq_len - seq_len // 2)) for _ in range(samples)]
+    cfg = TrainConfig(num_anchors=num_anchors, batch_size=batch_size, max_steps=10**6, drafter_layers=drafter_layers)
+    dcfg = DrafterConfig.for_target(target.config, num_layers=drafter_layers, target_layer_ids=target.layer_ids,
+                                    mask_token_id=vocab - 1)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(dcfg).to(dev)
+    embed = torch.nn.Embedding.from_pretrained(target.embed_tokens.weight.detach().float().to(dev), freeze=True)
+    head = torch.nn.Linear(target.hidden_size, vocab, bias=False).to(dev)
+    head.weight = torch.nn.Parameter(target.lm_head.weight.detach().float().to(dev), requires_grad=False)
+    stats = ProfileStats()
+    source = BatchSource(rows, batch_size, seed=0, pad_id=0)
+    tstage = TargetStage(target, dev, stats.worker("target-0"), "target-0")
+    dstage = DrafterStage(drafter, embed, head, dev, cfg, stats.worker("drafter-0"), torch.Generator().manual_seed(2))
+    return source, tstage, dstage, cfg, stats
+
+
+def run_pipeline(source, tstage, dstage, cfg, stats, steps: int, pipeline: bool, on_step_extra=None,
+                 timeout_s: float = 120.0) -> list[float]:
+    """Runs the real Pipeline for ``steps`` steps; returns the host time at the end of every step."""
+    from dflash.train.pipeline import Pipeline, RunState
+
+    state, stamps = RunState(), []
+
+    def on_step(r) -> bool:
+        state.step += 1
+        state.next_batch += 1
+        stamps.append(time.perf_counter())
+        if on_step_extra is not None:
+            on_step_extra(state.step)
+        return state.step < steps
+
+    p = Pipeline(source, [tstage], dstage, replace(cfg, pipeline=pipeline), stats, state, on_step)
+    p.start()
+    deadline = time.monotonic() + timeout_s
+    while p.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stuck = p.shutdown()
+    if p.failure is not None:
+        raise RuntimeError(f"worker {p.failure[0]} failed: " + p.failure[1].strip().splitlines()[-1])
+    if stuck or len(stamps) < steps:
+        raise TimeoutError(f"{len(stamps)}/{steps} steps in {timeout_s:.0f}s")
+    return stamps
+
+
+def _sync(ctx: Ctx) -> None:
+    if ctx.cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------------------------------
+# The checks: each returns a dict with "ok" (True/False) and its measurements, or raises Skip
+# --------------------------------------------------------------------------------------------------
+
+
+def check_sync_free(ctx: Ctx) -> dict:
+    """20 steady pipelined steps of the real stages under set_sync_debug_mode("error"): any host sync
+    in a worker raises there and fails the run (the traceback's last line names the op)."""
+    import torch
+
+    shape = TINY if ctx.smoke else {**QWEN3_8B, "vocab_size": 32768}
+    target = make_target(ctx, shape, layers=2 if ctx.smoke else 8)
+    seq = 96 if ctx.smoke else 2048
+    parts = make_parts(ctx, target, 1 if ctx.smoke else 2, seq, 8 if ctx.smoke else 128, 2)
+    warm, steady = (2, 3) if ctx.smoke else (5, 20)
+
+    def arm(step: int) -> None:
+        if ctx.cuda and step == warm:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+
+    try:
+        run_pipeline(*parts, steps=warm + steady, pipeline=True, on_step_extra=arm)
+    except RuntimeError as e:
+        return {"ok": False, "steady_steps": steady, "error": str(e)[:400]}
+    finally:
+        if ctx.cuda:
+            torch.cuda.set_sync_debug_mode(0)
+    if not ctx.cuda:
+        return {"ok": None, "steady_steps": steady, "note": "ran on CPU: the sync assertion needs CUDA"}
+    return {"ok": True, "steady_steps": steady}
+
+
+def _grads_of(drafter) -> list:
+    return [p.grad.detach().float().clone() for p in drafter.parameters()]
+
+
+def check_flex_vs_sdpa(ctx: Ctx) -> dict:
+    """Loss and gradients of the packed-block drafter under compiled FlexAttention (block mask from
+    tile metadata) vs SDPA (dense mask), in bf16 autocast. CPU: forward only (no flex backward there)."""
+    import torch
+    import torch.nn.functional as F
+
+    from dflash.model.objective import forward_blocks
+
+    target = make_target(ctx, TINY if ctx.smoke else {**QWEN3_8B, "vocab_size": 32768}, layers=2 if ctx.smoke else 8)
+    seq, n = (96, 6) if ctx.smoke else (1024, 48)
+    source, _, dstage, _, _ = make_parts(ctx, target, 1 if ctx.smoke else 2, seq, n, 2)
+    dev = torch.device(ctx.device)
+    b = source(0)
+    ids = b.input_ids.to(dev)
+    hidden = target.hidden_states(b.input_ids.to(target.device), None).to(dev)
+    g = torch.Generator().manual_seed(3)
+    anchors = torch.stack([torch.randperm(seq // 2 - 16, generator=g)[:n].sort().values + seq // 2 for _ in range(2)]).to(dev)
+    anchors[0, 0] = 128 if seq > 200 else anchors[0, 0]  # an anchor on a tile boundary
+    attn = b.attention_mask.to(dev)
+    attn[1, -5:] = 0  # a padded tail in row 1
+    bs = dstage.drafter.config.block_size
+    labels = torch.gather(ids, 1, (anchors[:, :, None] + torch.arange(1, bs, device=dev)).view(2, -1)).view(2, n, bs - 1)
+    out = {}
+    for backend in ("sdpa", "flex"):
+        dstage.drafter.zero_grad(set_to_none=True)
+        with torch.autocast(dev.type, torch.bfloat16, enabled=ctx.cuda), torch.set_grad_enabled(ctx.cuda):
+            h = forward_blocks(dstage.drafter, dstage.embed, ids, hidden, anchors, attn, attn_backend=backend)
+            logits = dstage.lm_head(h[:, :, 1:].float()).float()
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        if ctx.cuda:
+            loss.backward()
+        out[backend] = (loss.detach().float(), _grads_of(dstage.drafter) if ctx.cuda else [])
+    ls, lf = out["sdpa"][0], out["flex"][0]
+    loss_rel = float((lf - ls).abs() / ls.abs().clamp(min=1e-6))
+    grad_rel = max((float((a - b_).norm() / b_.norm().clamp(min=1e-12))
+                    for a, b_ in zip(out["flex"][1], out["sdpa"][1], strict=True)), default=0.0)
+    from dflash.model import masks
+
+    ok = loss_rel < 1e-2 and grad_rel < 5e-2 and masks._flex_failed is None
+    return {"ok": ok, "loss_sdpa": float(ls), "loss_flex": float(lf), "loss_rel_diff": loss_rel,
+            "max_grad_rel_diff": grad_rel, "backward_compared": ctx.cuda, "flex_fallback": masks._flex_failed}
+
+
+def check_compile_count(ctx: Ctx) -> dict:
+    """Compiled FlexAttention over varying sequence lengths and anchor counts (forward + backward):
+    at most 2 compilations (torch._dynamo's unique graphs), and no fallback to SDPA."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from dflash.model import masks
+    from dflash.model.objective import forward_blocks
+
+    if not ctx.cuda:
+        raise Skip("compiled flex has no CPU backward; the forward count is tests/test_model_masks.py's")
+    target = make_target(ctx, {**QWEN3_8B, "vocab_size": 32768}, layers=4)
+    _, _, dstage, _, _ = make_parts(ctx, target, 2, 64, 8, 1, samples=1)
+    torch._dynamo.reset()
+    counters.clear()
+    dev = torch.device(ctx.device)
+    shapes = [(1024, 64), (1536, 96), (3000, 200), (4096, 512), (777, 33), (2048, 128)]
+    times = []
+    for t, n in shapes:
+        g = torch.Generator().manual_seed(t)
+        ids = torch.randint(0, 32000, (2, t), generator=g).to(dev)
+        anchors = torch.stack([torch.randperm(t - 16, generator=g)[:n].sort().values for _ in range(2)]).to(dev)
+        with torch.no_grad():
+            hidden = target.hidden_states(ids)
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", torch.bfloat16):
+            h = forward_blocks(dstage.drafter, dstage.embed, ids, hidden, anchors, attn_backend="flex")
+        h.float().square().mean().backward()
+        torch.cuda.synchronize()
+        times.append(round(time.perf_counter() - t0, 3))
+    graphs = int(counters["stats"]["unique_graphs"])
+    return {"ok": graphs <= 2 and masks._flex_failed is None, "unique_graphs": graphs, "shapes": shapes,
+            "seconds_per_shape": times, "flex_fallback": masks._flex_failed}
+
+
+def check_mask_build(ctx: Ctx) -> dict:
+    """The recipe-size block mask (512 anchors x 16, 4096 tokens, batch 2): build time, peak memory
+    (vs the dense mask's bytes) and, on CUDA, no host sync while building."""
+    import torch
+
+    from dflash.model.masks import flex_block_mask
+
+    n, bs, t = (512, 16, 4096)
+    dev = torch.device(ctx.device)
+    g = torch.Generator().manual_seed(0)
+    anchors = torch.stack([torch.randperm(t - bs, generator=g)[:n].sort().values for _ in range(2)]).to(dev)
+    valid = torch.ones(2, t, dtype=torch.long, device=dev)
+    valid[1, 3000:] = 0
+    flex_block_mask(anchors, bs, t, valid)  # warm-up
+    _sync(ctx)
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        t0 = time.perf_counter()
+        for _ in range(10):
+            bm = flex_block_mask(anchors, bs, t, valid)
+    finally:
+        if ctx.cuda:
+            torch.cuda.set_sync_debug_mode(0)
+    _sync(ctx)
+    ms = (time.perf_counter() - t0) / 10 * 1e3
+    q, kv = n * bs, t + n * bs
+    out = {"ok": True, "build_ms": round(ms, 3), "dense_mask_bytes": 2 * q * kv, "tiles": list(bm.kv_indices.shape),
+           "partial_tiles": int(bm.kv_num_blocks.sum()), "full_tiles": int(bm.full_kv_num_blocks.sum())}
+    if ctx.cuda:
+        peak = torch.cuda.max_memory_allocated() - base
+        out.update(peak_bytes=int(peak), ok=peak < 2 * q * kv / 100)
+    return out
+
+
+def check_side_stream_copy(ctx: Ctx) -> dict:
+    """Hidden states handed from target to drafter through the side-stream copy (CPU target -> GPU
+    drafter: pinned, non-blocking; GPU -> same GPU) equal a direct forward, checksum for checksum,
+    under the CUDA sanitizer (torch.cuda._sanitizer: reports unsynchronised stream access)."""
+    import torch
+
+    from dflash.telemetry import ProfileStats
+    from dflash.train.stages import TargetStage
+
+    if ctx.cuda:
+        from torch.cuda._sanitizer import enable_cuda_sanitizer
+
+        enable_cuda_sanitizer()
+    dev = torch.device(ctx.device)
+    results = {}
+    for where in (["cpu", ctx.device] if ctx.cuda else ["cpu"]):
+        target = make_target(ctx, TINY, layers=2, device=where)
+        source, _, _, _, _ = make_parts(ctx, target, 1, 128, 8, 2, samples=8)
+        stage = TargetStage(target, dev, ProfileStats().worker(f"target-{where}"), "target-x")
+        diffs = []
+        for i in range(3):
+            batch = source(i)
+            hb = stage(batch)
+            if hb.ready is not None:
+                torch.cuda.current_stream(dev).wait_event(hb.ready)
+            got = hb.hidden.double().sum(dim=(1, 2))
+            want = target.hidden_states(batch.input_ids, batch.attention_mask).to(dev).double().sum(dim=(1, 2))
+            diffs.append(float((got - want).abs().max()))
+        results[f"{where}->{ctx.device}"] = diffs
+    return {"ok": all(d == 0.0 for v in results.values() for d in v), "max_abs_checksum_diff": results,
+            "sanitizer": ctx.cuda}
+
+
+def check_cuda_spans(ctx: Ctx) -> dict:
+    """CUDA spans from a worker thread on its own stream resolve to device times via query(), and
+    after the GPU is idle one drain leaves nothing pending."""
+    import torch
+
+    from dflash.telemetry import ProfileStats
+
+    stats = ProfileStats()
+    dev = torch.device(ctx.device)
+    n = 64 if ctx.cuda else 8
+
+    def work() -> None:
+        if ctx.cuda:
+            torch.cuda.set_device(dev)
+        w = stats.worker("drafter-0")
+        side = torch.cuda.Stream(dev) if ctx.cuda else None
+        a = torch.randn(1024, 1024, device=dev)
+        for _ in range(n):
+            with w.cuda_span("drafter_forward"):
+                a = (a @ a).tanh()
+            if side is not None:
+                with torch.cuda.stream(side), w.cuda_span("h2d", side):
+                    (a + 1).sum()
+        _sync(ctx)
+
+    t = threading.Thread(target=work, name="drafter-0")
+    t.start()
+    t.join()
+    summary = stats.drain()
+    cats = summary.cumulative.get("drafter-0", {})
+    pending = sum(len(v) for v in stats._unresolved.values())
+    dev_n = {c: (s.device.n if getattr(s, "device", None) is not None else 0) for c, s in cats.items()}
+    ok = pending == 0 and (not ctx.cuda or all(v == n for v in dev_n.values()))
+    return {"ok": ok, "host_spans": {c: s.n for c, s in cats.items()}, "device_spans": dev_n, "pending": pending,
+            "dropped": summary.dropped}
+
+
+def _verdict(ctx: Ctx, target_layers: int, drafter_layers: int, anchors: int, shape: dict, seq: int) -> dict:
+    from dflash.telemetry.analysis import analyze
+
+    target = make_target(ctx, shape, layers=target_layers)
+    parts = make_parts(ctx, target, drafter_layers, seq, anchors, 2)
+    stats = parts[-1]
+    warm, steps = (2, 8) if ctx.smoke else (5, 30)
+    run_pipeline(*parts, steps=warm, pipeline=True)
+    _sync(ctx)
+    stats.drain()  # forget the warm-up (compilation)
+    run_pipeline(*parts, steps=steps, pipeline=True)
+    _sync(ctx)
+    summary = stats.drain()
+    b = analyze(summary.workers)
+    return {"verdict": b.verdict, "reason": b.reason}
+
+
+def check_verdicts(ctx: Ctx) -> dict:
+    """The bottleneck verdict on a target-heavy run (deep target, one small drafter layer, few
+    anchors) and a drafter-heavy one (shallow target, deep drafter, many anchors)."""
+    shape = TINY if ctx.smoke else {**QWEN3_8B, "vocab_size": 32768}
+    seq = 128 if ctx.smoke else 2048
+    heavy_t = _verdict(ctx, 12 if ctx.smoke else 24, 1, 4 if ctx.smoke else 16, shape, seq)
+    heavy_d = _verdict(ctx, 1, 4 if ctx.smoke else 5, 24 if ctx.smoke else 512, shape, seq)
+    ok = heavy_t["verdict"] == "target-bound" and heavy_d["verdict"] == "drafter-bound"
+    return {"ok": ok, "target_heavy": heavy_t, "drafter_heavy": heavy_d}
+
+
+def check_nvml(ctx: Ctx) -> dict:
+    """NVML sample of this GPU under load: fields present, the GPU found as this process's cuda:0 by
+    UUID, and GPM SM-active / tensor-active where the GPU supports it."""
+    import torch
+
+    from dflash.telemetry.system import SystemSampler
+
+    sampler = SystemSampler()
+    first = sampler.sample({})
+    if not first.gpus:
+        raise Skip(first.gpu_error or "no GPUs")
+    stop = threading.Event()
+    dev = torch.device(ctx.device)
+
+    def load() -> None:
+        torch.cuda.set_device(dev)
+        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+        while not stop.is_set():
+            a = a @ a
+            a = a / a.norm()
+            torch.cuda.synchronize()
+
+    th = threading.Thread(target=load)
+    th.start()
+    try:
+        time.sleep(2.0)
+        s = sampler.sample({})
+    finally:
+        stop.set()
+        th.join()
+        sampler.close()
+    uuid = str(torch.cuda.get_device_properties(dev).uuid).lower().removeprefix("gpu-")
+    mine = [g for g in s.gpus if g.cuda_index == (dev.index or 0)]
+    g = mine[0] if mine else None
+    fields = ["name", "util_percent", "mem_used", "mem_total", "power_w", "temp_c", "sm_clock_mhz", "process_mem",
+              "uuid", "sm_active", "tensor_active"]
+    got = {f: getattr(g, f) for f in fields} if g else {}
+    empty = [f for f in fields[:-2] if got.get(f) is None]
+    mapped = g is not None and (g.uuid or "").lower().removeprefix("gpu-") == uuid
+    return {"ok": mapped and not empty, "gpu": got, "empty_fields": empty, "mapped_by_uuid": mapped,
+            "gpm": got.get("sm_active") is not None, "gpus_seen": len(s.gpus)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_ddp_resume(ctx: Ctx) -> dict:
+    """The trainer's multi-rank path (DDP, agreed stops, process groups) with one rank, NCCL on CUDA
+    (gloo on CPU): 6 steps straight equal stop after a few, resume, run to 6 (drafter weights)."""
+    import torch
+
+    from dflash.train import distributed
+    from dflash.train.config import make_config
+    from dflash.train.trainer import Trainer
+
+    class WorldOfOne(distributed.Dist):
+        @property
+        def enabled(self) -> bool:  # the multi-rank path (DDP, agreement, process groups) with one rank
+            return True
+
+    class OneRankTrainer(Trainer):
+        def _join_ranks(self) -> None:
+            self.dist = d = WorldOfOne()
+            self.cfg.target_devices = [distributed.localize(x, d) for x in self.cfg.target_devices]
+            self.cfg.drafter_device = distributed.localize(self.cfg.drafter_device, d)
+            distributed.init(d, torch.device(self.cfg.drafter_device).type == "cuda", 120.0)
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    dev = "cuda" if ctx.cuda else "cpu"
+
+    def cfg(run: str):
+        return make_config({}, dict(target="tiny", data="demo", run_dir=str(ctx.tmp / run), batch_size=2,
+                                    num_anchors=8, max_steps=6, log_every=1e9, telemetry=False, eval_prompts=0,
+                                    checkpoint_every=1e9, drafter_layers=1, target_devices=[dev],
+                                    drafter_device=dev, max_seq_len=128))
+
+    class StopEarly(OneRankTrainer):
+        def on_step(self, r):
+            if self.state.step == 1:
+                self.stop_requested.set()
+            return super().on_step(r)
+
+    def params(t) -> dict:
+        return {k: v.detach().float().cpu() for k, v in t.drafter.drafter.state_dict().items()}
+
+    try:
+        os.environ["MASTER_PORT"] = str(_free_port())
+        straight = OneRankTrainer(cfg("a"), log=lambda s: None)
+        assert straight.run() == 0
+        os.environ["MASTER_PORT"] = str(_free_port())
+        first = StopEarly(cfg("b"), log=lambda s: None)
+        # (a stop is agreed across ranks one step later, so it lands after step 3)
+        assert first.run() == 0 and 0 < first.state.step < 6, first.state.step
+        os.environ["MASTER_PORT"] = str(_free_port())
+        second = OneRankTrainer(cfg("b"), resume=True, log=lambda s: None)
+        assert second.run() == 0 and second.state.step == 6
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    a, b = params(straight), params(second)
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    scale = max(float(v.abs().max()) for v in a.values())
+    bitwise = all(torch.equal(a[k], b[k]) for k in a)
+    return {"ok": diff <= 1e-6 * scale, "bitwise": bitwise, "max_abs_diff": diff,
+            "stopped_at": first.state.step, "backend": "nccl" if ctx.cuda else "gloo", "ddp": type(second.drafter.forward_module).__name__}
+
+
+def check_eval_lossless(ctx: Ctx) -> dict:
+    """`dflash eval`'s decode loop with a bf16 drafter and bf16 target: speculative output equals the
+    target's own greedy output (near-tie reporting is the precision work's; shown here as-is)."""
+    import torch
+
+    from dflash.data import load_prompts
+    from dflash.eval.speculative import evaluate
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash.model.target import load_target
+
+    target = load_target("tiny", device=ctx.device, dtype=torch.bfloat16)
+    dcfg = DrafterConfig.for_target(target.config, num_layers=1, target_layer_ids=target.layer_ids,
+                                    mask_token_id=target.default_mask_token_id())
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(dcfg).to(ctx.device).to(torch.bfloat16)
+    prompts = load_prompts("demo", target.tokenizer, limit=2 if ctx.smoke else 8)
+    r = evaluate(drafter, target, prompts, max_new_tokens=16 if ctx.smoke else 64)
+    return {"ok": bool(r.lossless), "lossless": r.lossless, "mismatched_prompts": r.mismatched_prompts,
+            "tau": r.tau, "prompts": r.num_prompts}
+
+
+def step_flops(target, drafter_cfg, batch: int, seq: int, anchors: int) -> float:
+    """Model FLOPs of one training step (dense matmuls + attention; norms/elementwise left out).
+
+    Target (forward only): 2 x non-embedding params x tokens + causal attention 2 x T^2 x (heads x
+    head_dim) per layer. Drafter (forward + backward = 3 x forward): per query 2 x layer params, per
+    (query, visible key) 4 x heads x head_dim, the context projection fc on T positions; the frozen
+    LM head on the supervised slots (forward, and backward to its input only: 2 x 2 x H x V).
+    """
+    tc = target.config
+    t_layer = sum(p.numel() for p in target.model.model.layers[0].parameters())
+    attn_dim = tc.num_attention_heads * (tc.head_dim or tc.hidden_size // tc.num_attention_heads)
+    fwd_t = batch * (2 * t_layer * tc.num_hidden_layers * seq + 2 * seq * seq * attn_dim * tc.num_hidden_layers)
+    q = anchors * drafter_cfg.block_size
+    d_layer = t_layer  # the drafter's layers have the target's shapes
+    visible = q * (seq / 2 + drafter_cfg.block_size)  # anchors spread over the sequence: half the context
+    fwd_d = batch * (2 * d_layer * drafter_cfg.num_layers * q + 4 * visible * attn_dim * drafter_cfg.num_layers
+                     + 2 * seq * tc.hidden_size * len(drafter_cfg.target_layer_ids) * tc.hidden_size)
+    head = batch * anchors * (drafter_cfg.block_size - 1) * 4 * tc.hidden_size * tc.vocab_size
+    return fwd_t + 3 * fwd_d + head
+
+
+def check_throughput(ctx: Ctx) -> dict:
+    """Qwen3-8B-shaped target (random weights), the recipe drafter (5 layers, 512 anchors, block 16),
+    4096-token sequences: tokens/s pipelined vs --pipeline off, and MFU against the bf16 dense peak."""
+    import torch
+
+    layers = int(os.environ.get("GPU_CHECK_TARGET_LAYERS", "36"))
+    shape = TINY if ctx.smoke else QWEN3_8B
+    seq, n, bsz = (128, 8, 2) if ctx.smoke else (4096, 512, int(os.environ.get("GPU_CHECK_BATCH", "2")))
+    target = make_target(ctx, shape, layers=2 if ctx.smoke else layers)
+    parts = make_parts(ctx, target, 1 if ctx.smoke else 5, seq, n, bsz, samples=8)
+    warm, steps = (1, 3) if ctx.smoke else (3, 12)
+    out: dict = {"target_layers": target.num_layers, "seq_len": seq, "anchors": n, "batch": bsz}
+    flops = step_flops(target, parts[2].drafter.config, bsz, seq, n)
+    for mode in (True, False):
+        stamps = run_pipeline(*parts, steps=warm + steps, pipeline=mode, timeout_s=240)
+        _sync(ctx)
+        dt = (stamps[-1] - stamps[warm - 1]) / steps
+        key = "pipelined" if mode else "sync"
+        out[f"{key}_tokens_per_s"] = round(bsz * seq / dt, 1)
+        out[f"{key}_step_s"] = round(dt, 4)
+        out[f"{key}_mfu"] = round(flops / dt / H200_BF16_DENSE_FLOPS, 4) if ctx.cuda else None
+    out["pipelined_over_sync"] = round(out["pipelined_tokens_per_s"] / out["sync_tokens_per_s"], 3)
+    out["step_tflop"] = round(flops / 1e12, 2)
+    if ctx.cuda:
+        out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    out["ok"] = True
+    return out
+
+
+CHECKS: dict[str, tuple[Callable[[Ctx], dict], float]] = {  # in running order, with budgets (s)
+    "nvml": (check_nvml, 30),
+    "mask_build": (check_mask_build, 30),
+    "cuda_spans": (check_cuda_spans, 30),
+    "side_stream_copy": (check_side_stream_copy, 60),
+    "flex_vs_sdpa": (check_flex_vs_sdpa, 90),
+    "throughput": (check_throughput, 200),
+    "sync_free": (check_sync_free, 90),
+    "compile_count": (check_compile_count, 120),
+    "verdicts": (check_verdicts, 100),
+    "ddp_resume": (check_ddp_resume, 60),
+    "eval_lossless": (check_eval_lossless, 45),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------------
+
+
+def run_in_process(name: str, ctx: Ctx) -> dict:
+    fn, _ = CHECKS[name]
+    t0 = time.perf_counter()
+    try:
+        res = fn(ctx)
+        status = {True: "pass", False: "fail", None: "skip"}[res.pop("ok")]
+    except Skip as e:
+        res, status = {"reason": str(e)}, "skip"
+    except Exception as e:  # noqa: BLE001 - one check's failure must not hide the others
+        res, status = {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc()[-2000:]}, "error"
+    return {"status": status, "seconds": round(time.perf_counter() - t0, 2), **res}
+
+
+def run_isolated(name: str, smoke: bool, timeout_s: float) -> dict:
+    """The check in a child process with a hard timeout (CUDA errors are sticky per process)."""
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as d:
+        out = Path(d) / "r.json"
+        cmd = [sys.executable, __file__, "--only", name, "--in-process", "--json", str(out)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd + (["--cpu-smoke"] if smoke else []), capture_output=True, text=True,
+                                  timeout=max(1.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            return {"status": "timeout", "seconds": round(time.perf_counter() - t0, 2), "budget_s": timeout_s}
+        if out.exists():
+            return json.loads(out.read_text())["checks"][name]
+        return {"status": "error", "seconds": round(time.perf_counter() - t0, 2),
+                "error": f"child exited {proc.returncode}", "stderr": proc.stderr[-2000:]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", metavar="OUT", help="write the report here")
+    ap.add_argument("--cpu-smoke", action="store_true", help="run what can run on CPU at tiny shapes")
+    ap.add_argument("--only", help="comma-separated checks (default: all): " + ", ".join(CHECKS))
+    ap.add_argument("--in-process", action="store_true", help="run checks in this process (default on CPU)")
+    ap.add_argument("--isolate", action="store_true", help="one child process per check (default on CUDA)")
+    ap.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="seconds for the whole run")
+    args = ap.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",")] if args.only else list(CHECKS)
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        print(f"gpu_check: unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECKS)}", file=sys.stderr)
+        return 2
+    import torch
+
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("gpu_check: skipped: no CUDA device here (run it on the GPU box; --cpu-smoke checks the script)")
+        return 0
+    device = "cpu" if args.cpu_smoke else "cuda:0"
+    isolate = not args.in_process and (args.isolate or not args.cpu_smoke)
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+    start = time.monotonic()
+    report: dict = {"device": torch.cuda.get_device_name(0) if device != "cpu" else "cpu", "torch": torch.__version__,
+                    "mode": "cpu-smoke" if args.cpu_smoke else "cuda", "checks": {}}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-runs-") as tmp:
+        ctx = Ctx(device=device, smoke=args.cpu_smoke, tmp=Path(tmp))
+        for name in names:
+            left = args.budget - (time.monotonic() - start)
+            if left < 5:
+                report["checks"][name] = {"status": "timeout", "seconds": 0.0, "reason": "total budget spent"}
+                continue
+            budget = min(CHECKS[name][1], left)
+            res = run_isolated(name, args.cpu_smoke, budget) if isolate else run_in_process(name, ctx)
+            report["checks"][name] = res
+            if not (args.in_process and args.json and len(names) == 1):  # (a child: the parent prints)
+                print(f"{name:<17} {res['status']:<7} {res['seconds']:>7.1f}s  "
+                      + json.dumps({k: v for k, v in res.items() if k not in ("status", "seconds", "traceback")})[:300],
+                      flush=True)
+    report["wall_s"] = round(time.monotonic() - start, 1)
+    report["ok"] = all(r["status"] in ("pass", "skip") for r in report["checks"].values())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
