@@ -12,9 +12,10 @@ per-position tensors plus O(Q/128 x KV/128) tile tensors, and the partial tiles 
 kernel by a ``mask_mod`` that reads two O(Q + KV) lookup tables. ``block_attention_mask`` (dense) stays
 for the CPU path, where sequences are tiny and SDPA is the fast kernel.
 
-Compilation: ``flex_attention`` is compiled once with dynamic shapes (``compiled_flex``); the
-``mask_mod`` captures only tensors and the block size (no sequence length or anchor count as a Python
-int), so a new sequence length or anchor count does not recompile it. If compilation fails, attention
+Compilation: ``flex_attention`` is compiled with dynamic shapes (``compiled_flex``), q/k/v padded to
+whole tiles, and the ``mask_mod`` captures only tensors and the block size (no sequence length or
+anchor count as a Python int), so new lengths and anchor counts reuse the graph: measured on CPU, at
+most one recompilation (when a tile count that happened to equal another dimension stops doing so). If compilation fails, attention
 falls back to SDPA with a dense mask evaluated from the same ``mask_mod``, with one warning.
 """
 
@@ -209,8 +210,7 @@ def compiled_flex() -> Callable:
     """``torch.compile(flex_attention, dynamic=True)``, built once per process.
 
     ``dynamic=True`` makes sequence length, anchor count and tile counts symbolic from the first call,
-    so varying shapes reuse one graph instead of recompiling per length (or twice, as automatic dynamic
-    shapes would: static first, dynamic on the first change).
+    so varying shapes reuse the graph instead of recompiling per length.
     """
     global _compiled
     with _compile_lock:
@@ -231,6 +231,11 @@ def _dense_from_block_mask(mask, bsz: int, q_len: int, kv_len: int, device: torc
     return _dense.value[1]
 
 
+def _pad_seq(x: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, H, S, D] zero-padded to ``length`` positions (no copy when already that long)."""
+    return x if x.shape[2] == length else F.pad(x, (0, 0, 0, length - x.shape[2]))
+
+
 def flex_or_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, compiled: bool) -> torch.Tensor:
     """FlexAttention of q [B, Hq, Q, D] over k, v [B, Hkv, K, D] under ``mask`` (a BlockMask).
 
@@ -244,8 +249,7 @@ def flex_or_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, compil
     if not compiled or _flex_failed is None:
         q_len = q.shape[2]
         q_pad, kv_pad = mask.seq_lengths
-        qp = F.pad(q, (0, 0, 0, q_pad - q_len))
-        kp, vp = F.pad(k, (0, 0, 0, kv_pad - k.shape[2])), F.pad(v, (0, 0, 0, kv_pad - v.shape[2]))
+        qp, kp, vp = _pad_seq(q, q_pad), _pad_seq(k, kv_pad), _pad_seq(v, kv_pad)
     if not compiled:
         return flex_attention(qp, kp, vp, block_mask=mask, enable_gqa=gqa)[:, :, :q_len]
     if _flex_failed is None:
