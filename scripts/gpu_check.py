@@ -357,6 +357,7 @@ def check_cuda_spans(ctx: Ctx) -> dict:
             with w.cuda_span("drafter_forward"):
                 a = (a @ a).tanh()
             if side is not None:
+                side.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(side), w.cuda_span("h2d", side):
                     (a + 1).sum()
         _sync(ctx)
@@ -435,10 +436,10 @@ def check_nvml(ctx: Ctx) -> dict:
     uuid = str(torch.cuda.get_device_properties(dev).uuid).lower().removeprefix("gpu-")
     mine = [g for g in s.gpus if g.cuda_index == (dev.index or 0)]
     g = mine[0] if mine else None
-    fields = ["name", "util_percent", "mem_used", "mem_total", "power_w", "temp_c", "sm_clock_mhz", "process_mem",
-              "uuid", "sm_active", "tensor_active"]
-    got = {f: getattr(g, f) for f in fields} if g else {}
-    empty = [f for f in fields[:-2] if got.get(f) is None]
+    # required; then the ones a container (pid namespace) or an older GPU may legitimately lack
+    need = ["name", "util_percent", "mem_used", "mem_total", "power_w", "temp_c", "sm_clock_mhz", "uuid"]
+    got = {f: getattr(g, f) for f in [*need, "process_mem", "sm_active", "tensor_active"]} if g else {}
+    empty = [f for f in need if got.get(f) is None]
     mapped = g is not None and (g.uuid or "").lower().removeprefix("gpu-") == uuid
     return {"ok": mapped and not empty, "gpu": got, "empty_fields": empty, "mapped_by_uuid": mapped,
             "gpm": got.get("sm_active") is not None, "gpus_seen": len(s.gpus)}

@@ -78,14 +78,22 @@ def test_block_mask_equals_dense_reference_tile_for_tile():
         assert torch.equal(_materialise(bm), ref), case
 
 
+# aten ops that read a tensor's value on the host (or size an output by it): a sync on CUDA
+_SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "_unique2", "repeat_interleave.Tensor"}
+
+
 class _LargestOutput(TorchDispatchMode):
-    """Records the element count of every tensor any aten op produces."""
+    """Records the element count of every tensor any aten op produces, and every op that syncs."""
 
     def __init__(self) -> None:
         super().__init__()
         self.largest, self.op = 0, None
+        self.syncing: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if (name in _SYNCING or name.split(".")[0] in _SYNCING) and "output_size" not in (kwargs or {}):
+            self.syncing.append(name)
         out = func(*args, **(kwargs or {}))
         for o in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(o, torch.Tensor) and o.numel() > self.largest:
@@ -111,9 +119,12 @@ def test_recipe_size_mask_has_no_q_by_kv_intermediate():
     build_s = time.perf_counter() - t0
     assert bm.seq_lengths == (q, kv)
     assert rec.largest <= 2 * kv, (rec.largest, rec.op)  # the key lookup table is the biggest
+    assert rec.syncing == [], rec.syncing  # nothing that would wait for the GPU
     with _LargestOutput() as dense:
         block_attention_mask(anchors[:, :64], bs, t, valid)  # an eighth of the anchors is enough
+        valid.bool().nonzero()  # (the recorder sees a syncing op)
     assert dense.largest >= 2 * 64 * bs * (t + 64 * bs)
+    assert dense.syncing == ["nonzero.default"]
     print(f"recipe-size mask: largest intermediate {rec.largest} elements (dense mask: {2 * q * kv}), "
           f"built in {build_s * 1e3:.1f} ms on CPU")
     assert build_s < 5.0
