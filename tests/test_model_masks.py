@@ -30,6 +30,8 @@ def _cases():
         anchors = torch.randint(0, t - bs + 1, (2, n), generator=g).sort(-1).values
         if i % 4 == 0 and t - bs >= tile:
             anchors[0, 0] = tile  # context tile 0 fully visible, tile 1 not at all
+        if i % 5 == 1 and n > 1:
+            anchors[1, n // 2:] = -1  # padding blocks (a row with fewer anchors): see nothing of the context
         valid = None
         if i % 2:
             valid = torch.ones(2, t, dtype=torch.long)
