@@ -157,8 +157,9 @@ def _sync(ctx: Ctx) -> None:
 
 
 def check_sync_free(ctx: Ctx) -> dict:
-    """20 steady pipelined steps of the real stages under set_sync_debug_mode("error"): any host sync
-    in a worker raises there and fails the run (the traceback's last line names the op)."""
+    """20 steady pipelined steps under set_sync_debug_mode("error"), of the real stages and Pipeline at
+    8B-layer shapes, and of the whole trainer on the tiny target: any host sync in a worker raises
+    there and fails the run (the traceback's last line names the op)."""
     import torch
 
     shape = TINY if ctx.smoke else {**QWEN3_8B, "vocab_size": 32768}
@@ -172,16 +173,41 @@ def check_sync_free(ctx: Ctx) -> dict:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
 
+    out: dict = {"steady_steps": steady}
     try:
         run_pipeline(*parts, steps=warm + steady, pipeline=True, on_step_extra=arm)
+        out["stages"] = "no sync"
     except RuntimeError as e:
-        return {"ok": False, "steady_steps": steady, "error": str(e)[:400]}
+        out["stages"] = str(e)[:400]
     finally:
         if ctx.cuda:
             torch.cuda.set_sync_debug_mode(0)
+    out["trainer"] = _steady_trainer(ctx, warm, steady)
     if not ctx.cuda:
-        return {"ok": None, "steady_steps": steady, "note": "ran on CPU: the sync assertion needs CUDA"}
-    return {"ok": True, "steady_steps": steady}
+        return {"ok": None, **out, "note": "ran on CPU: the sync assertion needs CUDA"}
+    return {"ok": out["stages"] == "no sync" and out["trainer"] in ("no sync", "unavailable"), **out}
+
+
+def _steady_trainer(ctx: Ctx, warm: int, steady: int) -> str:
+    """The whole trainer (producer planning, pinned batches, metrics) on the built-in tiny target,
+    through dflash.train.steady where this checkout has it."""
+    import contextlib
+
+    try:
+        from dflash.train.steady import cuda_sync_errors, run_steady
+    except ImportError:
+        return "unavailable"
+    from dflash.train.config import make_config
+
+    dev = "cuda" if ctx.cuda else "cpu"
+    cfg = make_config({}, dict(target="tiny", data="demo", run_dir=str(ctx.tmp / "steady"), batch_size=4,
+                               num_anchors=16, max_steps=1, drafter_layers=1, target_devices=[dev],
+                               drafter_device=dev, max_seq_len=256))
+    try:
+        run_steady(cfg, warm, steady, cuda_sync_errors if ctx.cuda else contextlib.nullcontext)
+    except RuntimeError as e:
+        return str(e).strip().splitlines()[-1][:400]
+    return "no sync"
 
 
 def _grads_of(drafter) -> list:
