@@ -106,9 +106,7 @@ def make_parts(ctx: Ctx, target, drafter_layers: int, seq_len: int, num_anchors:
                                     mask_token_id=vocab - 1)
     torch.manual_seed(0)
     drafter = DFlashDrafter(dcfg).to(dev)
-    embed = torch.nn.Embedding.from_pretrained(target.embed_tokens.weight.detach().float().to(dev), freeze=True)
-    head = torch.nn.Linear(target.hidden_size, vocab, bias=False).to(dev)
-    head.weight = torch.nn.Parameter(target.lm_head.weight.detach().float().to(dev), requires_grad=False)
+    embed, head = target.frozen_head(dev)  # as the trainer does: the target's dtype, shared weights
     stats = ProfileStats()
     source = BatchSource(rows, batch_size, seed=0, pad_id=0)
     tstage = TargetStage(target, dev, stats.worker("target-0"), "target-0")
@@ -241,7 +239,7 @@ def check_flex_vs_sdpa(ctx: Ctx) -> dict:
         dstage.drafter.zero_grad(set_to_none=True)
         with torch.autocast(dev.type, torch.bfloat16, enabled=ctx.cuda), torch.set_grad_enabled(ctx.cuda):
             h = forward_blocks(dstage.drafter, dstage.embed, ids, hidden, anchors, attn, attn_backend=backend)
-            logits = dstage.lm_head(h[:, :, 1:].float()).float()
+            logits = dstage.lm_head(h[:, :, 1:].to(dstage.lm_head.weight.dtype)).float()
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         if ctx.cuda:
             loss.backward()
