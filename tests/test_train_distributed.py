@@ -69,7 +69,7 @@ def test_two_ranks_train_in_sync_publish_the_cluster_view_and_resume(setup, tmp_
     # By time, so that the ranks exchange several reports whatever this machine's speed.
     out = _finish(_launch(target, data, run, socks, "--max-steps", "100000", "--max-time", "4"))
     assert "distributed: 2 ranks (gloo)" in out, out[-3000:]
-    ckpt = torch.load(list_checkpoints(run)[-1], weights_only=False)
+    ckpt = torch.load(list_checkpoints(run)[-1], weights_only=True)
     step = ckpt["state"]["step"]
     # Parameters are compared for real: a digest of every byte of every drafter parameter, per rank.
     assert f"replicas in sync at step {step}" in out and "on all 2 ranks" in out, out[-3000:]
@@ -96,7 +96,7 @@ def test_two_ranks_train_in_sync_publish_the_cluster_view_and_resume(setup, tmp_
 
     out = _finish(_launch(target, data, run, socks, "--max-steps", str(step + 3), "--max-time", "1000", "--resume"))
     assert f"resumed from step {step}" in out and f"replicas in sync at step {step + 3}" in out, out[-3000:]
-    assert torch.load(list_checkpoints(run)[-1], weights_only=False)["state"]["step"] == step + 3
+    assert torch.load(list_checkpoints(run)[-1], weights_only=True)["state"]["step"] == step + 3
 
     # The same run continued by a single process: allowed, and it says what changes.
     single = [sys.executable, "-m", "dflash", "train", "--target", str(target), "--data", str(data), "--run-dir",

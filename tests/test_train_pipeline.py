@@ -213,7 +213,7 @@ def test_sigkill_mid_run_then_resume(setup, tmp_path):
     ckpts = list_checkpoints(run_dir)
     assert ckpts
     for p in ckpts:  # nothing corrupted: every complete checkpoint loads
-        state = torch.load(p, map_location="cpu", weights_only=False)
+        state = torch.load(p, map_location="cpu", weights_only=True)
         assert state["state"]["step"] == int(p.stem.split("-")[1])
     newest = int(ckpts[-1].stem.split("-")[1])
     resumed = subprocess.run(_cli(target, data, run_dir, "--resume", "--max-steps", str(newest + 2),

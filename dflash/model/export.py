@@ -129,12 +129,59 @@ def load_exported(path: str | Path, dtype: torch.dtype | None = None) -> DFlashD
         d = json.loads((path / CONFIG_NAME).read_text())
     except (OSError, ValueError) as e:
         raise DrafterLoadError(f"{path}: unreadable {CONFIG_NAME} ({e})") from e
+    if not isinstance(d, dict):
+        raise DrafterLoadError(f"{path}: {CONFIG_NAME} is not a JSON object")
     arch = (d.get("architectures") or ["DFlashDraftModel"])[0]
     if arch != "DFlashDraftModel":
         raise DrafterLoadError(f"{path}: architecture {arch!r} is not a plain DFlashDraftModel")
-    cfg = config_from_hf(d)
+    try:
+        cfg = config_from_hf(d)
+    except (KeyError, TypeError, ValueError) as e:
+        raise DrafterLoadError(f"{path}: {CONFIG_NAME} is not a drafter config ({type(e).__name__}: {e})") from None
+    check_shapes(cfg, _safetensors_shapes(path / WEIGHTS_NAME), str(path))
     state = load_file(str(path / WEIGHTS_NAME))
     return _build(cfg, state, str(path), dtype)
+
+
+def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors file's header, without reading the tensors."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - not a dict
+    except Exception as e:
+        raise DrafterLoadError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0][:120]})") from None
+
+
+_LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
+
+
+def check_shapes(cfg: DrafterConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """Refuse a config that does not describe these weights before anything is allocated.
+
+    A config.json (or a checkpoint's drafter_config) with absurd sizes would otherwise allocate the
+    whole model first. The expected shapes come from the drafter itself, built on the meta device
+    (no memory); the layer count is compared first, since even a meta build of a billion layers takes
+    long.
+    """
+    layers = {int(m.group(1)) for k in shapes if (m := _LAYER_KEY.match(k))}
+    if cfg.num_layers != len(layers):
+        raise DrafterLoadError(f"{where}: weights do not match the config: it says {cfg.num_layers} layer(s), "
+                               f"the weights hold {len(layers)}")
+    try:
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in DFlashDrafter(cfg).state_dict().items()}
+    except Exception as e:
+        raise DrafterLoadError(f"{where}: the config's sizes are invalid ({str(e).splitlines()[0][:120]})") from None
+    missing, extra = sorted(expected.keys() - shapes.keys()), sorted(shapes.keys() - expected.keys())
+    if missing or extra:
+        raise DrafterLoadError(f"{where}: weights do not match the config (missing {missing[:3]}, unexpected {extra[:3]})")
+    wrong = [k for k in expected if expected[k] != tuple(shapes[k])]
+    if wrong:
+        k = wrong[0]
+        raise DrafterLoadError(f"{where}: weights do not match the config: {k} is {list(shapes[k])} in the "
+                               f"weights, the config makes it {list(expected[k])} ({len(wrong)} tensor(s) disagree)")
 
 
 def _build(cfg: DrafterConfig, state: dict, where: str, dtype: torch.dtype | None) -> DFlashDrafter:
@@ -168,19 +215,23 @@ def find_checkpoint(directory: Path) -> Path | None:
 
 def load_checkpoint_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
     """The drafter inside a training checkpoint file."""
+    from dflash.train.checkpoint import CheckpointError, safe_load
+
     path = Path(path)
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:
-        # Checkpoints may hold non-tensor training state (e.g. numpy RNG state); they are our own files.
-        try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as e:
-            raise DrafterLoadError(f"{path}: not a readable checkpoint ({str(e).splitlines()[0][:120]})") from e
+        ckpt = safe_load(path)  # tensors and plain types only: a checkpoint never runs code
+    except CheckpointError as e:
+        raise DrafterLoadError(str(e)) from None
     if not isinstance(ckpt, dict) or "drafter_config" not in ckpt or "drafter" not in ckpt:
         raise DrafterLoadError(f"{path}: not a dflash checkpoint (no 'drafter_config'/'drafter' entries)")
-    cfg = DrafterConfig.from_dict(ckpt["drafter_config"])
-    return _build(cfg, ckpt["drafter"], str(path), dtype)
+    state = ckpt["drafter"]
+    try:
+        cfg = DrafterConfig.from_dict(ckpt["drafter_config"])
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise DrafterLoadError(f"{path}: not a dflash checkpoint ({type(e).__name__}: {e})") from None
+    check_shapes(cfg, shapes, str(path))
+    return _build(cfg, state, str(path), dtype)
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:

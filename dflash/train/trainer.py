@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from dflash.train import distributed
-from dflash.train.checkpoint import clean_partial, list_checkpoints, load_latest, save_checkpoint
+from dflash.train import distributed, rng
+from dflash.train.checkpoint import CheckpointError, clean_partial, list_checkpoints, load_latest, save_checkpoint
 from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.distributed import Dist, DistError
 from dflash.train.pipeline import Pipeline, RunState
@@ -30,21 +30,6 @@ from dflash.train.stages import BatchSource, DrafterStage, StepResult, TargetSta
 
 class TrainError(RuntimeError):
     """Setup failed in a way the user can fix; the message is one line."""
-
-
-def _rng_state(generator: torch.Generator) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "anchors": generator.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    generator.set_state(state["anchors"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 class Trainer:
@@ -62,6 +47,7 @@ class Trainer:
         self._last_ckpt_time = time.monotonic()
         self._last_eval_time = time.monotonic()
         self._ckpt_step = -1
+        self.checkpoint_failed = False  # the last checkpoint write failed (disk full, ...)
         self._signals = 0
         self._logged_step = -1
 
@@ -79,6 +65,7 @@ class Trainer:
     def setup(self) -> None:
         from dflash.data import DataError, load_samples, resolve_data
         from dflash.model.drafter import DFlashDrafter, DrafterConfig, init_from_target
+        from dflash.model.export import DrafterLoadError, check_shapes
         from dflash.model.target import TargetError, load_target
         from dflash.telemetry import ProfileStats
 
@@ -93,9 +80,17 @@ class Trainer:
         if existing and not self.resume:
             raise TrainError(f"{self.run_dir} already holds checkpoints (newest {existing[-1].name}); "
                              "pass --resume to continue that run, or choose another --run-dir")
-        ckpt = load_latest(self.run_dir) if self.resume else None
-        if self.resume and ckpt is None:
-            self.log(f"--resume: no checkpoint in {self.run_dir}/checkpoints, starting fresh")
+        ckpt = None
+        if self.resume:
+            try:
+                found = load_latest(self.run_dir, note=lambda s: self.log(f"--resume: {s}"))
+            except CheckpointError as e:
+                raise TrainError(f"--resume: {e}") from None
+            if found is None:
+                self.log(f"--resume: no checkpoint in {self.run_dir}/checkpoints, starting fresh")
+            else:
+                ckpt = found[1]
+                self.log(f"--resume: using {found[0].name}")
 
         try:
             data_path = resolve_data(cfg.data)
@@ -120,7 +115,11 @@ class Trainer:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
         if ckpt is not None:
-            dcfg = DrafterConfig.from_dict(ckpt["drafter_config"])
+            try:
+                dcfg = DrafterConfig.from_dict(ckpt["drafter_config"])
+                check_shapes(dcfg, {k: tuple(v.shape) for k, v in ckpt["drafter"].items()}, "the checkpoint")
+            except (DrafterLoadError, TypeError, ValueError, KeyError, AttributeError) as e:
+                raise TrainError(f"--resume: the checkpoint's drafter does not load: {e}") from None
         else:
             dcfg = DrafterConfig.for_target(
                 first.config, num_layers=cfg.drafter_layers or len(first.layer_ids), block_size=cfg.block_size,
@@ -157,13 +156,15 @@ class Trainer:
             self.drafter.optimizer.load_state_dict(ckpt["optimizer"])
             per_rank = ckpt.get("rng_per_rank")
             if per_rank is not None and len(per_rank) == d.world_size:
-                _set_rng_state(per_rank[d.rank], self.generator)
+                notes = rng.restore(per_rank[d.rank], self.generator)
             else:
                 if per_rank is not None or d.enabled:
                     self.log(f"resuming a {len(per_rank or [0])}-rank run on {d.world_size} rank(s): every rank "
                              "continues rank 0's anchor sampling, and batch index "
                              f"{ckpt['state']['next_batch']} is now split {d.world_size} ways")
-                _set_rng_state(ckpt["rng"], self.generator)
+                notes = rng.restore(ckpt["rng"], self.generator)
+            for line in notes:
+                self.log(f"--resume: {line}")
             s = ckpt["state"]
             self.state = RunState(step=s["step"], next_batch=s["next_batch"], tokens=s["tokens"],
                                   samples=s["samples"], train_time=s["train_time"])
@@ -230,6 +231,12 @@ class Trainer:
         ckpt = self.dist.is_main and now - self._last_ckpt_time >= cfg.checkpoint_every
         ev = self.dist.is_main and bool(cfg.eval_every) and now - self._last_eval_time >= cfg.eval_every
         if self.agreement is not None:
+            # A proposal restarts its interval at once: it takes effect a step later, and proposing it
+            # again meanwhile would fire a second checkpoint (or eval) on the step after that.
+            if ckpt:
+                self._last_ckpt_time = now
+            if ev:
+                self._last_eval_time = now
             # Decisions proposed after step N take effect after step N+1 on every rank alike.
             agreed = self.agreement.exchange([wants_stop, ckpt, ev], self.pipeline.train_time())
             (wants_stop, ckpt, ev), self._agreed_clock = agreed or ((False, False, False), self._agreed_clock)
@@ -237,7 +244,7 @@ class Trainer:
         if done and self.agreement is not None:
             self.agreement.finish()  # every rank stops at this step, so the last exchange completes
         if done or ckpt:
-            self.checkpoint()
+            self.checkpoint(final=done)
         if ev and not done:
             self.evaluate(in_training=True)
         return not done
@@ -255,19 +262,21 @@ class Trainer:
 
     # --- checkpoints and evaluation -------------------------------------------------------------------
 
-    def checkpoint(self) -> Path | None:
+    def checkpoint(self, final: bool = False) -> Path | None:
+        """Save (rank 0) after an agreed decision. A failed write is one warning and training goes on
+        (see README "Checkpoints"); ``checkpoint_failed`` tells the end of the run."""
         if self.state.step == self._ckpt_step:
             return None
         from dataclasses import asdict
 
         with self.drafter.tel.span("checkpoint"):
             st = self.state
-            rng = _rng_state(self.generator)
+            rng_state = rng.capture(self.generator)
             rng_per_rank = None
             if self.dist.enabled:
                 # All ranks are here at the same step (the decision was agreed): collect every rank's
                 # anchor RNG for an exact resume, and prove the replicas are still identical.
-                rng_per_rank = distributed.gather(self.dist, rng)
+                rng_per_rank = distributed.gather(self.dist, rng_state)
                 digests = distributed.gather(self.dist, distributed.param_digest(self.drafter.drafter))
                 if len(set(digests)) != 1:
                     raise DistError(f"drafter replicas diverged at step {st.step}: parameter digests {digests}")
@@ -282,13 +291,24 @@ class Trainer:
                 "drafter_config": asdict(self.dcfg),
                 "drafter": self.drafter.drafter.state_dict(),
                 "optimizer": self.drafter.optimizer.state_dict(),
-                "rng": rng,
+                "rng": rng_state,
                 "rng_per_rank": rng_per_rank,
                 "state": {"step": st.step, "next_batch": st.next_batch, "tokens": st.tokens,
                           "samples": st.samples, "train_time": self.pipeline.clock()},
                 "config": self.cfg.to_dict(),
             }
-            path = save_checkpoint(self.run_dir, st.step, state, self.cfg.keep_checkpoints)
+            try:
+                path = save_checkpoint(self.run_dir, st.step, state, self.cfg.keep_checkpoints, note=self.log)
+            except CheckpointError as e:
+                # Training goes on (the next interval tries again); what is on disk is intact.
+                self._last_ckpt_time = time.monotonic()
+                newest = list_checkpoints(self.run_dir)
+                self.checkpoint_failed = True
+                then = "" if final else f"; training continues, next try in {self.cfg.checkpoint_every:g}s"
+                self._event("warning", f"checkpoint {e}; newest good checkpoint: "
+                            f"{newest[-1].name if newest else 'none'}{then}", step=st.step)
+                return None
+        self.checkpoint_failed = False
         self._ckpt_step = st.step
         self._last_ckpt_time = time.monotonic()
         self._event("checkpoint", f"saved {path.name}", step=st.step, path=str(path))
@@ -443,7 +463,11 @@ class Trainer:
             code = 1
         else:
             self._log_line(max(1e-9, time.monotonic() - last_log), tokens_at_log)
-            self.checkpoint()
+            self.checkpoint(final=True)
+            if self.checkpoint_failed:
+                print(f"dflash train: the final checkpoint was not saved (see above): --resume continues from "
+                      f"the newest one in {self.run_dir}/checkpoints", file=sys.stderr, flush=True)
+                code = 1
             if not self.stop_requested.is_set() and cfg.eval_prompts > 0 and self.dist.is_main:
                 self.evaluate()
         if stuck:
