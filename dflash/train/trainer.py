@@ -21,7 +21,13 @@ from typing import Any
 import torch
 
 from dflash.train import distributed, rng
-from dflash.train.checkpoint import CheckpointError, clean_partial, list_checkpoints, load_latest, save_checkpoint
+from dflash.train.checkpoint import (
+    CheckpointError,
+    clean_partial,
+    list_checkpoints,
+    load_latest,
+    save_checkpoint,
+)
 from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.distributed import Dist, DistError
 from dflash.train.pipeline import Pipeline, RunState
