@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--max-seq-len", type=int)
     a("--threads-per-worker", type=int, help="torch intra-op threads per worker thread")
     a("--checkpoint-every", type=float, help="seconds between checkpoints")
+    a("--keep-checkpoints", type=int, help="newest checkpoints kept (default 3; older ones go first when disk is short)")
     a("--eval-every", type=float, help="seconds between in-training evaluations (0: only at the end)")
     a("--eval-prompts", type=int, help="prompts in each evaluation (0: none)")
     a("--socket-dir", help="directory for the telemetry socket")
