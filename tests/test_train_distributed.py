@@ -154,6 +154,22 @@ def _wait_for_rank_0_to_hear_from(run: Path, pid: int, timeout: float = 60) -> N
     raise AssertionError("rank 0's cluster view never heard from rank 1")
 
 
+def test_one_agreed_checkpoint_per_interval(setup, tmp_path):
+    """Rank 0 proposes a checkpoint after step N, all ranks write it after step N+1; proposing it again
+    meanwhile wrote a second one a step later (26/27, 49/50, ...), so keep=3 held two distinct points."""
+    target, data = setup
+    run = tmp_path / "run"
+    out = _finish(_launch(target, data, run, tmp_path / "socks", "--max-steps", "100000", "--max-time", "5",
+                          "--checkpoint-every", "0.4", "--keep-checkpoints", "1000", "--no-telemetry"))
+    steps = [int(p.stem.split("-")[1]) for p in list_checkpoints(run)]
+    assert len(steps) >= 4, out[-3000:]
+    # The run's last checkpoint is the one at its end, whatever the interval; every other one is periodic.
+    periodic = steps[:-1]
+    gaps = [b - a for a, b in zip(periodic, periodic[1:], strict=False)]
+    assert min(gaps) > 1, f"checkpoints on back-to-back steps: {steps}"
+    assert out.count("replicas in sync at step") == len(steps), out[-3000:]
+
+
 def test_killing_a_rank_ends_the_job_with_a_clear_message(setup, tmp_path):
     proc, _, t0 = _signal_rank_1_mid_run(setup, tmp_path, signal.SIGKILL, 20)
     out = _finish(proc, timeout=90)
