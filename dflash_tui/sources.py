@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import msgspec
-
 from dflash.telemetry.protocol import (
     MAX_FRAME_BYTES,
     PROTO,
@@ -34,10 +32,12 @@ from dflash.telemetry.protocol import (
     ProtocolError,
     Reply,
     Request,
+    SegmentGate,
     Snapshot,
     decode,
     default_socket_dir,
     encode,
+    hello_proto,
     parse_socket_filename,
     pid_alive,
 )
@@ -271,14 +271,8 @@ def proto_mismatch(line: bytes) -> str | None:
 
     A hello from a newer trainer may not even decode with our structs, so this peeks at the raw JSON.
     """
-    try:
-        raw = msgspec.json.decode(line)
-    except msgspec.DecodeError:
-        return None
-    if not isinstance(raw, dict) or raw.get("type") != "hello":
-        return None
-    proto = raw.get("proto")
-    if proto == PROTO:
+    proto = hello_proto(line)
+    if proto is None or proto == PROTO:
         return None
     return mismatch_message(proto)
 
@@ -689,32 +683,27 @@ class ReplaySource:
         batch = SourceUpdate()
         last_flush = time.monotonic()
         errors = 0
+        gate = SegmentGate()
         with f:
             for lineno, raw in enumerate(f, 1):
                 if self._stop.is_set():
                     return
                 if not raw.strip():
                     continue
+                frame, error = None, ""
                 try:
                     frame = decode(raw)
                 except ProtocolError as e:
-                    errors += 1
-                    if not raw.endswith(b"\n"):
-                        batch.errors.append(f"{self.path.name}:{lineno}: truncated last line ignored")
-                        continue
-                    mismatch = proto_mismatch(raw)
-                    if mismatch:
-                        self._flush(sink, batch)
-                        sink(SourceUpdate(state=INCOMPATIBLE, detail=f"{self.path}: {mismatch}"))
-                        self.finished.set()
-                        return
-                    batch.errors.append(f"{self.path.name}:{lineno}: {e}")
+                    error = str(e)
+                use, note = gate.admit(raw, frame)
+                if note is not None:  # a segment in another protocol version: skipped, said once
+                    batch.errors.append(f"{self.path.name}:{lineno}: {note}")
+                if not use:
+                    if frame is None and gate.foreign is None:
+                        errors += 1
+                        why = "truncated last line ignored" if not raw.endswith(b"\n") else error
+                        batch.errors.append(f"{self.path.name}:{lineno}: {why}")
                     continue
-                if isinstance(frame, Hello) and frame.proto != PROTO:
-                    self._flush(sink, batch)
-                    sink(SourceUpdate(state=INCOMPATIBLE, detail=f"{self.path}: {mismatch_message(frame.proto)}"))
-                    self.finished.set()
-                    return
                 if isinstance(frame, Snapshot):
                     if not self._pace(frame.t, sink, batch):
                         return
@@ -726,8 +715,12 @@ class ReplaySource:
                     last_flush = now
         self._flush(sink, batch)
         self.finished.set()
+        if self.frames_read == 0 and gate.foreign is not None:  # the whole file is another version
+            sink(SourceUpdate(state=INCOMPATIBLE, detail=f"{self.path}: {mismatch_message(gate.foreign)}"))
+            return
+        skipped = f", {gate.skipped} frames of another protocol version skipped" if gate.skipped else ""
         sink(SourceUpdate(state=ENDED, detail=f"replay of {self.path} finished: {self.frames_read} frames"
-                          + (f", {errors} bad lines" if errors else "")))
+                          + (f", {errors} bad lines" if errors else "") + skipped))
 
     @staticmethod
     def _flush(sink: Sink, batch: SourceUpdate) -> None:

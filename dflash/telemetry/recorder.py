@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from dflash.telemetry.protocol import MAX_FRAME_BYTES, Frame, ProtocolError, decode
+from dflash.telemetry.protocol import MAX_FRAME_BYTES, Frame, ProtocolError, SegmentGate, decode
 
 log = logging.getLogger("dflash.telemetry")
 
@@ -82,8 +82,11 @@ def read_frames(
 
     A truncated last line (the trainer was killed mid-write) is skipped silently. Other malformed
     lines raise ProtocolError naming the line when `strict`; otherwise they are skipped and reported
-    to `on_error(line_number, message)` if given (a crash-and-resume leaves one such line).
+    to `on_error(line_number, message)` if given (a crash-and-resume leaves one such line). A segment
+    written in another protocol version (a hello with another `proto`) is skipped up to the next
+    hello in ours, reported once at its hello.
     """
+    gate = SegmentGate()
     with open(path, "rb") as f:
         lineno = 0
         while True:
@@ -102,13 +105,18 @@ def read_frames(
                 continue
             if not line.strip():
                 continue
+            frame, error = None, ""
             try:
                 frame = decode(line)
             except ProtocolError as e:
-                if complete:
-                    _bad(lineno, str(e), strict=strict, on_error=on_error)
-                continue
-            yield frame
+                error = str(e)
+            use, note = gate.admit(line, frame)
+            if note is not None:
+                _bad(lineno, note, strict=strict, on_error=on_error)
+            elif frame is None and gate.foreign is None and complete:
+                _bad(lineno, error, strict=strict, on_error=on_error)
+            if use:
+                yield frame  # type: ignore[misc]
 
 
 def _bad(lineno: int, message: str, *, strict: bool, on_error: Callable[[int, str], None] | None) -> None:

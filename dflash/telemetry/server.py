@@ -654,7 +654,7 @@ class TelemetryServer:
         if not line.strip():
             return  # a bare newline from an interactive socat
         try:
-            frame = decode(line)
+            frame = decode(line, limit=MAX_REQUEST_BYTES)  # bounded: a hostile line costs one reply
         except ProtocolError as e:
             self._reply(c, 0, "", False, error=str(e))
             return
