@@ -213,9 +213,11 @@ class DFlashTop(App[None]):
             self._sync_cluster_feed()
         self._bindings_follow_ranks()
         if update.state is not None:
-            self.disconnected = update.state in (sources.DISCONNECTED, sources.INCOMPATIBLE)
+            self.disconnected = update.state in (sources.DISCONNECTED, sources.INCOMPATIBLE, sources.UNTRUSTED)
             if update.state == sources.INCOMPATIBLE:
                 self.notify(update.detail, title="protocol mismatch", severity="error", timeout=30)
+            elif update.state == sources.UNTRUSTED:
+                self.notify(update.detail, title="socket not trusted", severity="error", timeout=30)
             self.refresh_bindings()
         self.schedule_refresh()
 

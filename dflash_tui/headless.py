@@ -20,6 +20,7 @@ from dflash_tui import fmt
 from dflash_tui.sources import (
     ENDED,
     INCOMPATIBLE,
+    UNTRUSTED,
     FrameSource,
     SourceUpdate,
     TargetError,
@@ -163,7 +164,7 @@ def collect(source: FrameSource, timeout: float) -> RunState:
             except queue.Empty:
                 continue
             state.apply_update(update)
-            if update.state in (ENDED, INCOMPATIBLE):
+            if update.state in (ENDED, INCOMPATIBLE, UNTRUSTED):
                 break
             if live and state.snapshot is not None and state.hello is not None:
                 break
@@ -195,7 +196,7 @@ def run_once(target: str | None, as_json: bool, timeout: float = 10.0, out: Text
         path = jobs[0][0].path
     source = open_source(path, speed=math.inf)
     state = collect(source, timeout)
-    if state.connection == INCOMPATIBLE:
+    if state.connection in (INCOMPATIBLE, UNTRUSTED):
         print(f"dflash-top: {state.connection_detail}", file=sys.stderr)
         return 1
     if state.snapshot is None:

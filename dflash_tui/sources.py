@@ -38,8 +38,12 @@ from dflash.telemetry.protocol import (
     default_socket_dir,
     encode,
     hello_proto,
+    owned_by_us,
     parse_socket_filename,
+    peer_credentials,
     pid_alive,
+    private_socket_dir,
+    trusted_uid,
 )
 
 #: connection states a source reports; the header and the status line show them
@@ -47,6 +51,8 @@ CONNECTING = "connecting"
 LIVE = "live"
 DISCONNECTED = "disconnected"
 INCOMPATIBLE = "incompatible"
+#: the socket's server runs as another user (not us, not root): nothing it says is shown
+UNTRUSTED = "untrusted"
 REPLAY = "replay"
 PAUSED = "paused"
 ENDED = "ended"
@@ -91,7 +97,19 @@ class FrameSource(Protocol):
 
 def socket_dir() -> Path:
     """The directory trainers put their sockets in (the protocol module owns the rule)."""
-    return default_socket_dir()
+    return private_socket_dir(default_socket_dir())
+
+
+def untrusted_server(sock: socket.socket) -> str | None:
+    """Why the server at the other end of a connected socket is not to be believed (it runs as another
+    user, so its telemetry could be made up), or None when it runs as us or as root."""
+    try:
+        _pid, uid, _gid = peer_credentials(sock)
+    except OSError as e:
+        return f"cannot tell who serves it ({e.strerror or e})"
+    if trusted_uid(uid):
+        return None
+    return f"its server runs as uid {uid}, not as you ({os.getuid()}) or root: not trusted"
 
 
 @dataclass
@@ -146,18 +164,23 @@ def probe(path: Path, timeout: float = 0.5) -> bool:
 
 
 def discover(directory: Path | str | None = None, check_alive: bool = True) -> list[SocketInfo]:
-    """The trainer sockets in `directory` (default: socket_dir()), oldest run first."""
-    d = Path(directory) if directory is not None else socket_dir()
+    """Our trainer sockets in `directory` (default: the protocol's), oldest run first; where the
+    directory is not private, also those in the private subdirectory a trainer binds in there
+    (``private_socket_dir``). Socket files that belong to another user are left out: whoever planted
+    one could serve any telemetry through it."""
+    d = Path(directory) if directory is not None else default_socket_dir()
     found: list[SocketInfo] = []
-    try:
-        entries = list(os.scandir(d))
-    except OSError:
-        return []
+    entries: list[os.DirEntry] = []
+    for where in dict.fromkeys([d, private_socket_dir(d)]):
+        try:
+            entries += list(os.scandir(where))
+        except OSError:
+            pass
     for entry in entries:
         if not entry.name.endswith(".sock"):
             continue
         path = Path(entry.path)
-        if not is_socket(path):
+        if not is_socket(path) or not owned_by_us(path):
             continue
         info = SocketInfo.from_path(path)
         if check_alive:
@@ -250,6 +273,8 @@ def read_hello(path: Path, timeout: float = 1.0) -> Hello | None:
     buf = b""
     try:
         s.connect(str(path))
+        if untrusted_server(s):
+            return None
         while b"\n" not in buf and time.monotonic() < deadline and len(buf) < MAX_FRAME_BYTES:
             chunk = s.recv(65536)
             if not chunk:
@@ -372,6 +397,7 @@ class LiveSource:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._refused: str | None = None
+        self._untrusted: str | None = None  # why the socket at our path was not believed
         self._had_hello = False
 
     # -- lifecycle
@@ -427,6 +453,9 @@ class LiveSource:
         announced: str | None = None
         while not self._stop.is_set():
             sock = self._open()
+            if sock is None and self._untrusted and not ever_connected:
+                sink(SourceUpdate(state=UNTRUSTED, detail=f"{self.path}: {self._untrusted}"))
+                return
             if sock is None:
                 state = DISCONNECTED if ever_connected else CONNECTING
                 if announced != state:
@@ -474,6 +503,12 @@ class LiveSource:
                 s.connect(str(path))
             except OSError:
                 s.close()
+                continue
+            why = untrusted_server(s)
+            if why is not None:  # checked before reading a byte: a spoofing server shows nothing
+                s.close()
+                if path == self.path:
+                    self._untrusted = why
                 continue
             s.settimeout(0.5)
             if path != self.path:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import stat
+import struct
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -373,6 +376,45 @@ def default_socket_dir() -> Path:
     if xdg and os.path.isdir(xdg):
         return Path(xdg) / "dflash"
     return Path(f"/tmp/dflash-{os.getuid()}")
+
+
+def private_socket_dir(requested: Path) -> Path:
+    """Where sockets for a requested socket directory live.
+
+    The directory itself when it is private (ours, no access for group or others) or does not exist
+    yet (dflash then creates it 0700); otherwise a private subdirectory ``dflash-<uid>`` in it. dflash
+    never changes the mode of a directory it did not create: ``--socket-dir /tmp`` must not make /tmp
+    private. Both sides use this rule, so dflash-top looks where the trainer binds.
+    """
+    try:
+        st = os.lstat(requested)
+    except OSError:
+        return requested
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not stat.S_IMODE(st.st_mode) & 0o077:
+        return requested
+    return requested / f"dflash-{os.getuid()}"
+
+
+def owned_by_us(path: Path) -> bool:
+    """Whether the file itself (not what a symlink points to) belongs to our uid: a socket someone else
+    planted in a directory we read is never served, listed or trusted."""
+    try:
+        return os.lstat(path).st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+_CRED = struct.Struct("3i")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+
+
+def trusted_uid(uid: int) -> bool:
+    """Peers we talk telemetry with, on either side: our own uid, or root."""
+    return uid in (os.getuid(), 0)
 
 
 def recording_filename(rank: int = 0) -> str:

@@ -18,7 +18,6 @@ import os
 import selectors
 import socket
 import stat
-import struct
 import sys
 import threading
 import time
@@ -42,10 +41,14 @@ from dflash.telemetry.protocol import (
     decode,
     default_socket_dir,
     encode,
+    owned_by_us,
     parse_socket_filename,
+    peer_credentials,
     pid_alive,
+    private_socket_dir,
     recording_filename,
     socket_filename,
+    trusted_uid,
 )
 from dflash.telemetry.recorder import Recorder
 from dflash.telemetry.stats import ProfileStats
@@ -67,28 +70,51 @@ RECENT_EVENTS = 16
 #: AF_UNIX sun_path holds 108 bytes including the terminating NUL
 _SUN_PATH_MAX = 107
 PR_SET_PTRACER = 0x59616D61
-_CRED = struct.Struct("3i")
 
 
-def ensure_socket_dir(path: Path) -> Path:
-    """Create the socket directory 0700 and refuse one that another user owns (on a shared /tmp
-    someone could pre-create /tmp/dflash-<uid> to watch or spoof our sockets)."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+def ensure_socket_dir(requested: Path) -> Path:
+    """The private directory for our sockets (``protocol.private_socket_dir``), created 0700 when missing.
+
+    Refused, in one line: a directory (or a place to make one in) that another user controls. On a
+    shared /tmp someone could pre-create /tmp/dflash-<uid> to watch or spoof our sockets, and a shared
+    parent without the sticky bit lets anyone replace our subdirectory. The mode of a directory dflash
+    did not create is never changed.
+    """
+    uid = os.getuid()
+    path = private_socket_dir(requested)
+    if path != requested:
+        st = os.stat(requested)
+        if not stat.S_ISDIR(st.st_mode):
+            raise RuntimeError(f"telemetry socket directory {requested} is not a directory; remove it or pass socket_dir")
+        if st.st_uid not in (uid, 0):
+            raise RuntimeError(f"telemetry socket directory {requested} belongs to uid {st.st_uid}, not to you "
+                               f"({uid}); remove it or pass another socket_dir")
+        if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise RuntimeError(f"telemetry socket directory {requested} is writable by others without the sticky "
+                               "bit, so anyone could replace dflash's directory in it; pass another socket_dir")
+    try:
+        path.mkdir(mode=0o700, parents=True)
+        os.chmod(path, 0o700)  # ours: the umask may have taken bits mkdir asked for
+    except FileExistsError:
+        pass
     st = path.lstat()
     if not stat.S_ISDIR(st.st_mode):
         raise RuntimeError(f"telemetry socket directory {path} is not a directory; remove it or pass socket_dir")
-    if st.st_uid != os.getuid():
+    if st.st_uid != uid:
         raise RuntimeError(
-            f"telemetry socket directory {path} belongs to uid {st.st_uid}, not to you ({os.getuid()}); "
+            f"telemetry socket directory {path} belongs to uid {st.st_uid}, not to you ({uid}); "
             "remove it or pass another socket_dir"
         )
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise RuntimeError(f"telemetry socket directory {path} is open to other users (mode "
+                           f"{stat.S_IMODE(st.st_mode):o}); dflash did not create it so: chmod 700 it or remove it")
     return path
 
 
 def clean_stale_sockets(directory: Path) -> list[Path]:
-    """Remove socket files whose owning pid is dead (a trainer killed with SIGKILL leaves one)."""
+    """Remove socket files whose owning pid is dead (a trainer killed with SIGKILL leaves one), and any
+    that another user put here (root can; nobody else can write a private directory): such a socket
+    would be listed next to ours and could serve made-up telemetry."""
     removed = []
     try:
         entries = list(directory.iterdir())
@@ -96,15 +122,20 @@ def clean_stale_sockets(directory: Path) -> list[Path]:
         return removed
     for p in entries:
         info = parse_socket_filename(p.name)
-        if info is None or info.pid == os.getpid() or pid_alive(info.pid):
+        if info is None:
+            continue
+        foreign = not owned_by_us(p)
+        if not foreign and (info.pid == os.getpid() or pid_alive(info.pid)):
             continue
         try:
             p.unlink()
             removed.append(p)
+            if foreign:
+                log.warning("removed %s from the telemetry socket directory: it belongs to another user", p)
         except FileNotFoundError:
             pass
         except OSError as e:
-            log.warning("cannot remove stale telemetry socket %s: %s", p, e)
+            log.warning("cannot remove %s telemetry socket %s: %s", "foreign" if foreign else "stale", p, e)
     return removed
 
 
@@ -238,7 +269,8 @@ class TelemetryServer:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.rank = rank
         self.world_size = world_size
-        self.socket_dir = Path(socket_dir) if socket_dir is not None else default_socket_dir()
+        self._requested_dir = Path(socket_dir) if socket_dir is not None else default_socket_dir()
+        self.socket_dir = private_socket_dir(self._requested_dir)
         self._system = system
         self._nvml = nvml
         self._queue_frames = max(1, queue_frames)
@@ -296,7 +328,10 @@ class TelemetryServer:
         if self._thread is not None:
             return self
         self._started_t = time.time()
-        ensure_socket_dir(self.socket_dir)
+        actual = ensure_socket_dir(self._requested_dir)
+        if actual != self.socket_dir:  # the directory changed since we were made: bind where it says now
+            self.socket_dir = actual
+            self.path = self._make_path()
         clean_stale_sockets(self.socket_dir)
         if self.path.exists() or self.path.is_symlink():
             if _socket_listening(self.path):
@@ -520,11 +555,11 @@ class TelemetryServer:
                 return
             conn.setblocking(False)
             try:
-                pid, uid, _gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+                pid, uid, _gid = peer_credentials(conn)
             except OSError:
                 conn.close()
                 continue
-            if uid != os.getuid() and uid != 0:
+            if not trusted_uid(uid):
                 self._refuse(conn, f"peer uid {uid} is not the trainer's uid {os.getuid()} (or root)")
                 continue
             if len(self._clients) >= self._max_clients:

@@ -22,6 +22,7 @@ STATE_STYLE = {
     sources.CONNECTING: "yellow",
     sources.DISCONNECTED: "bold red",
     sources.INCOMPATIBLE: "bold white on red",
+    sources.UNTRUSTED: "bold white on red",
     sources.REPLAY: "bold cyan",
     sources.PAUSED: "bold yellow",
     sources.ENDED: "cyan",
