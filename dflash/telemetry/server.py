@@ -91,7 +91,7 @@ def ensure_socket_dir(requested: Path) -> Path:
                                f"({uid}); remove it or pass another socket_dir")
         if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
             raise RuntimeError(f"telemetry socket directory {requested} is writable by others without the sticky "
-                               "bit, so anyone could replace dflash's directory in it; pass another socket_dir")
+                               "bit, so anyone could replace dflash's directory in it; chmod +t or 700 it, or pass another socket_dir")
     try:
         path.mkdir(mode=0o700, parents=True)
         os.chmod(path, 0o700)  # ours: the umask may have taken bits mkdir asked for
