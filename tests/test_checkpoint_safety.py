@@ -150,6 +150,18 @@ def test_resume_skips_a_damaged_newest_checkpoint(setup, tmp_path, damage, reaso
     assert "Traceback" not in proc.stderr
 
 
+def test_export_of_a_run_dir_uses_the_newest_checkpoint_that_verifies(setup, tmp_path):
+    _target, _data, run = setup
+    run = _copy_run(run, tmp_path / "run")
+    _flip(list_checkpoints(run)[-1])
+    proc = _dflash("export", str(run), "--out", str(tmp_path / "out"), "--dtype", "keep")
+    assert proc.returncode == 0, proc.stderr
+    assert "skipping checkpoint step-00000003.pt: checksum mismatch" in proc.stderr
+    exported = load_drafter(tmp_path / "out").state_dict()
+    step2 = load_checkpoint(list_checkpoints(run)[1])["drafter"]
+    assert all(torch.equal(exported[k], step2[k]) for k in step2)
+
+
 def test_resume_with_no_usable_checkpoint_stops_with_one_line(setup, tmp_path):
     target, data, run = setup
     run = _copy_run(run, tmp_path / "run")
@@ -158,7 +170,8 @@ def test_resume_with_no_usable_checkpoint_stops_with_one_line(setup, tmp_path):
     proc = subprocess.run(_cli(target, data, run, "--resume", "--max-steps", "4", "--no-telemetry"),
                           capture_output=True, text=True, env=_env(), timeout=240)
     assert proc.returncode == 2
-    assert "none of the 3 checkpoint(s)" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "none of the 3 checkpoint(s)" in proc.stderr and "start afresh" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
     assert proc.stdout.count("skipping checkpoint") == 3
 
 

@@ -222,6 +222,26 @@ def load_checkpoint_drafter(path: str | Path, dtype: torch.dtype | None = None) 
         ckpt = safe_load(path)  # tensors and plain types only: a checkpoint never runs code
     except CheckpointError as e:
         raise DrafterLoadError(str(e)) from None
+    return _drafter_from_checkpoint(ckpt, path, dtype)
+
+
+def _newest_verified_drafter(run_dir: Path, dtype: torch.dtype | None) -> DFlashDrafter | None:
+    """A trainer's run directory: the newest checkpoint that verifies against its manifest, as
+    ``--resume`` picks it (skipped ones are named on stderr); None when there are none."""
+    import sys
+
+    from dflash.train.checkpoint import MANIFEST, CheckpointError, checkpoint_dir, load_latest
+
+    if not (checkpoint_dir(run_dir) / MANIFEST).is_file():
+        return None  # not written by the trainer (or by an older one): plain newest-file rules
+    try:
+        found = load_latest(run_dir, note=lambda s: print(f"dflash: {s}", file=sys.stderr))
+    except CheckpointError as e:
+        raise DrafterLoadError(str(e)) from None
+    return None if found is None else _drafter_from_checkpoint(found[1], found[0], dtype)
+
+
+def _drafter_from_checkpoint(ckpt: object, path: Path, dtype: torch.dtype | None) -> DFlashDrafter:
     if not isinstance(ckpt, dict) or "drafter_config" not in ckpt or "drafter" not in ckpt:
         raise DrafterLoadError(f"{path}: not a dflash checkpoint (no 'drafter_config'/'drafter' entries)")
     state = ckpt["drafter"]
@@ -244,6 +264,9 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDr
         return load_checkpoint_drafter(p, dtype)
     if (p / CONFIG_NAME).is_file() and (p / WEIGHTS_NAME).is_file():
         return load_exported(p, dtype)
+    drafter = _newest_verified_drafter(p, dtype)
+    if drafter is not None:
+        return drafter
     ckpt = find_checkpoint(p)
     if ckpt is None:
         found = ", ".join(sorted(x.name for x in p.iterdir())[:8]) or "nothing"

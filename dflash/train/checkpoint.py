@@ -328,4 +328,4 @@ def load_latest(run_dir: Path, note: Callable[[str], None] | None = None) -> tup
                 "loaded without a checksum")
         return path, state
     raise CheckpointError(f"none of the {len(ckpts)} checkpoint(s) in {checkpoint_dir(run_dir)} is usable "
-                          "(reasons above); move them away to start afresh")
+                          "(reasons above)")

@@ -91,7 +91,7 @@ class Trainer:
             try:
                 found = load_latest(self.run_dir, note=lambda s: self.log(f"--resume: {s}"))
             except CheckpointError as e:
-                raise TrainError(f"--resume: {e}") from None
+                raise TrainError(f"--resume: {e}; move them away to start afresh") from None
             if found is None:
                 self.log(f"--resume: no checkpoint in {self.run_dir}/checkpoints, starting fresh")
             else:
