@@ -191,6 +191,16 @@ def test_rng_state_is_plain_tensors_and_round_trips(tmp_path):
     assert again[0] == expected[0] and torch.equal(again[1], expected[1]) and torch.equal(again[2], expected[2])
 
 
+def test_rng_state_from_older_checkpoints_still_restores() -> None:
+    """Before RNG states were tensors, Python's was stored as random.getstate()'s tuple."""
+    g = torch.Generator().manual_seed(3)
+    random.seed(4)
+    old = {"torch": torch.get_rng_state(), "python": random.getstate(), "anchors": g.get_state()}
+    expected = random.random()
+    random.seed(0)
+    assert rng.restore(old, g) == [] and random.random() == expected
+
+
 def test_cuda_rng_states_for_more_gpus_than_present_are_dropped_with_a_note():
     """A checkpoint from an 8-GPU box resumed on 4 GPUs (or on none: this machine) restores what
     matches instead of failing in set_rng_state_all."""
