@@ -289,6 +289,30 @@ def test_disk_full_costs_one_line_keeps_the_last_checkpoint_and_training_goes_on
     assert "Traceback" not in text and "unexpected pos" not in text, text[-3000:]
 
 
+def test_a_final_checkpoint_that_does_not_fit_exits_1_saying_so(setup, small_fs, tmp_path):
+    target, data, run = setup
+    size = list_checkpoints(run)[-1].stat().st_size
+    fs = small_fs(4 * size)
+    run_dir, log = fs / "run", tmp_path / "train.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(_cli(target, data, run_dir, "--max-steps", "100000", "--checkpoint-every", "1e9",
+                                     "--no-telemetry", "--log-every", "0.2"),
+                                stdout=out, stderr=subprocess.STDOUT, text=True, env=_env())
+    try:
+        _wait(lambda: "step " in log.read_text(), 180, proc, log)
+        with (fs / "filler").open("wb") as f:
+            f.write(b"\0" * max(0, shutil.disk_usage(fs).free - size // 3))
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 1, text[-3000:]
+    assert "not saved: no space left on device" in text and "newest good checkpoint: none" in text, text[-3000:]
+    assert "the final checkpoint was not saved" in text and "Traceback" not in text, text[-3000:]
+    assert not list((run_dir / "checkpoints").iterdir())  # no partial file left behind
+
+
 def test_keep_checkpoints_makes_room_for_the_next_write(setup, small_fs, tmp_path):
     """Room for three and a half checkpoints, keep=3: the fourth write only fits if the oldest goes first."""
     target, data, run = setup

@@ -306,7 +306,10 @@ class Trainer:
             try:
                 path = save_checkpoint(self.run_dir, st.step, state, self.cfg.keep_checkpoints, note=self.log)
             except CheckpointError as e:
-                # Training goes on (the next interval tries again); what is on disk is intact.
+                # Training goes on (the next interval tries again); what is on disk is intact. This step
+                # counts as done: a second try at the end of the run would gather alone, without the
+                # other ranks.
+                self._ckpt_step = st.step
                 self._last_ckpt_time = time.monotonic()
                 newest = list_checkpoints(self.run_dir)
                 self.checkpoint_failed = True
