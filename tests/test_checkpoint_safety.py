@@ -28,7 +28,13 @@ from test_train_pipeline import _cfg, _cli, _env, _write_data
 
 from dflash.model.export import export_drafter, load_drafter
 from dflash.train import rng
-from dflash.train.checkpoint import list_checkpoints, load_checkpoint, read_manifest
+from dflash.train.checkpoint import (
+    CheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+)
 from dflash.train.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(300)
@@ -326,3 +332,24 @@ def test_keep_checkpoints_makes_room_for_the_next_write(setup, small_fs, tmp_pat
     assert "not saved" not in proc.stdout, proc.stdout[-3000:]
     assert "removed the oldest checkpoint" in proc.stdout
     assert _verified_steps(run_dir) == [6, 7, 8]
+
+
+def test_making_room_never_deletes_the_newest_intact_checkpoint(setup, small_fs):
+    """keep=1, the newest file damaged, too little space even after pruning: the write fails, and the
+    newest checkpoint that matches its manifest is still there to resume from."""
+    _target, _data, run = setup
+    size = list_checkpoints(run)[-1].stat().st_size
+    fs = small_fs(6 * size)
+    run_dir = _copy_run(run, fs / "run")
+    _truncate(list_checkpoints(run_dir)[-1])  # step 3: no longer what the manifest recorded
+    with (fs / "filler").open("wb") as f:
+        f.write(b"\0" * max(0, shutil.disk_usage(fs).free - size // 3))
+    state = load_checkpoint(list_checkpoints(run_dir)[1])
+    state["padding"] = torch.zeros(size // 2, dtype=torch.uint8)  # needs more than pruning step 1 frees
+    with pytest.raises(CheckpointError, match="no space left on device"):
+        save_checkpoint(run_dir, 4, state, keep=1)
+    names = [p.name for p in list_checkpoints(run_dir)]
+    assert names == ["step-00000002.pt", "step-00000003.pt"], names  # step 1 went, step 2 stayed
+    manifest, _ = read_manifest(run_dir)
+    load_checkpoint(list_checkpoints(run_dir)[0], manifest["step-00000002.pt"])
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]

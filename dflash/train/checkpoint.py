@@ -163,16 +163,27 @@ def _no_space(e: BaseException) -> bool:
     return False
 
 
-def _make_room(d: Path, ckpts: list[Path], need: int, keep: int) -> list[Path]:
+def _make_room(run_dir: Path, existing: list[Path], need: int, keep: int) -> list[Path]:
     """Delete the oldest checkpoints beyond ``keep - 1`` while the next write would not fit (they would
-    be pruned after it anyway); the newest one always stays. Returns what was removed."""
+    be pruned after it anyway). The newest checkpoint whose size matches its manifest entry (else the
+    newest) always stays: if the write fails, resume still has it. Returns what was removed."""
+    d = checkpoint_dir(run_dir)
+    manifest, _ = read_manifest(run_dir)
+
+    def intact(p: Path) -> bool:
+        try:
+            return manifest.get(p.name, {}).get("size") == p.stat().st_size
+        except OSError:
+            return False
+
+    keeper = next((p for p in reversed(existing) if intact(p)), existing[-1] if existing else None)
     removed: list[Path] = []
-    candidates = ckpts[: max(0, len(ckpts) - max(1, keep - 1))]
-    for old in candidates:
+    for old in existing[: max(0, len(existing) - max(1, keep - 1))]:
         if _free_bytes(d) >= need:
             break
-        old.unlink(missing_ok=True)
-        removed.append(old)
+        if old != keeper:
+            old.unlink(missing_ok=True)
+            removed.append(old)
     return removed
 
 
@@ -192,7 +203,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int,
         previous = existing[-1].stat().st_size if existing else 0
         need = int(max(previous, _tensor_bytes(state)) * _ROOM_MARGIN) + (1 << 16)
         if _free_bytes(d) < need:
-            for p in _make_room(d, existing, need, keep):
+            for p in _make_room(run_dir, existing, need, keep):
                 existing.remove(p)
                 if note is not None:
                     note(f"low on disk space in {d}: removed the oldest checkpoint {p.name} to make room")
