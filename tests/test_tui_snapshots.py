@@ -8,10 +8,13 @@ import os
 import time
 
 import pytest
+from textual.widgets._footer import FooterKey
 
 from dflash_tui import synthetic
 from dflash_tui.app import DFlashTop
 from dflash_tui.sources import MemorySource
+from dflash_tui.widgets.base import TextPanel
+from dflash_tui.widgets.events import EventsLog
 
 
 @pytest.fixture(autouse=True)
@@ -34,13 +37,46 @@ def fixed_app(gpus: int, world_size: int = 1) -> DFlashTop:
                      pyspy_exe="py-spy")
 
 
+def footer_current(app) -> bool:
+    """The footer shows the keys the bindings say it should (it recomposes a moment after a change,
+    e.g. when the rank keys appear for a multi-rank run)."""
+    want = {(b.action, not enabled) for _, b, enabled, _ in app.screen.active_bindings.values()
+            if b.show and b.action != "command_palette"}  # the palette key has a place of its own
+    shown = {(k.action, k.disabled) for k in app.screen.query(FooterKey)
+             if k.is_mounted and k.action != "command_palette"}
+    return want == shown
+
+
+def panels_current(app) -> bool:
+    """Every shown text panel has been drawn for its current width and laid out at its text's height
+    (a panel whose text changed height waits for the next layout pass)."""
+    shown = [p for p in app.screen.query(TextPanel) if p.display and p.parent.display and p.content_size.width > 0]
+    return all(p._width == max(10, p.content_size.width or 80) for p in shown) and all(
+        p.size.height == max(1, len(p._strips)) and p.parent.content_size.height == p.outer_size.height
+        for p in shown if p.styles.height.is_auto and p.parent.styles.height.is_auto)
+
+
+def log_current(app) -> bool:
+    """The events log has written every line and scrolled to the newest (both wait for a refresh)."""
+    log = app.screen.query_one(EventsLog)
+    return not log._deferred_renders and log.scroll_y == log.max_scroll_y
+
+
 async def settle(pilot) -> None:
+    """Until the data is in, every panel is drawn at its final size and the footer is up to date: a
+    busy machine delays each of these by an unknown time, so the test waits on them, not on a pause."""
     app = pilot.app
-    while app.state.snapshot is None:
+    deadline = time.monotonic() + 30
+    while True:
+        await pilot.pause()
+        if app.state.snapshot is not None:
+            app.refresh_panels(slow=True)
+            await pilot.pause()
+            if (app._refresh_timer is None and footer_current(app) and panels_current(app) and log_current(app)
+                    and app._cluster_box.display == (app.state.cluster is not None)):
+                return
+        assert time.monotonic() < deadline, "the screen never settled"
         await pilot.pause(0.05)
-    await pilot.pause(0.3)  # one throttled refresh
-    app.refresh_panels(slow=True)
-    await pilot.pause()
 
 
 def test_main_screen_80x24_without_gpus(snap_compare) -> None:

@@ -48,6 +48,7 @@ class TextPanel(Widget):
 
     def on_resize(self) -> None:
         self._rebuild(force=True)
+        self.call_after_refresh(self._rebuild)  # heals a layout that raced this resize (see _rebuild)
 
     def _rebuild(self, force: bool = False) -> None:
         if self._state is None or not self.is_attached:
@@ -55,6 +56,10 @@ class TextPanel(Widget):
         width = max(10, self.content_size.width or 80)
         text = self.build(self._state, width)
         if not force and text == self._text and width == self._width:
+            if self.styles.height.is_auto and self.size.height not in (0, max(1, len(self._strips))):
+                # a layout pass that raced a resize (seen on a busy machine) left the old height:
+                # lay out again rather than show stale blank rows until the text next changes
+                self.refresh(layout=True)
             return
         old_height = len(self._strips)
         self._text, self._width = text, width
