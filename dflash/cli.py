@@ -35,13 +35,18 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     if first in COMMANDS:
         sub.choices[first] = p = argparse.ArgumentParser(prog=f"dflash {first}", description=COMMANDS[first][1])
         importlib.import_module(f"dflash.commands.{COMMANDS[first][0]}").add_arguments(p)
+    parser.commands = sub.choices  # type: ignore[attr-defined]  # each command's parser, for its usage
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # the command's own usage, not the top level's: that is where the flag was expected
+        (parser.commands.get(args.command) or parser).error(
+            f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = list(argv)  # the command line as given, for commands that re-launch themselves
     if not args.command:
         parser.print_help()

@@ -197,3 +197,12 @@ def test_bf16_export_evaluated_as_dflash_eval_does_matches_fp32_far_into_the_seq
         ref = far_block_outputs(d, start)
         err = (far_block_outputs(loaded, start) - ref).norm() / ref.norm()
         assert err < 0.1, (start, float(err))  # rounded frequencies: 0.6-0.8 at 3990-4000
+
+
+def test_exported_files_share_permissions_and_the_message_counts_right(tmp_path, capsys):
+    """safetensors writes 0600; config.json follows the umask: the pair must be equally readable."""
+    torch.save(checkpoint_dict(make_drafter(num_layers=1)), tmp_path / "ckpt.pt")
+    assert main(["export", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "out")]) == 0
+    assert "(1 layer, block" in capsys.readouterr().out
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "out").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes

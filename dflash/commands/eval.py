@@ -28,10 +28,15 @@ def run(args: argparse.Namespace) -> int:
     from dflash.eval.speculative import evaluate
     from dflash.model.export import DrafterLoadError, load_drafter
     from dflash.model.target import TargetError, load_target
+    from dflash.train.config import ConfigError, check_device
 
     if args.max_new_tokens < 1 or args.num_prompts < 1:
         raise CliError("--max-new-tokens and --num-prompts must be at least 1")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        check_device(device)
+    except ConfigError as e:
+        raise CliError(str(e)) from None
     try:
         drafter = load_drafter(args.drafter)
     except DrafterLoadError as e:

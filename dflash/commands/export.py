@@ -20,6 +20,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from dflash.model.export import DrafterLoadError, export_drafter, load_drafter
+    from dflash.words import plural
 
     try:
         drafter = load_drafter(args.checkpoint)
@@ -31,6 +32,6 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise CliError(f"cannot write {args.out}: {e.strerror or e}") from e
     c = drafter.config
-    print(f"exported {drafter.num_parameters() / 1e6:.2f}M-parameter drafter ({c.num_layers} layers, block "
+    print(f"exported {drafter.num_parameters() / 1e6:.2f}M-parameter drafter ({plural(c.num_layers, 'layer')}, block "
           f"{c.block_size}, taps {c.target_layer_ids}, mask id {c.mask_token_id}) to {out}")
     return 0

@@ -37,7 +37,9 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                # json's messages end in "at" ("Unterminated string starting at"), the column follows
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg.removesuffix(' at')} at column "
+                                f"{e.colno})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             yield lineno, row

@@ -17,6 +17,7 @@ Training checkpoints (written by dflash/train/checkpoint.py) are ``torch.save``d
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict
 from pathlib import Path
@@ -117,6 +118,9 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dty
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     (out / CONFIG_NAME).write_text(json.dumps(hf_config(drafter.config, dtype), indent=2) + "\n")
+    # safetensors creates its file 0600; the pair is meant to be copied and served together, so the
+    # weights get the same permissions as config.json (the user's umask)
+    os.chmod(out / WEIGHTS_NAME, (out / CONFIG_NAME).stat().st_mode & 0o777)
     return out
 
 

@@ -7,6 +7,8 @@ directory, so a run can always be told apart from another and resumed with the s
 from __future__ import annotations
 
 import json
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -139,7 +141,7 @@ def load_toml(path: Path) -> dict[str, Any]:
 
 def make_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> TrainConfig:
     """Defaults <- file <- CLI; unknown keys and wrong types are errors, not silently ignored."""
-    known = {f.name: f for f in fields(TrainConfig)}
+    known = {f.name for f in fields(TrainConfig)}
     cfg = TrainConfig()
     for source, values in (("config file", file_values), ("command line", overrides)):
         for key, value in values.items():
@@ -148,18 +150,60 @@ def make_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Train
                 raise ConfigError(f"unknown setting {key!r} in {source}")
             if value is None and source == "command line":
                 continue
-            setattr(cfg, key, _coerce(key, value, getattr(TrainConfig(), key)))
+            setattr(cfg, key, _coerce(key, value))
     cfg.validate()
     return cfg
 
 
-def _coerce(key: str, value: Any, default: Any) -> Any:
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Check `value` against the field's declared type (``int | None`` included), so that a TOML's
+    ``batch_size = 8.5`` or ``metrics_port = "9400"`` fails here in one line, not inside a worker."""
     if key == "target_devices" and isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(default, bool) and not isinstance(value, bool):
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
-    if isinstance(default, (int, float)) and not isinstance(default, bool):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
-        return type(default)(value) if isinstance(default, float) else value
-    return value
+    hint = _field_types()[key]
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{key} must be set, got nothing")
+    for option in options:
+        ok, converted = _matches(value, option)
+        if ok:
+            return converted
+    raise ConfigError(f"{key} must be {_describe(hint)}, got {value!r}")
+
+
+def _matches(value: Any, hint: Any) -> tuple[bool, Any]:
+    """Whether `value` fits `hint`, and the value to store (an int where a float is declared)."""
+    if hint is type(None):
+        return False, None
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return number, float(value) if number else value
+    if hint is str:
+        return isinstance(value, str), value
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            return False, value
+        checked = [_matches(v, item) for v in value]
+        return all(ok for ok, _ in checked), [v for _, v in checked]
+    raise TypeError(f"TrainConfig field type {hint!r} has no check")  # a new field type: add it above
+
+
+def _describe(hint: Any) -> str:
+    names = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
+    if isinstance(hint, types.UnionType):
+        parts = [_describe(h) for h in typing.get_args(hint) if h is not type(None)]
+        return " or ".join(parts) + (" (or unset)" if type(None) in typing.get_args(hint) else "")
+    if typing.get_origin(hint) is list:
+        return f"a list of {_describe(typing.get_args(hint)[0]).removeprefix('a ')}s"
+    return names.get(hint, str(hint))

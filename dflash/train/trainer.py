@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 import signal
 import sys
 import threading
@@ -32,6 +33,7 @@ from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.distributed import Dist, DistError
 from dflash.train.pipeline import Pipeline, RunState
 from dflash.train.stages import BatchSource, DrafterStage, StepResult, TargetStage
+from dflash.words import plural
 
 
 class TrainError(RuntimeError):
@@ -136,7 +138,7 @@ class Trainer:
         drafter = DFlashDrafter(dcfg)
         if cfg.init_from_target and ckpt is None:
             copied = init_from_target(drafter, first.model)
-            self.log(f"drafter initialised from the target's top {dcfg.num_layers} layer(s) ({len(copied)} tensors)")
+            self.log(f"drafter initialised from the target's top {plural(dcfg.num_layers, 'layer')} ({len(copied)} tensors)")
         drafter = drafter.to(self.drafter_device)
         # Same drafter init on every rank (DDP also broadcasts rank 0's), different anchors per rank.
         self.generator = torch.Generator().manual_seed(cfg.seed + 1_000_003 * d.rank)
@@ -181,8 +183,8 @@ class Trainer:
         if d.is_main:
             cfg.save(self.run_dir / "config.json")
         self.log("config: " + " ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
-        self.log(f"target {cfg.target}: {first.num_layers} layers, hidden {first.hidden_size}, taps {first.layer_ids}; "
-                 f"drafter {dcfg.num_layers} layers, {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, "
+        self.log(f"target {cfg.target}: {plural(first.num_layers, 'layer')}, hidden {first.hidden_size}, taps {first.layer_ids}; "
+                 f"drafter {plural(dcfg.num_layers, 'layer')}, {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, "
                  f"block {dcfg.block_size}, mask token {dcfg.mask_token_id}; data {data_path} ({len(samples)} samples)")
         if d.enabled:
             self.log(f"distributed: {d.world_size} ranks ({'nccl' if self.drafter_device.type == 'cuda' else 'gloo'}), "
@@ -420,7 +422,7 @@ class Trainer:
                                      "--no-telemetry)") from None
                 self.server = server
                 self.say(f"telemetry: {self.server.path}")
-                self.log(f"attach:    dflash-top {self.server.path}")
+                self.log(f"attach:    {top_command()} {shlex.quote(str(self.server.path))}")
                 if self.exchange is not None:
                     self.exchange.socket_path = str(server.path)
                     self.exchange.start()
@@ -513,8 +515,43 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> int:
+    created = _missing_dirs(Path(cfg.run_dir))
     try:
         return Trainer(cfg, resume=resume).run()
     except (TrainError, ConfigError, DistError) as e:
         print(f"dflash train: error: {e}", file=sys.stderr)
+        _remove_if_empty(created)
         return 2
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, deepest first: what a run would create."""
+    missing = []
+    for p in [path, *path.parents]:
+        if p.exists():
+            break
+        missing.append(p)
+    return missing
+
+
+def _remove_if_empty(dirs: list[Path]) -> None:
+    """A start that failed leaves no empty run directory behind; only directories this run created and
+    that are still empty go (rmdir refuses anything else, e.g. what another rank already wrote)."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
+def top_command() -> str:
+    """How to start dflash-top so that the printed line works as printed: by name when the shell
+    finds this environment's own dflash-top, else by its absolute path (a venv that is not active),
+    else through this interpreter."""
+    import shutil
+
+    exe = Path(sys.executable).with_name("dflash-top")
+    if not exe.is_file():
+        return f"{shlex.quote(sys.executable)} -m dflash_tui.app"
+    found = shutil.which("dflash-top")
+    return "dflash-top" if found and Path(found).resolve() == exe.resolve() else shlex.quote(str(exe))

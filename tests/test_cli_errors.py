@@ -1,0 +1,77 @@
+"""Bad input gets one clear line (or just works): the rough edges a new user hit in the first hour."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from dflash.cli import main
+from dflash.data.formats import iter_rows
+from dflash.train.config import ConfigError, make_config
+from dflash.train.trainer import top_command, train
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("batch_size", 8.5, "batch_size must be a whole number, got 8.5"),
+    ("metrics_port", "9400", "metrics_port must be a whole number (or unset), got '9400'"),
+    ("max_time", "60", "max_time must be a number (or unset)"),
+    ("target_layer_ids", [1, "a"], "target_layer_ids must be a list of whole numbers (or unset)"),
+    ("target_devices", [0], "target_devices must be a list of strings"),
+    ("run_name", 3, "run_name must be a string (or unset)"),
+    ("pipeline", "yes", "pipeline must be true or false"),
+])
+def test_every_config_field_is_type_checked_at_load(key, value, says):
+    with pytest.raises(ConfigError) as e:
+        make_config({key: value, "max_steps": 1}, {})
+    assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def test_config_keeps_what_is_right():
+    cfg = make_config({"gamma": 7, "metrics_port": 9400, "target_layer_ids": [1, 3], "max_steps": 2}, {})
+    assert cfg.gamma == 7.0 and isinstance(cfg.gamma, float) and cfg.metrics_port == 9400
+    assert cfg.target_layer_ids == [1, 3]
+
+
+def test_an_unknown_flag_prints_the_commands_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: dflash train") and "dflash train: error: unrecognized arguments: --bogus" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_eval_on_a_missing_cuda_device_is_one_line(capsys):
+    assert main(["eval", "--drafter", "nowhere", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err == "dflash eval: error: device 'cuda' requested but CUDA is not available on this machine\n"
+
+
+def test_a_json_error_reads_right(tmp_path):
+    bad = tmp_path / "d.jsonl"
+    for line, says in (('{"text": "unterminated', "(Unterminated string starting at column 10)"),
+                       ('{"text": "a\tb"}', "(Invalid control character at column 12)")):
+        bad.write_text(line)
+        with pytest.raises(ValueError) as e:
+            list(iter_rows(bad))
+        assert str(e.value).endswith(says), str(e.value)
+
+
+def test_a_failed_start_leaves_no_run_dir_it_created(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    run = tmp_path / "runs" / "new"
+    assert train(make_config({}, {"data": str(bad), "run_dir": str(run), "max_steps": 1, "telemetry": False})) == 2
+    assert not (tmp_path / "runs").exists()
+    run.mkdir(parents=True)  # a directory the user made stays, even empty
+    assert train(make_config({}, {"data": str(bad), "run_dir": str(run), "max_steps": 1, "telemetry": False})) == 2
+    assert run.is_dir()
+
+
+def test_the_attach_hint_works_as_printed_without_the_venv_on_path():
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    r = subprocess.run(f"{top_command()} --help", shell=True, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "dflash-top" in r.stdout, r.stderr
