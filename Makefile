@@ -17,11 +17,10 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# Each `make train` is a new run directory, so earlier checkpoints are never mixed in or overwritten.
-RUN_DIR ?= runs/train-$(shell date +%Y%m%d-%H%M%S)
-
+# Each run gets a new directory (runs/train-<date>-<time>), so earlier checkpoints are never mixed in or
+# overwritten; RUN_DIR=... picks one.
 train: $(STAMP)
-	$(BIN)/dflash train --config configs/tiny-cpu.toml --run-dir $(RUN_DIR)
+	$(BIN)/dflash train --config configs/tiny-cpu.toml $(if $(RUN_DIR),--run-dir $(RUN_DIR))
 
 demo: $(STAMP)
 	bash scripts/demo.sh

@@ -5,13 +5,19 @@
 # socket appears (and never replays an old recording of the same directory by mistake).
 # Without tmux it prints the two commands to run in two terminals.
 #
-# Environment: RUN_DIR (default runs/demo), TRAIN_ARGS (extra `dflash train` arguments),
+# Environment: RUN_DIR (default a fresh runs/demo-<date>-<time>), TRAIN_ARGS (extra `dflash train` arguments),
 # DEMO_DETACHED=1 (create the tmux session without attaching: for scripts and checks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BIN=.venv/bin
-RUN_DIR=${RUN_DIR:-runs/demo}
+# a fresh run directory each time: a second demo must not find the first one's checkpoints (the
+# trainer would refuse them and dflash-top would wait for it forever)
+if [ -z "${RUN_DIR:-}" ]; then
+    RUN_DIR=runs/demo-$(date +%Y%m%d-%H%M%S)
+    n=1
+    while [ -e "$RUN_DIR" ]; do n=$((n + 1)); RUN_DIR=runs/demo-$(date +%Y%m%d-%H%M%S)-$n; done
+fi
 SESSION=dflash-demo
 TRAIN="$BIN/dflash train --config configs/tiny-cpu.toml --run-dir $RUN_DIR ${TRAIN_ARGS:-}"
 TOP="$BIN/dflash-top --wait $RUN_DIR"
@@ -45,7 +51,7 @@ if [ -n "${TMUX:-}" ]; then
 fi
 
 if tmux has-session -t "$SESSION" 2>/dev/null; then
-    echo "a $SESSION tmux session is already running; attaching to it (tmux kill-session -t $SESSION to start over)"
+    echo "a $SESSION tmux session is already open; attaching to it (tmux kill-session -t $SESSION, then make demo, starts a new run)"
 else
     tmux new-session -d -s "$SESSION" -x "$cols" -y "$(tput lines 2>/dev/null || echo 24)" "$TRAIN_PANE"
     tmux split-window "${split[@]}" -t "$SESSION" "$TOP_PANE"

@@ -259,8 +259,8 @@ def test_config_file_and_overrides(tmp_path):
         make_config({"learning_rate": 1.0, "max_steps": 1}, {})
     with pytest.raises(ConfigError, match="must be a number"):
         make_config({"lr": "fast", "max_steps": 1}, {})
-    with pytest.raises(ConfigError, match="give max_steps or max_time"):
-        make_config({}, {})
+    with pytest.raises(ConfigError, match="epochs must be positive"):
+        make_config({"epochs": 0}, {})
 
 
 def test_metrics_port_serves_prometheus_while_training(setup, tmp_path):

@@ -13,9 +13,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--config", type=Path, help="TOML file with training settings (keys as in config.json of a run)")
     a("--target", help="HF model directory or 'tiny' (the built-in target)")
     a("--data", help="JSONL dataset or 'demo'")
-    a("--run-dir", help="where checkpoints, config.json and telemetry.jsonl go (default runs/default)")
+    a("--run-dir", help="where checkpoints, config.json and telemetry.jsonl go (default: a fresh "
+                        "runs/train-<date>-<time>)")
     a("--max-steps", type=int)
     a("--max-time", type=float, help="stop after this many seconds of training")
+    a("--epochs", type=float, help="passes over the data (default 1 when no step or time limit is given)")
     a("--resume", action="store_true", help="continue from the newest checkpoint in the run dir")
     a("--no-telemetry", dest="telemetry", action="store_false", default=None, help="turn telemetry off entirely")
     a("--telemetry-interval", type=float, help="seconds between telemetry snapshots (default 1)")
@@ -46,19 +48,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash.train.config import ConfigError, load_toml, make_config
+    from dflash.train.config import ConfigError, fresh_run_dir, hardware_recipe, load_toml, make_config
     from dflash.train.trainer import train
 
+    if args.resume and args.run_dir is None:
+        raise CliError("--resume needs --run-dir: the run directory to continue")
     if args.nproc is not None:
-        return launch(args.nproc, args.argv)
+        # every rank must write to one directory: name the fresh one here, once, for all of them
+        extra = [] if args.run_dir is not None or _run_dir_in(args.config) else ["--run-dir", fresh_run_dir()]
+        return launch(args.nproc, args.argv + extra)
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "resume", "nproc", "argv")}
     if args.pipeline is not None:
         overrides["pipeline"] = args.pipeline == "on"
+    recipe = None
+    if args.config is None:  # no recipe given: the one this machine can run
+        recipe, line = hardware_recipe(args.target)
+        print(f"dflash train: {line}", flush=True)
     try:
-        cfg = make_config(load_toml(args.config) if args.config else {}, overrides)
+        cfg = make_config(load_toml(args.config) if args.config else {}, overrides, recipe)
     except ConfigError as e:
         raise CliError(str(e)) from None
     return train(cfg, resume=args.resume)
+
+
+def _run_dir_in(config) -> bool:
+    from dflash.train.config import ConfigError, load_toml
+
+    try:
+        return config is not None and "run_dir" in load_toml(config)
+    except ConfigError:
+        return False  # the ranks will report the bad file themselves
 
 
 def launch(nproc: int, argv: list[str]) -> int:

@@ -7,6 +7,7 @@ directory, so a run can always be told apart from another and resumed with the s
 from __future__ import annotations
 
 import json
+import time
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -23,7 +24,7 @@ class TrainConfig:
     # what to train on
     target: str = "tiny"
     data: str = "demo"
-    run_dir: str = "runs/default"
+    run_dir: str | None = None  # None: a fresh runs/train-<date>-<time>, so two runs never collide
     # devices: one target worker per entry of target_devices
     target_devices: list[str] = field(default_factory=lambda: ["cpu"])
     drafter_device: str = "cpu"
@@ -49,6 +50,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     max_steps: int | None = None
     max_time: float | None = None
+    # passes over the data (fractions allowed); with no step, time or epoch limit a run makes one pass
+    epochs: float | None = None
     # plumbing
     batch_queue_size: int = 4
     hs_queue_size: int = 2
@@ -73,8 +76,10 @@ class TrainConfig:
             raise ConfigError("target_devices is empty: give at least one device, e.g. cpu or cuda:0")
         for dev in [*self.target_devices, self.drafter_device]:
             check_device(dev)
-        if self.max_steps is None and self.max_time is None:
-            raise ConfigError("give max_steps or max_time (or both) so the run and its LR schedule have an end")
+        if self.max_steps is None and self.max_time is None and self.epochs is None:
+            raise ConfigError("give max_steps, max_time or epochs so the run and its LR schedule have an end")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ConfigError(f"epochs must be positive, got {self.epochs}")
         positive = {"block_size": self.block_size, "num_anchors": self.num_anchors, "batch_size": self.batch_size,
                     "max_seq_len": self.max_seq_len, "lr": self.lr, "log_every": self.log_every,
                     "telemetry_interval": self.telemetry_interval, "batch_queue_size": self.batch_queue_size,
@@ -94,7 +99,7 @@ class TrainConfig:
 
     @property
     def name(self) -> str:
-        return self.run_name or Path(self.run_dir).name
+        return self.run_name or Path(self.run_dir or "").name
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,11 +144,56 @@ def load_toml(path: Path) -> dict[str, Any]:
     return data.get("train", data)
 
 
-def make_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> TrainConfig:
-    """Defaults <- file <- CLI; unknown keys and wrong types are errors, not silently ignored."""
+#: The published recipe (512 anchors, a drafter as deep as the taps) is sized for GPUs: on a CPU it
+#: makes ~10 s steps. Without CUDA a bare `dflash train` uses this scaled one instead, measured on
+#: 2 cores (configs/tiny-cpu.toml holds the same values; a test keeps them equal).
+CPU_RECIPE: dict[str, Any] = {
+    "drafter_layers": 1, "num_anchors": 24, "batch_size": 8, "max_seq_len": 320, "lr": 3e-3,
+    "threads_per_worker": 1, "checkpoint_every": 60.0, "log_every": 15.0, "eval_prompts": 8,
+    "eval_max_new_tokens": 96,
+}
+#: the tiny target's taps for a 1-layer drafter: real tau 1.40 with these against 1.21 with [3]
+TINY_CPU_TAPS = [1, 3, 5]
+
+
+def hardware_recipe(target: str | None) -> tuple[dict[str, Any], str]:
+    """The settings a run without --config starts from on this machine, and the line that says so."""
+    import torch
+
+    if torch.cuda.is_available():
+        return ({"target_devices": ["cuda"], "drafter_device": "cuda"},
+                "recipe: CUDA found, the published GPU recipe on cuda (give --config or flags to change it)")
+    recipe = dict(CPU_RECIPE)
+    if (target or "tiny") == "tiny":
+        recipe["target_layer_ids"] = TINY_CPU_TAPS
+    return recipe, ("recipe: no CUDA here, the CPU-scaled one (1 drafter layer, 24 anchors, batch 8; "
+                    "see configs/tiny-cpu.toml); give --config or flags to change it")
+
+
+def fresh_run_dir(root: Path = Path("runs")) -> str:
+    """runs/train-<date>-<time>, with a suffix if two runs start within one second. Under torchrun the
+    ranks start at different moments, so they share the job's run id instead (`--nproc` names the
+    directory once, before launching them)."""
+    import os
+
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    if job and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return str(root / f"train-{job}")
+    base = root / time.strftime("train-%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return str(path)
+
+
+def make_config(file_values: dict[str, Any], overrides: dict[str, Any],
+                recipe: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults <- hardware recipe <- file <- CLI; unknown keys and wrong types are errors, not silently
+    ignored. With no step, time or epoch limit anywhere, the run makes one pass over the data."""
     known = {f.name for f in fields(TrainConfig)}
     cfg = TrainConfig()
-    for source, values in (("config file", file_values), ("command line", overrides)):
+    for source, values in (("recipe", recipe or {}), ("config file", file_values), ("command line", overrides)):
         for key, value in values.items():
             key = key.replace("-", "_")
             if key not in known:
@@ -151,6 +201,10 @@ def make_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Train
             if value is None and source == "command line":
                 continue
             setattr(cfg, key, _coerce(key, value))
+    if cfg.max_steps is None and cfg.max_time is None and cfg.epochs is None:
+        cfg.epochs = 1.0
+    if cfg.run_dir is None:
+        cfg.run_dir = fresh_run_dir()
     cfg.validate()
     return cfg
 

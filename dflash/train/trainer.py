@@ -8,6 +8,7 @@ SIGINT/SIGTERM into "finish this step, checkpoint, say bye, exit 0".
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shlex
@@ -69,6 +70,16 @@ class Trainer:
         self._print(f"[rank {self.dist.rank}] {line}" if self.dist.enabled else line)
 
     # --- setup ----------------------------------------------------------------------------------------
+
+    def _limit_epochs(self, cfg: TrainConfig) -> None:
+        """--epochs becomes a step budget once the batches per epoch are known (the same on every rank),
+        so the LR schedule, the stop and the progress line all count steps; the saved config shows it."""
+        if cfg.epochs is None:
+            return
+        steps = max(1, math.ceil(cfg.epochs * self.source.per_epoch))
+        cfg.max_steps = min(cfg.max_steps, steps) if cfg.max_steps else steps
+        self.log(f"epochs:    {cfg.epochs:g} x {plural(self.source.per_epoch, 'step')} per pass over the data"
+                 f" -> at most {plural(cfg.max_steps, 'step')}")
 
     def setup(self) -> None:
         from dflash.data import DataError, load_samples, resolve_data
@@ -159,6 +170,7 @@ class Trainer:
             self.targets.append(TargetStage(targets[dev], self.drafter_device, self.stats.worker(name), name))
         self.source = BatchSource(samples, cfg.batch_size, cfg.seed, pad, d.rank, d.world_size)
         self.dcfg = dcfg
+        self._limit_epochs(cfg)
 
         if ckpt is not None:
             self.drafter.optimizer.load_state_dict(ckpt["optimizer"])

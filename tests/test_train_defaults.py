@@ -1,0 +1,85 @@
+"""A bare `dflash train` makes sense: the recipe this machine can run, one pass over the data, and a
+fresh run directory every time (so a second run, or a second `make demo`, never collides)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from test_model_helpers import make_target_dir, make_tokenizer
+from test_train_pipeline import _write_data
+
+from dflash.train.config import CPU_RECIPE, TINY_CPU_TAPS, hardware_recipe, load_toml, make_config
+from dflash.train.trainer import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_no_limit_means_one_epoch_in_a_fresh_run_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = make_config({}, {})
+    assert (first.epochs, first.max_steps, first.max_time) == (1.0, None, None)
+    assert re.fullmatch(r"runs/train-\d{8}-\d{6}", first.run_dir), first.run_dir
+    Path(first.run_dir).mkdir(parents=True)
+    second = make_config({}, {})  # even within the same second
+    assert second.run_dir != first.run_dir and not Path(second.run_dir).exists()
+    assert make_config({}, {"max_time": 5}).epochs is None  # a given limit is the only one
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU recipe is chosen only without CUDA")
+def test_without_cuda_the_cpu_recipe_is_chosen_and_said():
+    recipe, line = hardware_recipe("tiny")
+    assert recipe == {**CPU_RECIPE, "target_layer_ids": TINY_CPU_TAPS}
+    assert line.startswith("recipe: no CUDA here, the CPU-scaled one") and "\n" not in line
+    other, _ = hardware_recipe("/models/some-hf-model")  # the tiny target's taps fit only the tiny target
+    assert "target_layer_ids" not in other
+    cfg = make_config({}, {"batch_size": 4}, recipe)  # flags still win over the recipe
+    assert (cfg.batch_size, cfg.num_anchors, cfg.drafter_layers) == (4, 24, 1)
+
+
+def test_the_cpu_recipe_is_what_configs_tiny_cpu_holds():
+    toml = load_toml(ROOT / "configs" / "tiny-cpu.toml")
+    assert {k: toml[k] for k in CPU_RECIPE} == CPU_RECIPE
+    assert toml["target_layer_ids"] == TINY_CPU_TAPS
+
+
+def test_epochs_bound_the_run_by_steps(tmp_path, capsys):
+    target = make_target_dir(tmp_path / "target", layers=4, tokenizer=make_tokenizer())
+    data = _write_data(tmp_path / "data.jsonl", rows=24)
+    cfg = make_config({}, dict(target=str(target), data=str(data), run_dir=str(tmp_path / "run"), batch_size=4,
+                               num_anchors=8, drafter_layers=1, telemetry=False, eval_prompts=0,
+                               checkpoint_every=1e9, epochs=1.5))
+    assert train(cfg) == 0
+    out = capsys.readouterr().out
+    per_epoch = int(re.search(r"epochs: +1\.5 x (\d+) steps per pass", out).group(1))
+    assert cfg.max_steps == -(-3 * per_epoch // 2)  # ceil(1.5 * per_epoch)
+    assert f"done: {cfg.max_steps} steps" in out
+
+
+def test_make_demo_twice_gets_two_run_dirs(tmp_path):
+    """Without tmux the demo prints its two commands; each run gets its own directory."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "cat", "date", "tput"):
+        found = next((Path(d) / tool for d in ("/usr/bin", "/bin") if (Path(d) / tool).exists()), None)
+        if found is not None:
+            (bin_dir / tool).symlink_to(found)
+    env = {**os.environ, "PATH": str(bin_dir)}
+    env.pop("RUN_DIR", None)
+    dirs = []
+    for _ in range(2):
+        r = subprocess.run([str(bin_dir / "bash"), str(ROOT / "scripts" / "demo.sh")], env=env, capture_output=True,
+                           text=True, timeout=30)
+        assert r.returncode == 0 and "tmux is not installed" in r.stdout, r.stdout + r.stderr
+        dirs.append(re.search(r"--run-dir (\S+)", r.stdout).group(1))
+        assert f"dflash-top --wait {dirs[-1]}" in r.stdout
+        (ROOT / dirs[-1]).mkdir(parents=True)  # what the first run's trainer creates
+    try:
+        assert dirs[0] != dirs[1] and re.fullmatch(r"runs/demo-\d{8}-\d{6}(-\d+)?", dirs[0])
+    finally:
+        for d in dirs:
+            (ROOT / d).rmdir()
