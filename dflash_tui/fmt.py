@@ -30,14 +30,14 @@ def seconds(v: float | None) -> str:
     return duration(v)
 
 
-def duration(v: float | None) -> str:
-    """Elapsed time as h:mm:ss (uptime)."""
+def duration(v: float | None, short: bool = False) -> str:
+    """Elapsed time as h:mm:ss (uptime); `short` drops the hours while there are none (1:25)."""
     if v is None or not math.isfinite(v):
         return NA
     s = int(v)
     h, rem = divmod(s, 3600)
     m, sec = divmod(rem, 60)
-    return f"{h}:{m:02d}:{sec:02d}"
+    return f"{m}:{sec:02d}" if short and not h else f"{h}:{m:02d}:{sec:02d}"
 
 
 def age(v: float | None) -> str:

@@ -261,6 +261,22 @@ class RunState:
             return None
         return getattr(self.snapshot, "nonfinite", {}).get(name)
 
+    def gauge(self, name: str) -> float | None:
+        """A gauge of the latest snapshot (None when the trainer did not send it)."""
+        if self.snapshot is None:
+            return None
+        v = self.snapshot.gauges.get(name)
+        return v if isinstance(v, (int, float)) else None
+
+    @property
+    def evaluating(self) -> tuple[int, int] | None:
+        """(prompts done, prompts in all) while the trainer runs an evaluation; training has paused
+        then, so the time shares say nothing about the pipeline."""
+        done, total = self.gauge("eval_done"), self.gauge("eval_total")
+        if done is None or total is None or done >= total:
+            return None
+        return int(done), int(total)
+
     @property
     def tokens_rate(self) -> float | None:
         if self.snapshot is None:

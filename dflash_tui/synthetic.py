@@ -111,10 +111,19 @@ def snapshot(seq: int, *, workers: int = 4, categories: int = 12, interval_s: fl
                     counters={"steps": float(steps), "tokens": tokens, "samples": steps * 8.0},
                     rates={"tokens": 4096 * 4 / interval_s * (0.9 + 0.2 * wave), "steps": 4 / interval_s},
                     gauges={"loss": round(6.0 * math.exp(-seq / 80) + 1.8 + 0.05 * rng.uniform(-1, 1), 4),
-                            "lr": 3e-4, "hs_queue_depth": 0.0},
+                            "lr": 3e-4, "hs_queue_depth": 0.0, **progress_gauges(steps, seq * interval_s)},
                     metrics={"sim_tau": round(1.2 + 2.4 * (1 - math.exp(-seq / 60)), 3),
                              "per_position_acc": [round(0.9 * 0.85**k, 3) for k in range(15)]},
                     system=system, bottleneck=bottleneck)
+
+
+def progress_gauges(steps: int, elapsed: float, max_steps: int = 1000) -> dict[str, float]:
+    """The trainer's progress gauges for a run of `max_steps` at its mean rate so far."""
+    rate = steps / elapsed if elapsed > 0 else 0.0
+    out = {"train_time_s": elapsed, "max_steps": float(max_steps), "progress": min(1.0, steps / max_steps)}
+    if rate > 0:
+        out["eta_s"] = max(0.0, (max_steps - steps) / rate)
+    return out
 
 
 def cluster(seq: int, world_size: int = 2, *, workers: int = 4, interval_s: float = 0.5, straggler: int | None = 1,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,8 +78,11 @@ def test_pipelined_run_streams_telemetry_and_checkpoints(setup, tmp_path):
                           capture_output=True, text=True, env=_env(), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "attach:    dflash-top" in out and str(socks) in out
-    assert "step      6 |" in out and "sim_tau" in out and "tok/s" in out
+    assert re.search(r"attach:    \S*dflash-top ", out) and str(socks) in out
+    assert "step      6/6 (100%) | 0:" in out and "| ETA 0:00 |" in out and "sim_tau" in out and "tok/s" in out
+    # the final evaluation is a phase of its own, announced, with progress per prompt
+    assert "[phase] final evaluation: 2 prompts x 96 new tokens" in out
+    assert "[final evaluation] prompt 0/2" in out and "[final evaluation] prompt 2/2 |" in out
     assert "bottleneck:" in out and "drafter-0/drafter_forward" in out
     assert "[eval] step 6: tau" in out
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000006.pt"]
@@ -95,6 +99,8 @@ def test_pipelined_run_streams_telemetry_and_checkpoints(setup, tmp_path):
     assert last.counters["steps"] == 6 and last.counters["tokens"] > 0
     assert "target_forward" in last.cumulative["target-0"] and "hs_queue_wait" in last.cumulative["drafter-0"]
     assert len(last.metrics["per_position_acc"]) == 15
+    assert last.gauges["max_steps"] == 6 and last.gauges["progress"] == 1.0 and last.gauges["train_time_s"] > 0
+    assert (last.gauges["eval_done"], last.gauges["eval_total"]) == (2, 2)  # the evaluation reached the stream
     events = [f for f in frames if type(f).__name__ == "Event"]
     assert any(e.kind == "checkpoint" for e in events) and any(e.kind == "eval" for e in events)
     assert not any(socks.glob("*.sock")), "the socket must be removed at exit"

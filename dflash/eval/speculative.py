@@ -15,6 +15,7 @@ speculation); a perfect one gives the block size.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -262,12 +263,14 @@ def evaluate(
     stop_token_ids: list[int] | None = None,
     check_lossless: bool = True,
     block_size: int | None = None,
+    on_prompt: Callable[[int, int], None] | None = None,
 ) -> EvalResult:
     """Speculative decode of every prompt (and, with ``check_lossless``, a plain greedy decode to
     compare against). Stops at the target's EOS ids unless ``stop_token_ids`` is given.
 
     The drafter stays where it is (device, dtype; its train/eval mode is restored afterwards), so a
-    trainer can evaluate its live drafter between steps.
+    trainer can evaluate its live drafter between steps. ``on_prompt(done, total)`` is called after
+    each prompt, so a caller can show how far a long evaluation is.
     """
     if not isinstance(drafter, DFlashDrafter) or not isinstance(target, Target):
         raise TypeError("call evaluate(drafter, target, prompts, ...)")
@@ -302,6 +305,8 @@ def evaluate(
                 d = classify_divergence(target, i, prompt, res.tokens, ref)
                 if d is not None:
                     divergences.append(d)
+            if on_prompt is not None:
+                on_prompt(i + 1, len(prompts))
     finally:
         drafter.train(was_training)
     rounds = len(accepted)

@@ -210,7 +210,7 @@ class Snapshot(msgspec.Struct, tag_field="type", tag="snapshot", omit_defaults=T
 
 class Event(msgspec.Struct, tag_field="type", tag="event", omit_defaults=True):
     t: float
-    #: "checkpoint", "eval", "warning", "error", "info"
+    #: "checkpoint", "eval", "phase" (e.g. the final evaluation begins), "warning", "error", "info"
     kind: str
     message: str
     data: dict[str, Any] = {}

@@ -33,6 +33,7 @@ from dflash.train.checkpoint import (
 from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.distributed import Dist, DistError
 from dflash.train.pipeline import Pipeline, RunState
+from dflash.train.progress import EvalProgress, Progress
 from dflash.train.stages import BatchSource, DrafterStage, StepResult, TargetStage
 from dflash.words import plural
 
@@ -338,15 +339,29 @@ class Trainer:
         return path
 
     def evaluate(self, in_training: bool = False) -> dict | None:
-        """Real speculative decoding on a few held prompts: the tau that matters (simulated tau is optimistic)."""
+        """Real speculative decoding on a few held prompts: the tau that matters (simulated tau is optimistic).
+        The one after training is a phase of its own (minutes on a CPU): announced, and its progress is
+        logged and published per prompt, so neither the log nor dflash-top goes quiet."""
         from dflash.data import load_prompts
         from dflash.eval.speculative import evaluate
 
         tok = self.target.tokenizer
         prompts = load_prompts(self.cfg.data, tok, limit=self.cfg.eval_prompts)
+        t0 = time.monotonic()
+        what = "evaluation" if in_training else "final evaluation"
+        self._event("phase", f"{what}: {plural(len(prompts), 'prompt')} x {self.cfg.eval_max_new_tokens} "
+                             "new tokens, speculative decoding against the target's own greedy output")
+
+        def on_prompt(done: int, total: int) -> None:
+            p = EvalProgress(done, total, time.monotonic() - t0)
+            for name, value in p.gauges().items():
+                self.stats.gauge(name, value)
+            self.log(f"[{what}] {p.text()}")
+
+        on_prompt(0, len(prompts))
         with self.drafter.tel.span("eval"):  # evaluate() restores the drafter's train/eval mode itself
             result = evaluate(self.drafter.drafter, self.target, prompts,
-                              max_new_tokens=self.cfg.eval_max_new_tokens)
+                              max_new_tokens=self.cfg.eval_max_new_tokens, on_prompt=on_prompt)
         self._last_eval_time = time.monotonic()
         summary = result.to_dict()
         summary["step"] = self.state.step
@@ -365,6 +380,17 @@ class Trainer:
 
     # --- logging --------------------------------------------------------------------------------------
 
+    def _progress(self) -> Progress:
+        cfg = self.cfg
+        elapsed = self.pipeline.clock()
+        ran = elapsed - self._clock_at_start
+        rate = (self.state.step - self._step_at_start) / ran if ran > 0 else None
+        return Progress(self.state.step, elapsed, cfg.max_steps, cfg.max_time, rate)
+
+    def _publish_progress(self) -> None:
+        for name, value in self._progress().gauges().items():
+            self.stats.gauge(name, value)
+
     def _log_line(self, dt: float, tokens_before: int) -> None:
         st = self.state
         r = st.last
@@ -373,7 +399,7 @@ class Trainer:
             return  # nothing new to say; a line per interval without progress would only be noise
         self._logged_step = st.step
         q = f"q batch {self.pipeline.batch_q.qsize()}/{self.cfg.batch_queue_size} hs {self.pipeline.hs_q.qsize()}/{self.cfg.hs_queue_size}"
-        self.log(f"step {st.step:>6} | loss {r.loss:.3f} | acc {r.out.accuracy:.3f} | sim_tau {r.out.sim_tau:.2f} "
+        self.log(f"{self._progress().text()} | loss {r.loss:.3f} | acc {r.out.accuracy:.3f} | sim_tau {r.out.sim_tau:.2f} "
                  f"| {tps:,.0f} tok/s | lr {r.lr:.2e} | gnorm {r.grad_norm:.2f} | {q}")
         summary = self.server.latest() if self.server is not None else None
         if summary is not None:
@@ -458,10 +484,12 @@ class Trainer:
         """Main-thread loop: log, watch for failures, and finish the run (checkpoint, final eval)."""
         cfg, code = self.cfg, 0
         last_log, tokens_at_log = time.monotonic(), self.state.tokens
+        self._step_at_start, self._clock_at_start = self.state.step, self.pipeline.clock()
         while self.pipeline.running:
             time.sleep(0.05)
             if self.pipeline.failure:
                 break
+            self._publish_progress()
             now = time.monotonic()
             if now - last_log >= cfg.log_every:
                 self._log_line(now - last_log, tokens_at_log)

@@ -37,6 +37,11 @@ def evidence_value(key: str, v: float) -> str:
 def bottleneck_text(state: RunState) -> Text:
     b = state.bottleneck
     t = Text()
+    ev = state.evaluating
+    if ev is not None:  # the verdict would only say "too little timed work"
+        t.append(" EVALUATING ", style="bold black on cyan")
+        return t.append(f"  prompt {ev[0]}/{ev[1]}: training has paused for speculative decoding against the "
+                        "target; the verdict returns with training")
     if b is None:
         return t.append("no verdict yet (needs a few snapshot windows)", style="dim")
     t.append(f" {b.verdict.upper()} ", style=VERDICT_STYLE.get(b.verdict, "bold reverse"))

@@ -11,7 +11,7 @@ from textual.widgets import RichLog
 
 from dflash_tui.state import MAX_EVENTS, RunState
 
-KIND_STYLE = {"checkpoint": "green", "eval": "cyan", "warning": "yellow", "error": "bold red", "info": "dim"}
+KIND_STYLE = {"checkpoint": "green", "eval": "cyan", "phase": "bold cyan", "warning": "yellow", "error": "bold red", "info": "dim"}
 
 
 class EventsLog(RichLog):

@@ -35,8 +35,13 @@ def header_text(state: RunState, width: int = 200) -> Text:
     t.append("\n")
     step = state.step
     t.append("step ", style="dim").append(f"{step:,}" if step is not None else fmt.NA, style="bold")
+    max_steps = state.gauge("max_steps")
+    if max_steps is not None:
+        t.append(f"/{max_steps:,.0f}", style="bold")
+    head, tail = progress_text(state)
+    t.append_text(head)
     t.append("  tok/s ", style="dim").append(fmt.count(state.tokens_rate), style="bold")
-    spark = fmt.sparkline(state.tokens_per_s.values, 12, lo=0)
+    spark = fmt.sparkline(state.tokens_per_s.values, 12 if width >= 100 else 6, lo=0)
     if spark:
         t.append(" " + spark, style="green")
     bad_loss = state.nonfinite("gauges.loss")
@@ -44,6 +49,31 @@ def header_text(state: RunState, width: int = 200) -> Text:
     t.append(bad_loss.upper(), style="bold white on red") if bad_loss else t.append(
         fmt.number(state.loss_value), style="bold")
     t.append("  tau ", style="dim").append(fmt.number(state.tau_value), style="bold")
+    t.append_text(tail)
     if h is None and state.connection_detail:
         t.append("  " + state.connection_detail, style="dim")
     return t
+
+
+def progress_text(state: RunState) -> tuple[Text, Text]:
+    """From the trainer's progress gauges (the numbers its log line prints): ` 42% ETA 1:20` to follow
+    the step, and `  trained 2:31/5:00` for the end of the line, where a narrow terminal crops it;
+    while an evaluation runs, its own progress instead."""
+    head, tail = Text(), Text()
+    ev = state.evaluating
+    if ev is not None:
+        head.append(f"  EVALUATING {ev[0]}/{ev[1]} prompts", style="bold cyan")
+        eta = state.gauge("eval_eta_s")
+        if eta is not None:
+            head.append(f" ETA {fmt.duration(eta, short=True)}", style="cyan")
+        return head, tail
+    frac, eta = state.gauge("progress"), state.gauge("eta_s")
+    if frac is not None:
+        head.append(f" {frac:.0%}", style="bold")
+    if eta is not None:
+        head.append(" ETA ", style="dim").append(fmt.duration(eta, short=True), style="bold")
+    elapsed, limit = state.gauge("train_time_s"), state.gauge("max_time_s")
+    if elapsed is not None:
+        tail.append("  trained ", style="dim").append(
+            fmt.duration(elapsed, short=True) + (f"/{fmt.duration(limit, short=True)}" if limit is not None else ""))
+    return head, tail
