@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from dflash.telemetry.protocol import Cluster
+from dflash.telemetry.protocol import Cluster, training_shares
 from dflash_tui import fmt
 from dflash_tui.sources import (
     ENDED,
@@ -35,11 +35,18 @@ from dflash_tui.widgets.cluster import cluster_summary, cluster_text
 
 
 def summarize(state: RunState) -> dict[str, Any]:
-    """The summary as plain JSON-able data; its keys are the documented `--once --json` contract."""
+    """The summary as plain JSON-able data; its keys are the documented `--once --json` contract.
+
+    A finished run (a replay played to its end) is summarised whole, as `dflash stats` does: the last
+    snapshot's cumulative stats with evaluation time apart from the training shares, and the last
+    verdict judged on training; a live run by its latest window."""
     hello, snap = state.hello, state.snapshot
     sys_ = state.system
+    whole = state.connection == ENDED and snap is not None and bool(snap.cumulative)
+    stats, evaluation_s = training_shares(snap.cumulative) if whole else (state.workers, None)
+    bottleneck = (state.training_bottleneck or state.bottleneck) if whole else state.bottleneck
     workers: dict[str, dict[str, dict[str, Any]]] = {}
-    for w, cats in state.workers.items():
+    for w, cats in stats.items():
         workers[w] = {}
         for c, st in cats.items():
             row = {"n": st.n, "total": st.total, "mean": st.mean, "p50": st.p50, "p95": st.p95,
@@ -64,9 +71,13 @@ def summarize(state: RunState) -> dict[str, Any]:
         "tokens_per_s": state.tokens_rate,
         "loss": state.loss_value,
         "tau": state.tau_value,
+        #: "whole run" (a finished recording) or "last window" (a live trainer)
+        "scope": "whole run" if whole else "last window",
         "workers": workers,
-        "untracked": dict(snap.untracked) if snap else {},
-        "bottleneck": msgspec.to_builtins(state.bottleneck) if state.bottleneck else None,
+        #: seconds the run spent evaluating, apart from the shares (whole-run summaries only)
+        "evaluation_s": evaluation_s,
+        "untracked": (_untracked(workers) if whole else dict(snap.untracked)) if snap else {},
+        "bottleneck": msgspec.to_builtins(bottleneck) if bottleneck else None,
         "gpus": [msgspec.to_builtins(g) for g in state.gpus],
         "gpu_error": sys_.gpu_error if sys_ else None,
         "process": {"cpu_percent": sys_.cpu_percent, "rss_bytes": sys_.rss_bytes} if sys_ else None,
@@ -80,6 +91,10 @@ def summarize(state: RunState) -> dict[str, Any]:
     }
 
 
+def _untracked(workers: dict[str, dict[str, dict[str, Any]]]) -> dict[str, float]:
+    return {w: max(0.0, 1.0 - sum(st["share"] for st in cats.values())) for w, cats in workers.items() if cats}
+
+
 def render_text(s: dict[str, Any]) -> str:
     """The summary as an 80-column report: header, bottleneck, per-category table, GPUs."""
     lines: list[str] = []
@@ -88,6 +103,9 @@ def render_text(s: dict[str, Any]) -> str:
                  f"  step {s['step'] if s['step'] is not None else fmt.NA}")
     lines.append(f"tokens/s {fmt.count(s['tokens_per_s'])}  loss {fmt.number(s['loss'])}"
                  f"  tau {fmt.number(s['tau'])}  [{s['connection']}]")
+    if s["scope"] == "whole run":
+        lines.append("whole run" + (f"; evaluation {fmt.duration(s['evaluation_s'], short=True)} (training paused, "
+                                    "not in the shares)" if s["evaluation_s"] else ""))
     b = s["bottleneck"]
     if b:
         lines.append(f"bottleneck: {b['verdict']}" + (f" - {b['reason']}" if b.get("reason") else ""))

@@ -105,6 +105,8 @@ class RunState:
         self.selected_rank: int | None = None
         #: why the selected rank's details cannot be shown here (its socket is on another machine)
         self.rank_note: str = ""
+        #: the last verdict judged on training (not on an evaluation pause): a finished run's summary
+        self.training_bottleneck: Bottleneck | None = None
 
     # ------------------------------------------------------------------ writing
 
@@ -188,6 +190,8 @@ class RunState:
     def _apply_snapshot(self, snap: Snapshot) -> None:
         self.snapshot = snap
         self.snapshots += 1
+        if snap.bottleneck is not None and snap.bottleneck.verdict != "unknown" and self.evaluating is None:
+            self.training_bottleneck = snap.bottleneck
         if snap.cluster is not None:
             self.cluster, self.cluster_t = snap.cluster, snap.t
         for worker, cats in snap.workers.items():

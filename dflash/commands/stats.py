@@ -15,7 +15,7 @@ import msgspec
 
 from dflash.cli import CliError
 from dflash.telemetry.analysis import analyze
-from dflash.telemetry.protocol import Bye, Event, Hello, Snapshot
+from dflash.telemetry.protocol import Bye, Event, Hello, Snapshot, training_shares
 from dflash.telemetry.recorder import read_frames
 from dflash.telemetry.summary import (
     WorkerStats,
@@ -101,6 +101,7 @@ def summarize(path: Path, last: int | None = None) -> dict[str, Any]:
                     counters[k] = counters.get(k, 0.0) + v
         rates = {k: v / wall for k, v in counters.items()} if wall > 0 else {}
         scope = "whole run" + (f" ({len(segments)} segments)" if len(segments) > 1 else "")
+    workers, evaluation_s = training_shares(workers)
     return {
         "recording": str(path),
         "run": hello.run if hello else None,
@@ -110,6 +111,8 @@ def summarize(path: Path, last: int | None = None) -> dict[str, Any]:
         "windows": len(window),
         "wall_s": wall,
         "workers": workers,
+        #: seconds spent evaluating (the pipeline paused): left out of the shares above
+        "evaluation_s": evaluation_s,
         "untracked": untracked_of(workers),
         "counters": counters,
         "rates": rates,
@@ -141,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         span = f"{data['scope']}: {data['windows']} windows, {format_duration(data['wall_s'])}"
     print(f"{who}: {span}")
     print(format_profile_stats(data["workers"], limit=args.limit, by=args.by))
+    if data["evaluation_s"]:
+        print(f"evaluation: {format_duration(data['evaluation_s'])} (training paused; not in the shares above)")
     if data["untracked"]:
         print("untracked: " + ", ".join(f"{w} {u:.0%}" for w, u in sorted(data["untracked"].items())))
     if data["counters"]:

@@ -436,3 +436,24 @@ def parse_socket_filename(name: str) -> SocketName | None:
         return None
     rank = m.group("rank")
     return SocketName(m.group("run"), int(m.group("pid")), int(rank) if rank is not None else None)
+
+
+# --- reading a whole run (shared so that `dflash stats` and `dflash-top --once` agree) ---------------
+
+#: categories that are not training: time spent in them pauses the pipeline
+PAUSE_CATEGORIES = ("eval",)
+
+
+def training_shares(workers: dict[str, dict[str, CategoryStats]]) -> tuple[dict[str, dict[str, CategoryStats]], float]:
+    """Whole-run stats with evaluation taken out: an evaluation pauses the whole pipeline, so every
+    worker's shares are re-based on its time minus the longest evaluation any worker recorded (a final
+    evaluation of minutes would otherwise dilute every training share); and that time, in seconds."""
+    paused_s = max((sum(cats[c].total for c in PAUSE_CATEGORIES if c in cats) for cats in workers.values()),
+                   default=0.0)
+    out: dict[str, dict[str, CategoryStats]] = {}
+    for worker, cats in workers.items():
+        lived = next((st.total / st.share for st in cats.values() if st.share > 0 and st.total > 0), 0.0)
+        wall = lived - paused_s
+        out[worker] = {c: msgspec.structs.replace(st, share=min(1.0, st.total / wall) if wall > 0 else 0.0)
+                       for c, st in cats.items() if c not in PAUSE_CATEGORIES}
+    return out, paused_s
