@@ -90,3 +90,31 @@ def test_unknown_without_pipeline_workers_or_work() -> None:
 def test_only_targets_starving_on_puts_is_drafter_bound() -> None:
     w = pipeline(t_fwd=0.3, t_batch=0.0, t_put=0.6, d_wait=0.0, d_fwd=0.0, drafters=0)
     assert analyze(w).verdict == "drafter-bound"
+
+
+def test_the_verdict_does_not_flip_on_noise_around_a_threshold() -> None:
+    from dflash.telemetry.analysis import SteadyVerdict
+
+    steady = SteadyVerdict(hold=3)
+    # drafters wait 19-21%: the raw verdict alternates balanced / target-bound every window
+    raw = [analyze(pipeline(t_fwd=0.9, t_batch=0.0, t_put=0.0, d_wait=w, d_fwd=0.7)) for w in [0.21, 0.19] * 5 + [0.21]]
+    assert {b.verdict for b in raw} == {"target-bound", "balanced"}
+    shown = [steady.update(b) for b in raw]
+    assert {b.verdict for b in shown} == {"target-bound"}  # the first real verdict, then held
+    held = shown[1]
+    assert "held: this window looks balanced, 1 of 3 in a row needed to change" in held.reason
+    assert held.evidence == raw[1].evidence  # this window's numbers, not stale ones
+    # a real change wins after three windows in a row
+    calm = analyze(pipeline(t_fwd=0.9, t_batch=0.0, t_put=0.0, d_wait=0.05, d_fwd=0.7))
+    assert [steady.update(calm).verdict for _ in range(3)] == ["target-bound", "target-bound", "balanced"]
+    assert steady.current.verdict == "balanced"
+
+
+def test_after_unknown_the_next_verdict_shows_at_once() -> None:
+    from dflash.telemetry.analysis import SteadyVerdict
+
+    steady = SteadyVerdict(hold=3)
+    idle = analyze({"target-0": {"target_forward": cs(0.01)}, "drafter-0": {"eval": cs(0.0)}})
+    assert steady.update(idle).verdict == "unknown"
+    busy = analyze(pipeline(t_fwd=0.5, t_batch=0.0, t_put=0.4, d_wait=0.02, d_fwd=0.9))
+    assert steady.update(busy).verdict == "drafter-bound"

@@ -333,3 +333,43 @@ def test_a_used_run_dir_needs_resume(setup, tmp_path, capsys):
     assert Trainer(_cfg(target, data, tmp_path / "u", max_steps=1), log=lambda s: None).run() == 0
     assert train(_cfg(target, data, tmp_path / "u", max_steps=2)) == 2
     assert "already holds checkpoints (newest step-00000001.pt); pass --resume" in capsys.readouterr().err
+
+
+def test_the_final_evaluation_reaches_prometheus(setup, tmp_path):
+    """/metrics outlives the run until a scrape has read its last snapshot, which carries the final
+    evaluation's tau (the exporter used to close before any scrape could see it)."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    target, data = setup
+    run_dir = tmp_path / "m"
+    proc = subprocess.Popen(_cli(target, data, run_dir, "--max-steps", "3", "--metrics-port", "0", "--eval-prompts", "1",
+                                 "--telemetry-interval", "0.1", "--metrics-linger", "120",
+                                 "--socket-dir", str(Path("/tmp") / f"dft-linger-{os.getpid()}")),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        url, lines = None, []
+        while True:
+            line = proc.stdout.readline()
+            assert line, "".join(lines)[-2000:] + proc.stderr.read()[-2000:]
+            lines.append(line)
+            if line.startswith("metrics:   http"):
+                url = line.split()[1]
+            if line.startswith("metrics:   serving the final numbers"):
+                break  # the run is over; the endpoint waits for us
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    tau = [s.value for s in families["dflash_eval_tau"].samples]
+    assert tau and tau[0] >= 1.0
+    evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
+    assert tau[0] == pytest.approx(evals[-1]["tau"])
+    assert proc.returncode == 0 and "no scrape came" not in out, err[-2000:]
+    with pytest.raises(urllib.error.URLError):  # and then it is gone
+        urllib.request.urlopen(url, timeout=5)

@@ -123,6 +123,8 @@ def test_formatters_are_short_and_na_safe() -> None:
     assert len(fmt.sparkline(range(100), 12)) == 12 and fmt.sparkline([], 5) == ""
     assert evidence_value("drafter.hs_queue_wait", 0.31) == "31.0%"
     assert evidence_value("targets", 1.0) == "1"
+    # busy is a share even past 100% (overlapping categories): never a bare 1.02
+    assert evidence_value("target.busy", 1.02) == "102%" and evidence_value("drafter.busy", 0.5) == "50.0%"
 
 
 # ----------------------------------------------------------------------------- multi-rank

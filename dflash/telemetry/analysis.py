@@ -124,3 +124,36 @@ def analyze(
         reason=f"no stage waits more than {threshold:.0%} of its time (largest: {worst[0]} {worst[1]:.0%})",
         evidence=evidence,
     )
+
+
+class SteadyVerdict:
+    """Hysteresis for the per-window verdict: the published verdict changes only once another has won
+    `hold` windows in a row, so shares wobbling around a threshold do not flip it every second. The
+    first real verdict, and any verdict after "unknown" (start-up, an evaluation pause), is taken at
+    once: there is nothing to hold then. The log line and dflash-top both show what this returns."""
+
+    def __init__(self, hold: int = 3) -> None:
+        self.hold = hold
+        self.current: Bottleneck | None = None
+        self._challenger: str | None = None
+        self._wins = 0
+
+    def update(self, raw: Bottleneck) -> Bottleneck:
+        cur = self.current
+        if cur is None or cur.verdict == "unknown" or raw.verdict == cur.verdict:
+            self._challenger, self._wins = None, 0
+            self.current = raw
+            return raw
+        if raw.verdict == self._challenger:
+            self._wins += 1
+        else:
+            self._challenger, self._wins = raw.verdict, 1
+        if self._wins >= self.hold:
+            self._challenger, self._wins = None, 0
+            self.current = raw
+            return raw
+        # Held: this window's numbers, the standing verdict and why it stands.
+        return Bottleneck(verdict=cur.verdict,
+                          reason=f"{cur.reason} (held: this window looks {raw.verdict}, "
+                                 f"{self._wins} of {self.hold} in a row needed to change)",
+                          evidence=raw.evidence)

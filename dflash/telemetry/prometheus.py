@@ -216,6 +216,8 @@ class MetricsExporter:
         self._httpd: Any = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        #: set by a scrape that rendered the latest snapshot (see `wait_for_scrape`)
+        self._scraped = threading.Event()
         self.registry.register(self)
 
     # --- feeding ------------------------------------------------------------------------------------
@@ -231,6 +233,7 @@ class MetricsExporter:
                 self._dropped += dropped
             self._snapshot = snapshot
             self._updates += 1
+            self._scraped.clear()
         except Exception:  # pragma: no cover - nothing above should raise; the hook must not anyway
             log.exception("metrics exporter: update failed")
 
@@ -268,6 +271,14 @@ class MetricsExporter:
         thread.name = "dflash-metrics"  # what dflash-top's thread list and py-spy show
         self._httpd, self._thread = httpd, thread
         return int(httpd.server_address[1])
+
+    def wait_for_scrape(self, timeout: float) -> bool:
+        """Until a scrape has read the latest snapshot, at most `timeout` seconds; whether one did.
+        Prometheus pulls, so a run's last numbers (the final evaluation's tau) exist for it only if the
+        endpoint outlives them until the next scrape."""
+        if self._httpd is None or timeout <= 0:
+            return False
+        return self._scraped.wait(timeout)
 
     def close(self) -> None:
         """Stop serving and leave the registry. Idempotent; takes up to the HTTP server's 0.5 s poll."""
@@ -313,6 +324,7 @@ class MetricsExporter:
         )
         snap = self._snapshot
         if snap is not None:
+            self._scraped.set()
             for section in (_snapshot_meta, _spans, _counters, _gauges, _metrics, _system, _bottleneck):
                 try:
                     section(fams, snap)

@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from dflash.telemetry.analysis import analyze
+from dflash.telemetry.analysis import SteadyVerdict, analyze
 from dflash.telemetry.protocol import (
     PROTO,
     Bye,
@@ -301,6 +301,8 @@ class TelemetryServer:
         self._sampler: SystemSampler | None = None
         self._sampler_failed = False
         self._seq = 0
+        #: the published verdict, with hysteresis; the trainer's log line reads `verdict.current`
+        self.verdict = SteadyVerdict()
         self._last_snapshot: bytes | None = None
         self._latest: Summary | None = None
         self._accept_paused = False
@@ -501,7 +503,7 @@ class TelemetryServer:
                         log.warning("system sample failed: %s", e)
                         self._sampler_failed = True
             self._seq += 1
-            snap = to_snapshot(summary, self._seq, self.interval_s, system, analyze(summary.workers))
+            snap = to_snapshot(summary, self._seq, self.interval_s, system, self.verdict.update(analyze(summary.workers)))
             if self._cluster_view is not None:
                 snap.cluster = self._cluster_view()
             data = encode(snap)

@@ -67,6 +67,7 @@ class TrainConfig:
     socket_dir: str | None = None
     metrics_port: int | None = None  # Prometheus exposition (0: pick a free port)
     metrics_addr: str = "127.0.0.1"
+    metrics_linger: float = 30.0  # seconds /metrics outlives the run, until Prometheus reads its last numbers
     run_name: str | None = None  # default: the run directory's name
     # multi-rank runs (torchrun): seconds any collective may wait before the job gives up on a rank
     collective_timeout: float = 300.0

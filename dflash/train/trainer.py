@@ -408,7 +408,8 @@ class Trainer:
 
             # Cumulative: a 1 s window is too noisy for a line printed every few seconds.
             self.log(format_profile_stats(summary, limit=12, cumulative=True))
-            b = analyze(summary.cumulative)
+            # the verdict dflash-top shows (per window, with hysteresis), so the two never disagree
+            b = self.server.verdict.current or analyze(summary.cumulative)
             self.log(f"bottleneck: {b.verdict}" + (f" - {b.reason}" if b.reason else ""))
 
     # --- run ------------------------------------------------------------------------------------------
@@ -475,6 +476,7 @@ class Trainer:
             if self.server is not None:
                 self.server.close(reason="error" if code else "finished")  # its last publish reaches the exporter
             if self.exporter is not None:
+                self._linger_for_scrape()
                 self.exporter.close()
         self.log(f"done: {self.state.step} steps, {self.state.tokens:,} tokens, run dir {self.run_dir}")
         distributed.shutdown(self.dist)
@@ -524,6 +526,18 @@ class Trainer:
         if stuck:
             self.log(f"warning: workers did not exit in time: {', '.join(stuck)}")
         return code
+
+    def _linger_for_scrape(self) -> None:
+        """Keep /metrics up until Prometheus has read the run's last snapshot (with the final
+        evaluation's tau), at most --metrics-linger seconds: closing at once lost it every time."""
+        wait = self.cfg.metrics_linger
+        if self.stop_requested.is_set():
+            return  # a signal asked the run to end now, not after the next scrape
+        if wait > 0 and self.exporter.port is not None:
+            self.say(f"metrics:   serving the final numbers until the next scrape (at most {wait:g} s; "
+                     "--metrics-linger 0 skips this)")
+            if not self.exporter.wait_for_scrape(wait):
+                self.say("metrics:   no scrape came; the final numbers are in telemetry.jsonl and evals.jsonl")
 
     def _quiet_ranks(self) -> str:
         """Which ranks the cluster view saw go quiet, for a failure message (torchrun can only name the

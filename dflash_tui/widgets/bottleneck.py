@@ -29,9 +29,7 @@ def evidence_value(key: str, v: float) -> str:
         return f"{v:.0f}" if float(v).is_integer() else fmt.number(v)
     if key.endswith("_s") or key.endswith("_time"):
         return fmt.seconds(v)
-    if 0.0 <= v <= 1.0:
-        return fmt.percent(v)
-    return fmt.number(v)
+    return fmt.percent(v)  # every other figure is a share of wall time (busy can pass 100% on overlap)
 
 
 def bottleneck_text(state: RunState) -> Text:
