@@ -53,6 +53,7 @@ from dflash_tui.widgets.curves import CurvesPanel
 from dflash_tui.widgets.events import EventsLog
 from dflash_tui.widgets.gpus import GpuPanel
 from dflash_tui.widgets.header import RunHeader
+from dflash_tui.widgets.help import HelpScreen
 from dflash_tui.widgets.picker import ChoiceScreen, PickerScreen, WaitingScreen
 from dflash_tui.widgets.record import ProfileScreen, RecordDialog, RecordSettings
 from dflash_tui.widgets.stacks import StacksScreen
@@ -90,19 +91,24 @@ class DFlashTop(App[None]):
     SLOW_INTERVAL_S = 1.0
     BINDINGS = [
         Binding("q,ctrl+c", "quit", "quit"),
-        Binding("s", "snapshot", "py-spy dump"),
-        Binding("r", "record", "record"),
-        Binding("t", "trainer_stacks", "stacks", show=False),
-        Binding("space", "pause", "pause"),
-        Binding("n", "step", "step"),
-        Binding("plus,equals_sign", "faster", "faster"),
-        Binding("minus", "slower", "slower"),
-        Binding("w", "next_worker", "worker"),
+        Binding("question_mark,f1", "help", "help",
+                tooltip="this screen: every key, what share/untracked/window mean, the verdicts"),
+        Binding("s", "snapshot", "py-spy dump", tooltip="py-spy dump of the hot threads (joined with their CPU%)"),
+        Binding("r", "record", "record", tooltip="py-spy record: sample the trainer for some seconds"),
+        Binding("t", "trainer_stacks", "stacks", show=False,
+                tooltip="the trainer's own Python stacks (no py-spy needed; works across hosts)"),
+        Binding("space", "pause", "pause", tooltip="pause / resume the replay"),
+        Binding("n", "step", "step", tooltip="one snapshot forward (pauses)"),
+        Binding("plus,equals_sign", "faster", "faster", tooltip="replay faster"),
+        Binding("minus", "slower", "slower", tooltip="replay slower"),
+        Binding("w", "next_worker", "worker", tooltip="the table shows one worker, the next, ... all"),
+        Binding("o", "sort", "sort", show=False, tooltip="sort the table: pipeline order, share, p95, name"),
         # multi-rank runs only: the panels follow the chosen rank (when its socket is on this machine)
         Binding("right_square_bracket", "rank(1)", "rank", key_display="[ ]"),
         Binding("left_square_bracket", "rank(-1)", "previous rank", show=False),
         Binding("g", "pick_rank", "ranks"),
-        Binding("1", "panel(0)", "zoom 1-6"),
+        Binding("1", "panel(0)", "zoom 1-6", tooltip="zoom a panel: 1 bars, 2 table, 3 GPUs, 4 threads, "
+                "5 curves, 6 events (again or escape: back)"),
         Binding("2", "panel(1)", "table", show=False),
         Binding("3", "panel(2)", "gpu", show=False),
         Binding("4", "panel(3)", "threads", show=False),
@@ -342,6 +348,14 @@ class DFlashTop(App[None]):
         self._change_speed(-1)
 
     # ------------------------------------------------------------------ panels
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.BINDINGS))
+
+    def action_sort(self) -> None:
+        order = self.query_one(CategoryTable).cycle_sort(self.state)
+        self.notify(f"table sorted by {order}", timeout=2)
 
     def action_next_worker(self) -> None:
         table = self.query_one(CategoryTable)

@@ -35,14 +35,18 @@ CATEGORIES = ["batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put
 _TARGET = {"target_forward": 0.62, "pack_hidden": 0.09, "hs_queue_put": 0.06, "batch_queue_wait": 0.04, "h2d": 0.05}
 _DRAFTER = {"hs_queue_wait": 0.31, "h2d": 0.04, "drafter_forward": 0.21, "drafter_backward": 0.27,
             "optimizer_step": 0.07}
+_DATA = {"loader_io": 0.22}
 _MEAN = {"target_forward": 0.0120, "pack_hidden": 0.0018, "hs_queue_put": 0.0009, "batch_queue_wait": 0.0006,
          "h2d": 0.0007, "hs_queue_wait": 0.0041, "drafter_forward": 0.0046, "drafter_backward": 0.0061,
          "optimizer_step": 0.0016, "checkpoint": 0.4, "eval": 0.2, "loader_io": 0.0003}
 
 
 def worker_names(n: int) -> list[str]:
+    """Half target workers, then drafters; from 6 workers on the last is the batch producer, whose
+    name is the longest a real run has (panels must show it whole)."""
     half = max(1, n // 2)
-    return [f"target-{i}" for i in range(half)] + [f"drafter-{i}" for i in range(n - half)]
+    names = [f"target-{i}" for i in range(half)] + [f"drafter-{i}" for i in range(n - half)]
+    return names[:-1] + ["batch-producer"] if n >= 6 else names
 
 
 def hello(run: str = "demo", pid: int = 4242, host: str = "trainbox", workers: int = 4,
@@ -78,7 +82,7 @@ def snapshot(seq: int, *, workers: int = 4, categories: int = 12, interval_s: fl
     untracked: dict[str, float] = {}
     wave = 0.5 + 0.5 * math.sin(seq / 15)
     for w in worker_names(workers):
-        base = _TARGET if w.startswith("target") else _DRAFTER
+        base = _TARGET if w.startswith("target") else _DATA if w == "batch-producer" else _DRAFTER
         shares = {c: base.get(c, 0.004) * rng.uniform(0.85, 1.15) * (1.1 - 0.2 * wave) for c in cats}
         covered = sum(shares.values())
         if covered > 0.97:

@@ -4,8 +4,9 @@ resolved CUDA events, and a sparkline of each row's recent mean.
 A Line-API widget rather than a DataTable: with 8 workers x 12 categories every cell changes every
 window, and re-rendering a DataTable that often cost more than the rest of the app together. Here
 each row is one cached Strip, rebuilt only when its text changed, and only visible lines are drawn.
-Rows keep a stable order (workers as first seen, categories in pipeline order) so a row does not
-jump while you read it; the share column and the bars say which is hottest.
+Rows keep a stable order by default (workers as first seen, categories in pipeline order) so a row
+does not jump while you read it; `o` sorts them by share, p95 or name instead (then every row names
+its worker). The worker column is as wide as the longest worker name, so no name is cut.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ COLUMNS = [("worker", "worker", 10, False), ("category", "category", 19, False),
            ("p50", "p50", 7, True), ("max", "max", 7, True), ("n", "n", 6, True),
            ("dmean", "dev mean", 8, True), ("dp95", "dev p95", 8, True)]
 GAP = 2
-WIDTH = sum(w for _, _, w, _ in COLUMNS) + GAP * (len(COLUMNS) - 1)
+#: the table's row orders, in the order `o` cycles through them
+SORTS = ("pipeline", "share", "p95", "name")
 HEADER = Style(bold=True, underline=True)
 WORKER = Style(bold=True)
 PLAIN = Style()  # never None: filters such as opacity read every segment's style
@@ -48,11 +50,20 @@ def _fit(text: str, width: int, right: bool) -> str:
     return text.rjust(width) if right else text.ljust(width)
 
 
-def row_strip(cells: Cells, category: str) -> Strip:
+def columns(worker_w: int) -> list[tuple[str, str, int, bool]]:
+    """COLUMNS with the worker column widened to `worker_w` (the longest worker name)."""
+    return [(k, label, max(w, worker_w) if k == "worker" else w, right) for k, label, w, right in COLUMNS]
+
+
+def table_width(cols: list[tuple[str, str, int, bool]]) -> int:
+    return sum(w for _, _, w, _ in cols) + GAP * (len(cols) - 1)
+
+
+def row_strip(cells: Cells, category: str, cols: list[tuple[str, str, int, bool]] = COLUMNS) -> Strip:
     """One table row as segments: the category's colour on its marker and its sparkline."""
     segs: list[Segment] = []
     color = _color(category)
-    for i, ((key, _, width, right), text) in enumerate(zip(COLUMNS, cells, strict=True)):
+    for i, ((key, _, width, right), text) in enumerate(zip(cols, cells, strict=True)):
         if i:
             segs.append(BLANK)
         if key == "category":
@@ -64,16 +75,18 @@ def row_strip(cells: Cells, category: str) -> Strip:
             segs.append(Segment(_fit(text, width, False), WORKER))
         else:
             segs.append(Segment(_fit(text, width, right), PLAIN))
-    return Strip(segs, WIDTH)
+    return Strip(segs, table_width(cols))
 
 
-def header_strip() -> Strip:
+def header_strip(cols: list[tuple[str, str, int, bool]] = COLUMNS, sort: str = "pipeline") -> Strip:
     segs: list[Segment] = []
-    for i, (_, label, width, right) in enumerate(COLUMNS):
+    for i, (key, label, width, right) in enumerate(cols):
         if i:
             segs.append(BLANK)
+        if key == sort or (sort == "name" and key == "category"):
+            label = label + "▼" if key != "category" else label + " ▲"
         segs.append(Segment(_fit(label, width, right), HEADER))
-    return Strip(segs, WIDTH)
+    return Strip(segs, table_width(cols))
 
 
 class CategoryTable(ScrollView, can_focus=True):
@@ -84,6 +97,8 @@ class CategoryTable(ScrollView, can_focus=True):
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self.worker_filter: str | None = None
+        self.sort = "pipeline"
+        self._cols = COLUMNS
         self._header = header_strip()
         self._keys: list[str] = []
         #: key -> (cells without the trend, the category, its history ring)
@@ -92,6 +107,7 @@ class CategoryTable(ScrollView, can_focus=True):
         #: strips are built lazily, for the rows that are actually drawn
         self._strips: dict[str, Strip] = {}
         self._base: Style | None = None
+        self._header_sort = "pipeline"
 
     @property
     def row_count(self) -> int:
@@ -113,45 +129,78 @@ class CategoryTable(ScrollView, can_focus=True):
         self.refresh_from(state)
         return self.worker_filter
 
+    def cycle_sort(self, state: RunState) -> str:
+        """pipeline order -> share -> p95 -> name -> pipeline order; returns the new order."""
+        self.sort = SORTS[(SORTS.index(self.sort) + 1) % len(SORTS)]
+        self._change.clear()  # every row's label may change
+        self.refresh_from(state)
+        return self.sort
+
+    def _ordered(self, state: RunState) -> list[tuple[str, str]]:
+        """(worker, category) rows in the chosen order; idle rows (no stats this window) sort last."""
+        rows = [(w, c) for w, known in state.known.items()
+                if self.worker_filter is None or w == self.worker_filter
+                for c in sorted(known, key=category_order)]
+        if self.sort == "pipeline":
+            return rows
+        if self.sort == "name":
+            return sorted(rows, key=lambda wc: (wc[1], wc[0]))
+        current = state.workers
+
+        def value(wc: tuple[str, str]) -> float:
+            st = current.get(wc[0], {}).get(wc[1])
+            return -1.0 if st is None else st.share if self.sort == "share" else st.p95
+
+        return sorted(rows, key=value, reverse=True)
+
     def refresh_from(self, state: RunState) -> None:
         keys: list[str] = []
         changed = False
         current = state.workers
-        for worker, known in state.known.items():
-            if self.worker_filter is not None and worker != self.worker_filter:
-                continue
-            cats = current.get(worker, {})
-            for i, cat in enumerate(sorted(known, key=category_order)):
-                ring = state.category_mean.get((worker, cat))
-                st = cats.get(cat)
-                label = worker if i == 0 else ""
-                if st is None:  # idle in this window: keep the row, blank the numbers
-                    cells: Cells = (label, cat, "0%", "", "", "", "", "", "0", "", "")
-                else:
-                    dev = st.device
-                    cells = (label, cat, fmt.percent(st.share), fmt.seconds(st.mean), fmt.seconds(st.p95), "",
-                             fmt.seconds(st.p50), fmt.seconds(st.max), fmt.count(st.n),
-                             fmt.seconds(dev.mean) if dev is not None else "",
-                             fmt.seconds(dev.p95) if dev is not None else "")
-                key = f"{worker}\x00{cat}"
-                keys.append(key)
-                mark = (cells, len(ring.values), ring.values[-1]) if ring is not None and ring.values else (cells,)
-                if self._change.get(key) != mark:
-                    self._change[key] = mark
-                    self._rows[key] = (cells, cat, ring)
-                    self._strips.pop(key, None)
-                    changed = True
+        worker_w = max((len(w) for w in state.known), default=0)
+        cols = columns(worker_w)
+        if cols != self._cols or self._header_sort != self.sort:
+            self._cols, self._header_sort = cols, self.sort
+            self._header = header_strip(cols, self.sort)
+            self._strips.clear()
+            changed = True
+        previous = None
+        for worker, cat in self._ordered(state):
+            ring = state.category_mean.get((worker, cat))
+            st = current.get(worker, {}).get(cat)
+            label = worker if worker != previous or self.sort != "pipeline" else ""
+            previous = worker
+            if st is None:  # idle in this window: keep the row, blank the numbers
+                cells: Cells = (label, cat, "0%", "", "", "", "", "", "0", "", "")
+            else:
+                dev = st.device
+                cells = (label, cat, fmt.percent(st.share), fmt.seconds(st.mean), fmt.seconds(st.p95), "",
+                         fmt.seconds(st.p50), fmt.seconds(st.max), fmt.count(st.n),
+                         fmt.seconds(dev.mean) if dev is not None else "",
+                         fmt.seconds(dev.p95) if dev is not None else "")
+            key = f"{worker}\x00{cat}"
+            keys.append(key)
+            mark = (cells, len(ring.values), ring.values[-1]) if ring is not None and ring.values else (cells,)
+            if self._change.get(key) != mark:
+                self._change[key] = mark
+                self._rows[key] = (cells, cat, ring)
+                self._strips.pop(key, None)
+                changed = True
         if keys != self._keys:
             for gone in set(self._keys) - set(keys):
                 self._rows.pop(gone, None)
                 self._change.pop(gone, None)
                 self._strips.pop(gone, None)
             self._keys = keys
-            self.virtual_size = Size(WIDTH, len(keys) + 1)
             changed = True
+        size = Size(table_width(self._cols), len(keys) + 1)
+        if self.virtual_size != size:
+            self.virtual_size = size
         if changed:
             self.refresh()
         title = "per-category timings"
+        if self.sort != "pipeline":
+            title += f" by {self.sort} (o: sort)"
         if self.worker_filter:
             title += f" [{self.worker_filter}] (w: next worker)"
         if self.parent is not None and self.parent.border_title != title:
@@ -162,7 +211,7 @@ class CategoryTable(ScrollView, can_focus=True):
         if strip is None:
             cells, cat, ring = self._rows[key]
             trend = fmt.sparkline(ring.values, TREND_W) if ring is not None else ""
-            strip = self._strips[key] = row_strip((*cells[:5], trend, *cells[6:]), cat)
+            strip = self._strips[key] = row_strip((*cells[:5], trend, *cells[6:]), cat, self._cols)
         return strip
 
     def notify_style_update(self) -> None:
@@ -178,5 +227,6 @@ class CategoryTable(ScrollView, can_focus=True):
             strip = self._header
         else:
             index = scroll_y + y - 1
-            strip = self._strip(self._keys[index]) if 0 <= index < len(self._keys) else Strip.blank(WIDTH, PLAIN)
+            strip = (self._strip(self._keys[index]) if 0 <= index < len(self._keys)
+                     else Strip.blank(table_width(self._cols), PLAIN))
         return strip.crop_extend(scroll_x, scroll_x + width, self._base)

@@ -17,6 +17,8 @@ SPARK_W = 16
 
 
 class GpuPanel(TextPanel):
+    WRAP = True  # the no-driver explanation is a sentence: wrap it rather than crop it at 80 columns
+
     def build(self, state: RunState, width: int) -> Text:
         return gpu_text(state, width)
 
@@ -27,10 +29,13 @@ def gpu_text(state: RunState, width: int) -> Text:
     if sys_ is None:
         return t.append("waiting for a system sample", style="dim")
     if not sys_.gpus:
+        t = Text()  # wraps (see WRAP)
         reason = sys_.gpu_error or "the trainer reported no GPUs"
-        t.append("no NVIDIA driver" if "driver" in reason.lower() or "nvml" in reason.lower() else "no GPUs",
-                 style="bold yellow")
-        t.append(f": {reason}\n", style="yellow")
+        label = "no NVIDIA driver" if "driver" in reason.lower() or "nvml" in reason.lower() else "no GPUs"
+        if reason.lower().startswith(label.lower()):  # the sampler's reason already says it
+            label, reason = reason[:len(label)], reason[len(label):].lstrip(" :")
+        t.append(label, style="bold yellow")
+        t.append(f": {reason}\n" if reason else "\n", style="yellow")
         t.append("timings, threads and py-spy still work; this panel fills in on a CUDA machine", style="dim")
         return t
     spark_w = SPARK_W if width >= 70 else 8

@@ -49,12 +49,14 @@ def bars_text(rows: list[tuple[str, list[tuple[str, float]], float]], width: int
     t = Text(no_wrap=True, overflow="crop")
     if not rows:
         return t.append("no timings yet", style="dim")
-    bar_w = max(8, width - LABEL_W - SUFFIX_W)
+    # as wide as the longest worker name: `batch-producer` must not read `batch-produ`
+    label_w = max(LABEL_W, max(len(w) for w, _, _ in rows) + 1)
+    bar_w = max(8, width - label_w - SUFFIX_W)
     seen: dict[str, None] = {}
     for i, (worker, parts, untracked) in enumerate(rows):
         if i:
             t.append("\n")
-        t.append(f"{worker[:LABEL_W - 1]:<{LABEL_W}}", style="bold")
+        t.append(f"{worker:<{label_w}}", style="bold")
         names = [c for c, _ in parts] + ["(untracked)"]
         shares = [s for _, s in parts] + [untracked]
         for name, w in zip(names, split_width(shares, bar_w), strict=True):

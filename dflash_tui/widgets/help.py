@@ -1,0 +1,107 @@
+"""`?` / F1: every key and what the numbers mean, so a first look needs no README.
+
+The key list is built from the app's own bindings (a new key appears here by itself); the terms and
+thresholds are written out, and a test keeps them equal to dflash.telemetry.analysis's constants
+(dflash-top does not import the analysis: it only reads the verdict the trainer sends).
+"""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Footer, Static
+
+#: the analysis' figures, as docs/telemetry.md states them (tests/test_tui_help.py checks them)
+THRESHOLD = 0.20
+MIN_TRACKED = 0.05
+HOLD_WINDOWS = 3
+
+#: action -> when it works, for keys that depend on the source
+WHEN = {"pause": "replay", "step": "replay", "faster": "replay", "slower": "replay", "seek": "replay",
+        "snapshot": "live", "record": "live", "trainer_stacks": "live", "rank": "multi-rank",
+        "pick_rank": "multi-rank"}
+
+TERMS = [
+    ("window", "the time between two snapshots (the trainer's --telemetry-interval, 1 s by default). The "
+               "bars, the table and the verdict describe the latest window; `dflash stats` and --once on a "
+               "finished run describe the whole run."),
+    ("share", "the fraction of a worker's wall time in the window spent in one category (its spans). A "
+              "worker's shares and its untracked part add up to 100%."),
+    ("untracked", "the part of a worker's wall time no category covered: Python between spans, the GIL, "
+                  "a stage without instrumentation. A large one means the spans miss where the time goes."),
+    ("busy", "a role's working share: target forward + pack + h2d, drafter forward + backward + optimizer "
+             "+ h2d."),
+    ("p50 / p95 / max", "percentiles of one span's duration within the window; n is how many spans ended."),
+    ("tok/s, ETA", "tokens trained per second; the ETA is the time to the run's first limit (steps at the "
+                   "run's rate, or --max-time)."),
+]
+
+
+def verdicts() -> list[tuple[str, str]]:
+    t, m = f"{THRESHOLD:.0%}", f"{MIN_TRACKED:.0%}"
+    return [
+        ("data-bound", f"targets wait >= {t} of their time for batches (batch_queue_wait), at least as much as "
+                       "they block on puts: the batch producer limits throughput."),
+        ("target-bound", f"drafters wait >= {t} for hidden states (hs_queue_wait), more than targets block: "
+                         "the target forward limits throughput."),
+        ("drafter-bound", f"targets spend >= {t} blocked on a full hidden-state queue (hs_queue_put), more "
+                          "than drafters wait: drafter training limits throughput."),
+        ("balanced", f"no stage waits {t} or more of its time."),
+        ("unknown", f"less than {m} timed work per pipeline worker (start-up, a pause) or no pipeline workers."),
+        ("EVALUATING", "training paused for an evaluation (speculative decoding against the target)."),
+        ("hysteresis", f"a new verdict shows once it has won {HOLD_WINDOWS} windows in a row; until then the "
+                       "standing one says `held`. After unknown the next verdict shows at once."),
+    ]
+
+
+def help_rows(bindings: list[Binding]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(section, [(name, explanation)]): every key of `bindings`, the terms, the verdicts."""
+    keys = []
+    for b in bindings:
+        shown = ", ".join(k.strip() for k in (b.key_display or b.key).split(","))
+        for name, char in (("question_mark", "?"), ("left_square_bracket", "["), ("right_square_bracket", "]"),
+                           ("equals_sign", "=")):
+            shown = shown.replace(name, char)
+        action = b.action.split("(")[0]
+        keys.append((shown, (b.tooltip or b.description) + (f"  ({WHEN[action]} only)" if action in WHEN else "")))
+    keys.append(("escape", "close this or any overlay; un-zoom a panel"))
+    return [("keys", keys), ("what the numbers mean", TERMS), ("bottleneck verdicts", verdicts())]
+
+
+def help_renderable(bindings: list[Binding]) -> Group:
+    """Each section a two-column grid, so a long explanation wraps under itself, not under the key."""
+    parts: list[Text | Table] = []
+    for title, rows in help_rows(bindings):
+        parts.append(Text(title, style="bold underline"))
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold", no_wrap=True)
+        grid.add_column()
+        for name, text in rows:
+            grid.add_row(name, text)
+        parts.extend([grid, Text("")])
+    return Group(*parts)
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,question_mark,f1", "dismiss", "close")]
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen > Vertical { width: 96%; height: 92%; border: round $accent; background: $surface; }
+    HelpScreen VerticalScroll { height: 1fr; padding: 0 1; }
+    """
+
+    def __init__(self, bindings: list[Binding]) -> None:
+        super().__init__()
+        self.body = help_renderable(bindings)
+
+    def compose(self) -> ComposeResult:
+        with Vertical() as v:
+            v.border_title = "dflash-top help"
+            with VerticalScroll():
+                yield Static(self.body, id="help-body")
+        yield Footer()
