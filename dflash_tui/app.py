@@ -54,6 +54,7 @@ from dflash_tui.widgets.events import EventsLog
 from dflash_tui.widgets.gpus import GpuPanel
 from dflash_tui.widgets.header import RunHeader
 from dflash_tui.widgets.help import HelpScreen
+from dflash_tui.widgets.jump import JumpDialog, parse_time
 from dflash_tui.widgets.picker import ChoiceScreen, PickerScreen, WaitingScreen
 from dflash_tui.widgets.record import ProfileScreen, RecordDialog, RecordSettings
 from dflash_tui.widgets.stacks import StacksScreen
@@ -101,6 +102,9 @@ class DFlashTop(App[None]):
         Binding("n", "step", "step", tooltip="one snapshot forward (pauses)"),
         Binding("plus,equals_sign", "faster", "faster", tooltip="replay faster"),
         Binding("minus", "slower", "slower", tooltip="replay slower"),
+        Binding("comma", "seek(-10)", "-10s", key_display="<", tooltip="back 10 s of the run's time"),
+        Binding("full_stop", "seek(10)", "+10s", key_display=">", tooltip="forward 10 s of the run's time"),
+        Binding("j", "jump", "jump", show=False, tooltip="jump to a time of the run (m:ss, or a percentage)"),
         Binding("w", "next_worker", "worker", tooltip="the table shows one worker, the next, ... all"),
         Binding("o", "sort", "sort", show=False, tooltip="sort the table: pipeline order, share, p95, name"),
         # multi-rank runs only: the panels follow the chosen rank (when its socket is on this machine)
@@ -175,6 +179,7 @@ class DFlashTop(App[None]):
 
     def on_mount(self) -> None:
         self._panels = self.panels
+        self._status = self.query_one(StatusLine)
         self._main = self.screen  # the dashboard, whatever modal is on top of it later
         self._cluster_box = self.query_one("#p-cluster")
         self._cluster_box.display = False
@@ -260,6 +265,8 @@ class DFlashTop(App[None]):
                 self._slow_timer = None
         elif self._slow_timer is None:
             self._slow_timer = self.set_timer(self._last_slow + self.SLOW_INTERVAL_S - now, self._timed_slow)
+        if isinstance(self.source, sources.ReplaySource):
+            self._status.replay_text = self.source.where()
         with self.batch_update():
             show_cluster = self.state.cluster is not None
             if self._cluster_box.display != show_cluster:
@@ -314,7 +321,7 @@ class DFlashTop(App[None]):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         replay = self.source is not None and self.source.kind == "replay"
-        if action in ("pause", "step", "faster", "slower"):
+        if action in ("pause", "step", "faster", "slower", "seek", "jump"):
             return replay
         if action in ("snapshot", "record", "trainer_stacks"):
             return self.source is not None and not replay
@@ -340,6 +347,27 @@ class DFlashTop(App[None]):
                   if math.isfinite(SPEEDS[i]) and math.isfinite(cur) else (0 if SPEEDS[i] == cur else 99))
         self.speed = SPEEDS[max(0, min(len(SPEEDS) - 1, idx + direction))]
         self.source.set_speed(self.speed)
+
+    def action_seek(self, seconds: float) -> None:
+        if isinstance(self.source, sources.ReplaySource):
+            self.source.seek(delta=seconds)
+
+    def action_jump(self) -> None:
+        src = self.source
+        if not isinstance(src, sources.ReplaySource):
+            return
+
+        def go(value: str | None) -> None:
+            if value is None:
+                return
+            length = (src.end_t - src.start_t) if src.end_t is not None and src.start_t is not None else None
+            to = parse_time(value, length)
+            if to is None:
+                self.notify(f"not a time: {value!r} (m:ss, h:mm:ss, seconds, or a percentage)", severity="warning")
+            else:
+                src.seek(to=to)
+
+        self.push_screen(JumpDialog(src.where()), go)
 
     def action_faster(self) -> None:
         self._change_speed(+1)

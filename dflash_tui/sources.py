@@ -70,6 +70,8 @@ class SourceUpdate:
     errors: list[str] = field(default_factory=list)
     state: str | None = None
     detail: str = ""
+    #: the frames that follow start the stream over (a replay seeking backwards): forget the old ones
+    reset: bool = False
 
 
 Sink = Callable[[SourceUpdate], None]
@@ -610,6 +612,50 @@ class MemorySource:
 # --------------------------------------------------------------------------- replay
 
 
+def recording_span(f) -> tuple[float | None, float | None]:
+    """The first and last snapshot times of an open recording: the first from its head, the last
+    from its tail (a recording of hours is tens of MB; only 64 KB at each end are read)."""
+    def times(chunk: bytes) -> list[float]:
+        out = []
+        for line in chunk.splitlines():
+            if b'"snapshot"' not in line[:40]:
+                continue
+            try:
+                frame = decode(line)
+            except ProtocolError:
+                continue
+            if isinstance(frame, Snapshot):
+                out.append(frame.t)
+        return out
+
+    try:
+        head = times(f.read(65536))
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 65536))
+        tail = times(f.read())
+        f.seek(0)
+    except OSError:
+        return None, None
+    return (head[0] if head else None), (tail[-1] if tail else None)
+
+
+def _rewindable(f) -> Iterable[tuple[int, bytes]]:
+    """(line number, line) of `f`, numbered anew, after a (0, b"") marker, whenever the reader seeks
+    the file back to its start (a replay seeking backwards)."""
+    lineno = 0
+    while True:
+        before = f.tell()
+        raw = f.readline()
+        if not raw:
+            return
+        if before == 0 and lineno:
+            lineno = 0
+            yield 0, b""
+        lineno += 1
+        yield lineno, raw
+
+
 def frame_time(frame: Frame) -> float | None:
     return getattr(frame, "t", None)
 
@@ -639,8 +685,49 @@ class ReplaySource:
         self._sink: Sink | None = None
         self.frames_read = 0
         self.finished = threading.Event()
+        #: the recording's first and last snapshot times (the end read from the file's tail at start)
+        self.start_t: float | None = None
+        self.end_t: float | None = None
+        #: stream time of the last snapshot delivered
+        self.position: float | None = None
+        self._seek: float | None = None  # a requested stream time, not yet reached
+        self._fast_until: float | None = None  # deliver without pacing until this stream time
 
     # -- controls (called from the UI thread)
+
+    def seek(self, delta: float | None = None, to: float | None = None) -> None:
+        """Move `delta` seconds of the run's time (+-), or `to` seconds after the recording's start.
+        Backwards restarts the file (the state is rebuilt from the start, quickly); paused stays paused
+        at the new place."""
+        with self._cond:
+            here = self.position if self.position is not None else self.start_t
+            if here is None:
+                return
+            ended = self.finished.is_set() and self._thread is not None and not self._thread.is_alive()
+            target = (self.start_t or here) + to if to is not None else here + (delta or 0.0)
+            if self.start_t is not None:
+                target = max(self.start_t, target)
+            if self.end_t is not None:
+                target = min(self.end_t, target)
+            self._seek = target
+            self._cond.notify_all()
+        if ended and self._sink is not None and not self._stop.is_set():
+            # the reader had played the file to its end: read it again, from a clean state
+            self.finished.clear()
+            self.position = None
+            self._thread = threading.Thread(target=self._run, args=(self._sink, True), name="dflash-top-replay",
+                                            daemon=True)
+            self._thread.start()
+
+    def where(self) -> str:
+        """`1:23 / 5:00 at 2x` (`, paused`): the position in the recording, its length and the speed."""
+        from dflash_tui import fmt
+
+        speed = "max" if math.isinf(self._speed) else f"{self._speed:g}x"
+        start = self.start_t
+        pos = fmt.duration(self.position - start, short=True) if start is not None and self.position else "0:00"
+        length = fmt.duration(self.end_t - start, short=True) if start is not None and self.end_t else "?"
+        return f"{pos} / {length} at {speed}" + (", paused" if self._paused else "")
 
     @property
     def speed(self) -> float:
@@ -707,22 +794,30 @@ class ReplaySource:
 
     # -- reader thread
 
-    def _run(self, sink: Sink) -> None:
+    def _run(self, sink: Sink, again: bool = False) -> None:
+        if again:
+            sink(SourceUpdate(reset=True))
         try:
             f = open(self.path, "rb")  # noqa: SIM115 - closed below, the loop can return early
         except OSError as e:
             sink(SourceUpdate(state=ENDED, detail=f"cannot read {self.path}: {e}"))
             self.finished.set()
             return
-        sink(SourceUpdate(state=PAUSED if self._paused else REPLAY, detail=self.describe()))
-        batch = SourceUpdate()
+        self.start_t, self.end_t = recording_span(f)
+        # the state goes with the first frames, so its note in the events log is stamped with the
+        # run's time (the hello's) rather than today's
+        batch = SourceUpdate(state=PAUSED if self._paused else REPLAY, detail=self.describe())
         last_flush = time.monotonic()
         errors = 0
         gate = SegmentGate()
         with f:
-            for lineno, raw in enumerate(f, 1):
+            for lineno, raw in _rewindable(f):
                 if self._stop.is_set():
                     return
+                if lineno == 0:  # the file started over (a seek backwards): so does the state
+                    self._flush(sink, batch)
+                    sink(SourceUpdate(reset=True))
+                    continue
                 if not raw.strip():
                     continue
                 frame, error = None, ""
@@ -742,6 +837,11 @@ class ReplaySource:
                 if isinstance(frame, Snapshot):
                     if not self._pace(frame.t, sink, batch):
                         return
+                    if self._rewind:
+                        self._rewind = False
+                        f.seek(0)  # _rewindable yields the (0, b"") marker next
+                        continue
+                    self.position = frame.t
                 self.frames_read += 1
                 batch.frames.append(frame)
                 now = time.monotonic()
@@ -759,15 +859,31 @@ class ReplaySource:
 
     @staticmethod
     def _flush(sink: Sink, batch: SourceUpdate) -> None:
-        if batch.frames or batch.errors:
-            sink(SourceUpdate(frames=batch.frames[:], errors=batch.errors[:]))
+        if batch.frames or batch.errors or batch.state is not None:
+            sink(SourceUpdate(frames=batch.frames[:], errors=batch.errors[:], state=batch.state, detail=batch.detail))
             batch.frames.clear()
             batch.errors.clear()
+            batch.state, batch.detail = None, ""
+
+    _rewind = False
 
     def _pace(self, t: float, sink: Sink, batch: SourceUpdate) -> bool:
-        """Wait until the snapshot stamped `t` is due; False when the source was stopped."""
+        """Wait until the snapshot stamped `t` is due; False when the source was stopped. A pending
+        seek turns into fast delivery up to its time (or a rewind of the file, for one backwards)."""
         with self._cond:
             while not self._stop.is_set():
+                if self._seek is not None:
+                    target, self._seek = self._seek, None
+                    if self.position is not None and target < self.position:
+                        self._rewind, self.position = True, None
+                    self._fast_until = target
+                    if self._rewind:
+                        return True
+                if self._fast_until is not None:
+                    if t < self._fast_until:
+                        return True
+                    self._fast_until, self._anchor = None, None
+                    return True  # the frame at the target is shown, even when paused
                 if self._paused:
                     if self._steps > 0:
                         self._steps -= 1

@@ -111,6 +111,8 @@ class RunState:
     # ------------------------------------------------------------------ writing
 
     def apply_update(self, update: SourceUpdate) -> None:
+        if update.reset:
+            self.forget_source()
         for err in update.errors:
             self.bad_frames += 1
             self.last_error = err
@@ -144,7 +146,8 @@ class RunState:
         """An event of the TUI's own (connection changes, saved snapshots), stamped with the stream's
         clock when there is one, so a replay's log reads in the recording's time."""
         if t is None:
-            t = self.snapshot.t if self.snapshot is not None else time.time()
+            t = (self.snapshot.t if self.snapshot is not None
+                 else self.hello.started if self.hello is not None and self.hello.started else time.time())
         self._log(LoggedEvent(t, kind, message))
 
     def apply_cluster_update(self, update: SourceUpdate) -> None:

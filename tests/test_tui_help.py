@@ -109,3 +109,33 @@ def test_table_sorted_by_share_160x50(snap_compare) -> None:
         await settle(pilot)
 
     assert snap_compare(fixed_app(gpus=2), terminal_size=(160, 50), run_before=sort)
+
+
+async def test_replay_status_shows_position_length_speed_and_keys_seek(tmp_path):
+    from dflash_tui import synthetic
+    from dflash_tui.widgets.statusline import StatusLine
+
+    rec = synthetic.write_recording(tmp_path / "telemetry.jsonl", 121, interval_s=0.5)
+    app = DFlashTop(rec, paused=True)
+    async with app.run_test(size=(120, 30)) as pilot:
+        status = app.query_one(StatusLine)
+
+        async def until(text: str) -> None:
+            for _ in range(200):
+                app.refresh_panels(slow=True)
+                await pilot.pause(0.05)
+                if text in status.content.plain:
+                    return
+            raise AssertionError(f"{text!r} never in {status.content.plain!r}")
+
+        await until("replay 0:00 / 1:00 at 1x, paused")
+        await pilot.press("full_stop")
+        await until("replay 0:10 / 1:00 at 1x, paused")
+        await pilot.press("comma")
+        await until("replay 0:00 / 1:00 at 1x, paused")
+        await pilot.press("j")
+        await pilot.press(*"0:30", "enter")
+        await until("replay 0:30 / 1:00 at 1x, paused")
+        assert app.state.step == 61 * 4  # the state followed: snapshot 61 (of 4 steps each) is at 0:30
+        # every event, the TUI's own notes included, is stamped with the run's time, not today's
+        assert app.state.events and all(synthetic.T0 <= ev.t <= synthetic.T0 + 100 for ev in app.state.events)

@@ -187,3 +187,61 @@ def test_a_rank_is_found_by_its_reported_socket_or_by_name_and_a_remote_one_is_e
         for p in d.iterdir():
             p.unlink()
         d.rmdir()
+
+
+def _snapshot_seqs(updates: list[SourceUpdate]) -> list[int]:
+    return [f.seq for f in frames_of(updates) if isinstance(f, protocol.Snapshot)]
+
+
+def _wait(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_replay_knows_its_length_and_seeks_both_ways(tmp_path: Path) -> None:
+    """A 60 s recording (121 snapshots 0.5 s apart), paused: +10 s delivers up to that time at once,
+    -10 s starts the stream over (reset) and fast-forwards to the earlier time, and a jump past the
+    end stops at the last snapshot."""
+    rec = synthetic.write_recording(tmp_path / "telemetry.jsonl", 121, interval_s=0.5)
+    src = ReplaySource(rec, speed=1, paused=True)
+    q: queue.Queue = queue.Queue()
+    src.start(q.put)
+    drain(q)
+    assert src.end_t - src.start_t == 60.0
+    assert src.where() == "0:00 / 1:00 at 1x, paused"
+    src.step()
+    _wait(lambda: src.position == src.start_t)
+    drain(q)
+    src.seek(delta=10)
+    _wait(lambda: src.position == src.start_t + 10)
+    assert _snapshot_seqs(drain(q)) == list(range(2, 22)) and src.where() == "0:10 / 1:00 at 1x, paused"
+    src.seek(delta=-4)
+    _wait(lambda: src.position == src.start_t + 6)
+    back = drain(q)
+    assert back[0].reset and _snapshot_seqs(back) == list(range(1, 14))
+    src.seek(to=1000)
+    _wait(lambda: src.position == src.end_t)
+    assert src.where() == "1:00 / 1:00 at 1x, paused"
+    src.stop()
+
+
+def test_seeking_back_after_the_end_reads_the_recording_again(tmp_path: Path) -> None:
+    rec = synthetic.write_recording(tmp_path / "telemetry.jsonl", 21, interval_s=0.5)
+    src = ReplaySource(rec, speed=0)
+    q: queue.Queue = queue.Queue()
+    src.start(q.put)
+    drain(q, ENDED)
+    src.seek(to=2)
+    _wait(lambda: src.finished.is_set() and src.position == src.end_t)
+    again = drain(q, ENDED)
+    assert again[0].reset and _snapshot_seqs(again) == list(range(1, 22))
+    src.stop()
+
+
+def test_jump_times_parse() -> None:
+    from dflash_tui.widgets.jump import parse_time
+
+    assert [parse_time(t, 600) for t in ("90", "1:30", "1:02:03", "50%", " 2:00 ")] == [90, 90, 3723, 300, 120]
+    assert [parse_time(t) for t in ("50%", "abc", "-5", "1:2:3:4")] == [None, None, None, None]

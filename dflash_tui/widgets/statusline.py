@@ -18,6 +18,8 @@ class StatusLine(TextPanel):
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self.job_text: str | None = None
+        #: a replay's position / length / speed, set by the app on each refresh
+        self.replay_text: str | None = None
 
     def build(self, state: RunState, width: int) -> Text:
         t = Text(no_wrap=True, overflow="ellipsis")
@@ -25,7 +27,11 @@ class StatusLine(TextPanel):
             t.append(self.job_text + "  ", style="bold cyan")
         if state.rank_note:
             t.append(state.rank_note + "  ", style="bold yellow")
-        if state.connection in ("incompatible", "disconnected", "ended", "paused", "replay", "connecting"):
+        if self.replay_text and state.connection in ("paused", "replay", "ended"):
+            t.append("replay ", style="dim").append(self.replay_text + "  ", style="bold")
+            if state.connection == "ended":
+                t.append("ended  ", style="dim")
+        elif state.connection in ("incompatible", "disconnected", "ended", "paused", "replay", "connecting"):
             t.append(state.connection_detail + "  ", style="bold red" if state.connection == "incompatible" else "")
         if state.last_error:
             t.append(f"⚠ {state.bad_frames} bad frame{'s' if state.bad_frames != 1 else ''}: {state.last_error}",
