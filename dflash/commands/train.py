@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--metrics-addr", help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 for remote Prometheus)")
     a("--metrics-linger", type=float, help="with --metrics-port: seconds to keep serving after the run, until "
                                           "Prometheus has scraped its last numbers (default 30; 0: exit at once)")
+    a("--report-to", metavar="TRACKERS", help="experiment trackers, comma-separated: tensorboard, wandb, mlflow "
+                                               "(default none; each an optional extra)")
     a("--seed", type=int)
     a("--nproc", type=int, help="train with N ranks on this machine (runs torchrun; each rank one pipeline "
                                  "replica, drafters in DDP)")

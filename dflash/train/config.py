@@ -69,6 +69,8 @@ class TrainConfig:
     metrics_addr: str = "127.0.0.1"
     metrics_linger: float = 30.0  # seconds /metrics outlives the run, until Prometheus reads its last numbers
     run_name: str | None = None  # default: the run directory's name
+    # experiment trackers fed every log interval and evaluation (rank 0): tensorboard, wandb, mlflow
+    report_to: list[str] = field(default_factory=list)
     # multi-rank runs (torchrun): seconds any collective may wait before the job gives up on a rank
     collective_timeout: float = 300.0
 
@@ -95,6 +97,11 @@ class TrainConfig:
             raise ConfigError("--metrics-port needs telemetry; drop --no-telemetry")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be 0-65535, got {self.metrics_port}")
+        from dflash.train.trackers import KNOWN
+
+        unknown = [t for t in self.report_to if t not in KNOWN]
+        if unknown:
+            raise ConfigError(f"report_to: unknown tracker {unknown[0]!r}; choose from {', '.join(KNOWN)} (or none)")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 
@@ -217,8 +224,8 @@ def _field_types() -> dict[str, Any]:
 def _coerce(key: str, value: Any) -> Any:
     """Check `value` against the field's declared type (``int | None`` included), so that a TOML's
     ``batch_size = 8.5`` or ``metrics_port = "9400"`` fails here in one line, not inside a worker."""
-    if key == "target_devices" and isinstance(value, str):
-        value = [v.strip() for v in value.split(",") if v.strip()]
+    if key in ("target_devices", "report_to") and isinstance(value, str):  # comma-separated on the command line
+        value = [v.strip() for v in value.split(",") if v.strip() and v.strip() != "none"]
     hint = _field_types()[key]
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if value is None:

@@ -35,6 +35,7 @@ from dflash.train.distributed import Dist, DistError
 from dflash.train.pipeline import Pipeline, RunState
 from dflash.train.progress import EvalProgress, Progress
 from dflash.train.stages import BatchSource, DrafterStage, StepResult, TargetStage
+from dflash.train.trackers import TrackerError, Trackers, check_available, eval_scalars, interval_scalars
 from dflash.words import plural
 
 
@@ -50,6 +51,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.state = RunState()
         self.server = None
+        self.trackers: Trackers | None = None
         self.exporter = None
         self.exchange = None
         self.agreement = None  # the per-step control exchange of a multi-rank run
@@ -368,6 +370,8 @@ class Trainer:
         with (self.run_dir / "evals.jsonl").open("a") as f:  # tau over training, for plots and the README
             f.write(json.dumps(summary) + "\n")
         self.stats.metric("eval_tau", summary["tau"])
+        if self.trackers is not None:
+            self.trackers.log(self.state.step, eval_scalars(summary))
         self._event("eval", f"step {self.state.step}: tau {summary['tau']:.2f} over {summary['rounds']} rounds"
                     f"{'' if summary.get('lossless', True) else ' (NOT LOSSLESS)'}",
                     step=self.state.step, tau=summary["tau"], lossless=summary.get("lossless"))
@@ -402,6 +406,7 @@ class Trainer:
         self.log(f"{self._progress().text()} | loss {r.loss:.3f} | acc {r.out.accuracy:.3f} | sim_tau {r.out.sim_tau:.2f} "
                  f"| {tps:,.0f} tok/s | lr {r.lr:.2e} | gnorm {r.grad_norm:.2f} | {q}")
         summary = self.server.latest() if self.server is not None else None
+        b = None
         if summary is not None:
             from dflash.telemetry import format_profile_stats
             from dflash.telemetry.analysis import analyze
@@ -411,12 +416,27 @@ class Trainer:
             # the verdict dflash-top shows (per window, with hysteresis), so the two never disagree
             b = self.server.verdict.current or analyze(summary.cumulative)
             self.log(f"bottleneck: {b.verdict}" + (f" - {b.reason}" if b.reason else ""))
+        if self.trackers is not None:
+            self.trackers.log(st.step, interval_scalars(
+                loss=r.loss, accuracy=r.out.accuracy, sim_tau=r.out.sim_tau, per_position=r.out.per_position_acc,
+                tokens_per_s=tps, lr=r.lr, grad_norm=r.grad_norm, verdict=b.verdict if b else None,
+                workers=summary.cumulative if summary is not None else None))
 
     # --- run ------------------------------------------------------------------------------------------
 
     def run(self) -> int:
         self.stop_requested = threading.Event()
+        try:
+            check_available(self.cfg.report_to)  # before minutes of loading, not after
+        except TrackerError as e:
+            raise TrainError(str(e)) from None
         self.setup()
+        if self.cfg.report_to and self.dist.is_main:
+            try:
+                self.trackers = Trackers(self.cfg.report_to, self.run_dir, self.cfg.name, self.cfg.to_dict())
+            except TrackerError as e:
+                raise TrainError(str(e)) from None
+            self.log(f"trackers:  {', '.join(self.cfg.report_to)}")
         cfg = self.cfg
         self.pipeline = Pipeline(self.source, self.targets, self.drafter, cfg, self.stats, self.state, self.on_step)
         if self.dist.enabled:
@@ -478,6 +498,8 @@ class Trainer:
             if self.exporter is not None:
                 self._linger_for_scrape()
                 self.exporter.close()
+            if self.trackers is not None:
+                self.trackers.close()
         self.log(f"done: {self.state.step} steps, {self.state.tokens:,} tokens, run dir {self.run_dir}")
         distributed.shutdown(self.dist)
         return code
