@@ -136,7 +136,8 @@ class DFlashTop(App[None]):
         self.start_paused = paused
         self.pyspy_exe = pyspy_exe if pyspy_exe is not None else find_pyspy()
         self.pyspy_timeout = pyspy_timeout
-        self.record_defaults = RecordSettings(seconds=record_seconds, gil=False, native=True)
+        # Python-only, non-blocking sampling by default: --native pauses the trainer at every sample
+        self.record_defaults = RecordSettings(seconds=record_seconds, gil=False, native=False)
         self.request_timeout = request_timeout
         self.source: FrameSource | None = source
         #: while the panels follow a rank other than 0: a second connection, to rank 0, which alone

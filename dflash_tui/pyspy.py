@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -84,6 +85,8 @@ class FunctionStat:
     where: str
     self_samples: int
     total_samples: int
+    #: a Python function (else a native frame: C/C++/CUDA, or raw addresses of one library)
+    python: bool = True
 
 
 @dataclass
@@ -400,32 +403,69 @@ def save_report(report: StackReport, run_dir: str | None) -> list[Path]:
 # --------------------------------------------------------------------------- py-spy record
 
 
+_ADDRESS = re.compile(r"^(0x)?[0-9a-fA-F]{6,}$")
+
+
+def short_native_name(name: str) -> str:
+    """A C++ symbol a person can read: template arguments and parameter lists folded to `<…>` and
+    `(…)`, and only the last two scopes kept (`at::native::add_kernel<…>` stays recognisable; the
+    full name is in the speedscope file)."""
+    out, depth = [], 0
+    for ch in name:
+        if ch in "<(":
+            if depth == 0:
+                out.append(ch + "…" + (">" if ch == "<" else ")"))
+            depth += 1
+        elif ch in ">)":
+            depth = max(0, depth - 1)
+        elif depth == 0:
+            out.append(ch)
+    short = "".join(out).strip()
+    scopes = [sc for sc in short.split("::") if sc != "(…)"]  # "(anonymous namespace)" says nothing
+    return "::".join(scopes[-2:]) if len(scopes) > 2 else short
+
+
+def frame_key(frame: dict) -> tuple[str, str, bool]:
+    """(name, where, is_python) of a speedscope frame. Python frames keep file:line; native symbols
+    are shortened; raw addresses (no symbol) are grouped as one entry per library."""
+    name, file = str(frame.get("name", "?")), str(frame.get("file") or "")
+    base = Path(file).name
+    native = ".so" in base or base.endswith((".dll", ".dylib")) or _ADDRESS.match(name) is not None
+    if not native and (file.endswith((".py", ".pyx")) or file.startswith("<") or frame.get("line")):
+        return name, (f"{Path(file).name}:{frame.get('line')}" if frame.get("line") else Path(file).name), True
+    lib = Path(file).name if file else "?"
+    if _ADDRESS.match(name) or name in ("?", ""):
+        return f"[{lib}] (no symbols)", lib, False
+    return short_native_name(name), lib, False
+
+
 def parse_speedscope(path: Path, limit: int = 25) -> tuple[list[FunctionStat], int, dict[str, int]]:
-    """Top functions of a speedscope file: (by self samples, total sample count, samples per thread)."""
+    """Top functions of a speedscope file: (Python functions first, then native ones, each by self
+    samples; total sample count; samples per thread). Frames that read the same after shortening
+    (all raw addresses of one library, one template's instantiations) count as one."""
     data = json.loads(Path(path).read_text())
     frames = data.get("shared", {}).get("frames", [])
-    self_n: Counter[int] = Counter()
-    total_n: Counter[int] = Counter()
+    keys = [frame_key(f) if isinstance(f, dict) else ("?", "", False) for f in frames]
+    self_n: Counter[tuple[str, str, bool]] = Counter()
+    total_n: Counter[tuple[str, str, bool]] = Counter()
     per_thread: dict[str, int] = {}
     samples = 0
     for prof in data.get("profiles", []):
         n = 0
         for stack in prof.get("samples", []):
             n += 1
+            stack = [i for i in stack if isinstance(i, int) and 0 <= i < len(keys)]
             if stack:
-                self_n[stack[-1]] += 1  # speedscope stacks are root first
-                for i in set(stack):
-                    total_n[i] += 1
+                self_n[keys[stack[-1]]] += 1  # speedscope stacks are root first
+                for key in {keys[i] for i in stack}:
+                    total_n[key] += 1
         per_thread[str(prof.get("name", "?"))] = n
         samples += n
-    top: list[FunctionStat] = []
-    for idx, _ in sorted(total_n.items(), key=lambda kv: (-self_n[kv[0]], -kv[1]))[:limit]:
-        f = frames[idx] if idx < len(frames) else {}
-        file = str(f.get("file") or "")
-        where = f"{Path(file).name}:{f.get('line')}" if f.get("line") else Path(file).name
-        top.append(FunctionStat(name=str(f.get("name", "?")), where=where,
-                                self_samples=self_n[idx], total_samples=total_n[idx]))
-    return top, samples, per_thread
+    ranked = sorted(total_n, key=lambda k: (not k[2], -self_n[k], -total_n[k]))
+    top = [FunctionStat(name=k[0], where=k[1], self_samples=self_n[k], total_samples=total_n[k], python=k[2])
+           for k in ranked]
+    py = [f for f in top if f.python][:limit]
+    return py + [f for f in top if not f.python][:limit], samples, per_thread
 
 
 def record(pid: int, seconds: float, *, gil: bool, native: bool, exe: str | None, run_dir: str | None,

@@ -583,3 +583,33 @@ class raw_trainer:
         for c in self.conns:
             c.close()
         self.sock.close()
+
+
+@pytest.mark.skipif(find_pyspy() is None, reason="py-spy is not installed")
+async def test_recording_defaults_to_python_sampling_and_panels_keep_updating(short_dir: Path, trainers) -> None:
+    """`r` against a trainer in another process: the dialog offers non-blocking Python sampling by
+    default (native stated as pausing the trainer), and while py-spy records, snapshots keep coming
+    and the header keeps moving; then the summary opens."""
+    from textual.widgets import Checkbox
+
+    from dflash_tui.widgets.record import ProfileScreen, RecordDialog
+
+    _, path = trainers("rec", short_dir / "s", short_dir / "run")
+    app = DFlashTop(path, record_seconds=3)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: app.state.snapshot is not None and app.state.hello is not None, "a snapshot")
+        await pilot.press("r")
+        await until(pilot, lambda: isinstance(app.screen, RecordDialog), "the record dialog")
+        native = app.screen.query_one("#native", Checkbox)
+        assert native.value is False and "pauses every trainer thread" in str(native.label)
+        await pilot.press("enter")
+        await until(pilot, lambda: app.job is not None, "the recording to start")
+        seen, headers = app.state.snapshots, set()
+        while app.job is not None:
+            headers.add(text_of(app, "#header"))
+            await pilot.pause(0.1)
+            assert app.state.snapshots < seen + 1000  # (bounded loop: the job ends within its time)
+        assert app.state.snapshots >= seen + 2, "snapshots stopped while recording"
+        assert len(headers) >= 2, "the header did not change while recording"
+        await until(pilot, lambda: isinstance(app.screen, ProfileScreen), "the summary", timeout=30)
+        assert "Python functions" in app.screen.query_one("#profile-body").render().plain

@@ -171,3 +171,36 @@ def test_record_saves_speedscope_and_ranks_functions(child: subprocess.Popen, tm
     assert r.top[0].name == "hot_loop", r.top[:3]
     assert r.top[0].self_samples <= r.top[0].total_samples <= r.samples
     assert any("hot-worker" in name for name in r.threads)
+
+
+def test_record_summary_is_readable_python_first_natives_short_addresses_grouped(tmp_path: Path) -> None:
+    """A speedscope file as `py-spy record --native` writes it: Python frames, C++ symbols with
+    template and parameter lists, and raw addresses of libraries without symbols."""
+    from dflash_tui.pyspy import RecordReport, parse_speedscope, short_native_name
+    from dflash_tui.widgets.record import record_text
+
+    frames = [
+        {"name": "train_step", "file": "/app/dflash/train/stages.py", "line": 120},
+        {"name": "at::native::(anonymous namespace)::cpu_kernel_vec<at::native::AddFunctor<float>, "
+                 "at::vec::Vectorized<float> >(at::TensorIteratorBase&, float, float)", "file": "/x/libtorch_cpu.so"},
+        {"name": "0x7f3a2b001234", "file": "/usr/lib/libcuda.so.1"},
+        {"name": "0x7f3a2b009999", "file": "/usr/lib/libcuda.so.1"},
+        {"name": "forward", "file": "/app/dflash/model/drafter.py", "line": 88},
+    ]
+    # root first: train_step -> forward -> kernel (self), and train_step -> two raw libcuda addresses
+    samples = [[0, 4, 1]] * 5 + [[0, 2]] * 3 + [[0, 3]] * 2 + [[0, 4]] * 1
+    path = tmp_path / "r.speedscope.json"
+    path.write_text(json.dumps({"shared": {"frames": frames},
+                                "profiles": [{"name": "drafter-0", "samples": samples}]}))
+    top, n, threads = parse_speedscope(path)
+    assert n == 11 and threads == {"drafter-0": 11}
+    assert [f.python for f in top] == [True, True, False, False]  # Python first
+    assert top[0].name == "forward" and top[0].where == "drafter.py:88" and top[0].self_samples == 1
+    natives = {f.name: f for f in top if not f.python}
+    assert natives["[libcuda.so.1] (no symbols)"].self_samples == 5  # two addresses, one library
+    assert natives["native::cpu_kernel_vec<…>(…)"].where == "libtorch_cpu.so"
+    assert short_native_name("std::vector<int, std::allocator<int> >::push_back(int const&)") == \
+        "vector<…>::push_back(…)"
+    text = record_text(RecordReport(pid=1, seconds=1, gil=False, native=True, path=str(path), samples=n,
+                                    top=top, threads=threads)).plain
+    assert text.index("Python functions") < text.index("native frames")

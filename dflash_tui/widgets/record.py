@@ -27,12 +27,12 @@ class RecordDialog(ModalScreen[RecordSettings | None]):
     BINDINGS = [Binding("escape", "dismiss(None)", "cancel"), Binding("g", "toggle_gil", "toggle --gil")]
     DEFAULT_CSS = """
     RecordDialog { align: center middle; }
-    RecordDialog > Vertical { width: 60; max-width: 100%; height: auto; border: round $accent;
+    RecordDialog > Vertical { width: 76; max-width: 100%; height: auto; border: round $accent;
                               background: $surface; padding: 0 1; }
     RecordDialog Horizontal { height: auto; }
     RecordDialog Input { width: 12; }
     RecordDialog Label { padding: 1 1 0 0; }
-    RecordDialog Checkbox { border: none; padding: 0; height: 1; margin: 0 0 1 0; }
+    RecordDialog Checkbox { border: none; padding: 0; height: auto; margin: 0 0 1 0; }
     RecordDialog Button { margin: 0 0 1 0; }
     """
 
@@ -47,7 +47,10 @@ class RecordDialog(ModalScreen[RecordSettings | None]):
                 yield Label("seconds")
                 yield Input(f"{self.defaults.seconds:g}", id="seconds", type="number")
             yield Checkbox("--gil (only threads holding the GIL)", self.defaults.gil, id="gil")
-            yield Checkbox("--native (C/CUDA frames too)", self.defaults.native, id="native")
+            yield Checkbox("--native: C/CUDA frames too, but py-spy then pauses every trainer thread at each "
+                           "sample (100 a second): training slows while it records", self.defaults.native,
+                           id="native")
+            yield Static("default: Python frames only, sampled without pausing the trainer", classes="dim")
             yield Button("record (enter)", variant="primary", id="start")
         yield Footer()
 
@@ -79,10 +82,14 @@ def record_text(r: RecordReport, limit: int = 25) -> Text:
     for note in r.notes:
         t.append(f"note: {note}\n", style="yellow")
     total = max(1, r.samples)
-    t.append(f"\n{'self%':>6} {'total%':>7}  function\n", style="bold")
-    for f in r.top[:limit]:
-        t.append(f"{100 * f.self_samples / total:>6.1f} {100 * f.total_samples / total:>7.1f}  ")
-        t.append(f.name, style="bold").append(f"  {f.where}\n", style="dim cyan")
+    for python, title in ((True, "Python functions"), (False, "native frames (C/C++/CUDA; [lib] = no symbols)")):
+        rows = [f for f in r.top if f.python == python][:limit]
+        if not rows:
+            continue
+        t.append(f"\n{'self%':>6} {'total%':>7}  {title}\n", style="bold")
+        for f in rows:
+            t.append(f"{100 * f.self_samples / total:>6.1f} {100 * f.total_samples / total:>7.1f}  ")
+            t.append(f.name, style="bold").append(f"  {f.where}\n", style="dim cyan")
     if r.threads:
         t.append("\nsamples per thread\n", style="bold")
         for name, n in sorted(r.threads.items(), key=lambda kv: -kv[1])[:16]:
