@@ -88,11 +88,27 @@ def summarize(state: RunState) -> dict[str, Any]:
         "errors": list(state.errors),
         #: rank 0's cross-rank view (protocol.Cluster as JSON) in multi-rank runs, else None
         "cluster": msgspec.to_builtins(state.cluster) if state.cluster is not None else None,
+        #: worker -> its innermost open span {category, start, elapsed, depth}
+        "inflight": {w: msgspec.to_builtins(op) for w, op in state.inflight.items()},
+        #: stalled workers now (protocol.Stall as JSON); empty when none
+        "stalls": [msgspec.to_builtins(st) for st in state.stalls],
+        #: timings deviating from their baseline now (protocol.Anomaly as JSON)
+        "anomalies": [msgspec.to_builtins(a) for a in state.anomalies],
     }
 
 
 def _untracked(workers: dict[str, dict[str, dict[str, Any]]]) -> dict[str, float]:
     return {w: max(0.0, 1.0 - sum(st["share"] for st in cats.values())) for w, cats in workers.items() if cats}
+
+
+def stall_line(st: dict[str, Any]) -> str:
+    """One line per stalled worker (the text report and the TUI banner say the same)."""
+    where = f"in {st['category']}" if st.get("category") else "between spans"
+    line = (f"STALLED: {st['worker']} {where} for {fmt.seconds(st['elapsed'])} "
+            f"(timeout {fmt.seconds(st['timeout'])})")
+    if st.get("frame"):
+        line += f" at {st['frame']}"
+    return line
 
 
 def render_text(s: dict[str, Any]) -> str:
@@ -114,6 +130,13 @@ def render_text(s: dict[str, Any]) -> str:
             lines.append("  evidence: " + "  ".join(f"{k}={_num(v)}" for k, v in ev.items()))
     else:
         lines.append("bottleneck: unknown (no verdict yet)")
+    for st in s.get("stalls", []):
+        lines.append(stall_line(st))
+    for a in s.get("anomalies", []):
+        lines.append(f"ANOMALY: {a.get('message') or a['worker'] + '/' + a['category']}")
+    if s.get("inflight"):
+        lines.append("now: " + "  ".join(f"{w} {op['category']} {fmt.seconds(op['elapsed'])}"
+                                         for w, op in s["inflight"].items()))
     lines.append("")
     lines.append(f"{'worker':<12} {'category':<18} {'n':>6} {'mean':>7} {'p50':>7} {'p95':>7} {'max':>7} {'share':>6}")
     for w, cats in s["workers"].items():

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dflash.telemetry.protocol import (
+    Anomaly,
     Bottleneck,
     Bye,
     CategoryStats,
@@ -22,7 +23,9 @@ from dflash.telemetry.protocol import (
     Frame,
     GpuSample,
     Hello,
+    OpenSpan,
     Snapshot,
+    Stall,
     SystemSample,
 )
 from dflash_tui.sources import CONNECTING, SourceUpdate
@@ -233,6 +236,19 @@ class RunState:
     @property
     def workers(self) -> dict[str, dict[str, CategoryStats]]:
         return self.snapshot.workers if self.snapshot is not None else {}
+
+    @property
+    def inflight(self) -> dict[str, OpenSpan]:
+        """worker -> its innermost open span, as of the latest snapshot."""
+        return self.snapshot.inflight if self.snapshot is not None else {}
+
+    @property
+    def stalls(self) -> list[Stall]:
+        return list(self.snapshot.stalls) if self.snapshot is not None else []
+
+    @property
+    def anomalies(self) -> list[Anomaly]:
+        return list(self.snapshot.anomalies) if self.snapshot is not None else []
 
     @property
     def system(self) -> SystemSample | None:

@@ -22,6 +22,7 @@ from dflash.telemetry.protocol import (
     Event,
     GpuSample,
     Hello,
+    OpenSpan,
     Snapshot,
     SystemSample,
     ThreadSample,
@@ -111,7 +112,13 @@ def snapshot(seq: int, *, workers: int = 4, categories: int = 12, interval_s: fl
                             evidence={"target_busy_share": round(target_share / n_target, 3),
                                       "drafter_wait_share": round(sum(wait) / max(1, len(wait)), 3),
                                       "hs_queue_depth": 0.0})
-    return Snapshot(seq=seq, t=t, interval_s=interval_s, workers=ws, untracked=untracked,
+    # what each worker is in now: targets in a forward, drafters waiting for hidden states
+    inflight = {}
+    for i, w in enumerate(worker_names(workers)):
+        cat = "target_forward" if w.startswith("target") else "hs_queue_wait"
+        elapsed = round(_MEAN.get(cat, 0.01) * (0.2 + 0.7 * ((seq + i) % 5) / 4), 4)
+        inflight[w] = OpenSpan(category=cat, start=round(t - elapsed, 4), elapsed=elapsed)
+    return Snapshot(seq=seq, t=t, interval_s=interval_s, workers=ws, untracked=untracked, inflight=inflight,
                     counters={"steps": float(steps), "tokens": tokens, "samples": steps * 8.0},
                     rates={"tokens": 4096 * 4 / interval_s * (0.9 + 0.2 * wave), "steps": 4 / interval_s},
                     gauges={"loss": round(6.0 * math.exp(-seq / 80) + 1.8 + 0.05 * rng.uniform(-1, 1), 4),

@@ -239,3 +239,17 @@ def test_gpu_panel_shows_cuda_ordinal_gpm_activity_and_mig_instances() -> None:
     assert "SM active 71.5%" in text and "tensor 42.0%" in text
     assert "MIG1 H200 MIG 3g.71gb cuda:1" in text
     assert "GPU4 NVIDIA H200" in text and text.count("SM active") == 1
+
+
+def test_bars_show_what_each_worker_does_now() -> None:
+    rows = [("target-0", [("target_forward", 0.8)], 0.2), ("drafter-0", [("hs_queue_wait", 0.5)], 0.5)]
+    now = {"target-0": ("target_forward", 3.2, False), "drafter-0": ("drafter_backward", 41.0, True)}
+    text = bars_text(rows, 100, now)
+    lines = text.plain.splitlines()
+    assert "target_forward" in lines[0] and "3.20s" in lines[0]
+    assert "drafter_backwar" in lines[1] and "41.00s" in lines[1]
+    # the stalled worker's cell is drawn red
+    start = text.plain.index("drafter_backwar")
+    assert any(sp.start <= start < sp.end and "red" in str(sp.style) for sp in text.spans)
+    # too narrow for the column: the bars keep the room
+    assert "target_forward 3" not in bars_text(rows, 50, now).plain

@@ -124,6 +124,9 @@ class RankFigures(msgspec.Struct, omit_defaults=True):
     allreduce_share: float = 0.0
     #: the rank's own telemetry socket (attachable when it is on the same machine)
     socket: str | None = None
+    #: "worker/category for 42 s" of each of the rank's stalled workers (its own watchdog's verdict,
+    #: so a rank whose process is alive and reporting but whose training is stuck is named)
+    stalled: list[str] = []
 
 
 class ClusterRank(RankFigures, omit_defaults=True):
@@ -160,8 +163,57 @@ class Cluster(msgspec.Struct, omit_defaults=True):
     straggler_reason: str = ""
     #: ranks that stopped reporting
     stale: list[int] = []
+    #: ranks whose own watchdog reports a stalled worker
+    stalled: list[int] = []
     #: why the exchange itself is not working (e.g. the store is unreachable); None when it is
     error: str | None = None
+
+
+class OpenSpan(msgspec.Struct, omit_defaults=True):
+    """A worker's innermost span that has not ended yet: what the worker is doing right now."""
+
+    category: str
+    #: unix time the span began
+    start: float
+    #: seconds it has been open when the snapshot was taken
+    elapsed: float
+    #: how many spans the worker has open (nested spans: the outer ones are still running too)
+    depth: int = 1
+
+
+class Stall(msgspec.Struct, omit_defaults=True):
+    """A worker that has completed no span for longer than its stall timeout (dflash.telemetry.watchdog)."""
+
+    worker: str
+    #: the open span it is stuck in ("" when none is open: it is stuck between spans)
+    category: str
+    #: seconds without a completed span when this snapshot was taken
+    elapsed: float
+    #: the timeout it exceeded, and how it was chosen ("history", "first-step grace", "--stall-timeout")
+    timeout: float
+    basis: str = ""
+    #: unix time the stall was detected
+    since: float = 0.0
+    #: innermost Python frame of the worker's thread, "file:line in function"
+    frame: str = ""
+    #: where the stacks of every thread were written (None when there is no run directory)
+    stack_file: str | None = None
+
+
+class Anomaly(msgspec.Struct, omit_defaults=True):
+    """A sustained deviation of one worker/category from its own robust baseline."""
+
+    worker: str
+    category: str
+    #: "p95" or "mean"
+    stat: str
+    value: float
+    baseline: float
+    #: value / baseline
+    ratio: float
+    #: unix time the deviation began (its first deviating window)
+    since: float
+    message: str = ""
 
 
 class Hello(msgspec.Struct, tag_field="type", tag="hello", omit_defaults=True):
@@ -206,6 +258,12 @@ class Snapshot(msgspec.Struct, tag_field="type", tag="snapshot", omit_defaults=T
     bottleneck: Bottleneck | None = None
     #: cross-rank view, published by rank 0 in multi-rank runs
     cluster: Cluster | None = None
+    #: worker -> its innermost open span (absent: the worker is between spans)
+    inflight: dict[str, OpenSpan] = {}
+    #: workers that are stalled now (empty when none is, or the watchdog is off)
+    stalls: list[Stall] = []
+    #: worker/category timings that deviate from their baseline now
+    anomalies: list[Anomaly] = []
 
 
 class Event(msgspec.Struct, tag_field="type", tag="event", omit_defaults=True):

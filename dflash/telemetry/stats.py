@@ -14,6 +14,12 @@ Design (why it is shaped like this):
   into exact running n/total/max plus a fixed-size reservoir (for percentiles) under the lock.
 * CUDA spans record start/end events and queue them; `drain()` resolves them with `event.query()`
   and never synchronizes (the worker never waits on the GPU for telemetry).
+* Open spans are visible to `drain()` without any extra work on the hot path: a host span's start
+  already sits on its reused span object's stack (the worker's `_spans`), and a CUDA span puts itself
+  on the worker's `_open_cuda` list for its duration (an append and a remove). `drain()` reads them to
+  publish what each worker is doing now and to book a span that crosses windows in each window for the
+  time it spent there (so a worker inside one 10 s call reads 100% busy in every window, not 0% nine
+  times and 1000% once).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from dflash.telemetry.protocol import CategoryStats, DeviceStats
+from dflash.telemetry.protocol import CategoryStats, DeviceStats, OpenSpan
 from dflash.telemetry.summary import MetricValue, Summary, category_stats, percentile, untracked_of
 
 _perf = time.perf_counter
@@ -256,11 +262,13 @@ class _CudaSpan:
             start.record(self._stream)
             self._ev = (start, end)
         self._t0 = _perf()
+        self._w._open_cuda.append(self)
         return self
 
     def __exit__(self, et: object, ev: object, tb: object) -> None:
         dt = _perf() - self._t0
         w = self._w
+        w._open_cuda.remove(self)
         pair = self._ev
         if pair is not None:
             pair[1].record(self._stream)
@@ -292,7 +300,7 @@ class Worker:
     shares, which is what the bottleneck analysis reads.
     """
 
-    __slots__ = ("name", "_buf", "_cuda", "_stats", "_fold_at", "created", "_spans")
+    __slots__ = ("name", "_buf", "_cuda", "_stats", "_fold_at", "created", "_spans", "_open_cuda")
 
     def __init__(self, name: str, stats: ProfileStats, fold_at: int) -> None:
         self.name = name
@@ -302,6 +310,19 @@ class Worker:
         self._fold_at = fold_at
         self.created = _perf()
         self._spans: dict[str, _Span] = {}
+        self._open_cuda: list[_CudaSpan] = []
+
+    def open_spans(self) -> list[tuple[str, float]]:
+        """(category, perf_counter start) of every span open now, oldest first. Safe from any thread:
+        each read is one atomic list operation, and a span that ends meanwhile is simply not listed."""
+        out = []
+        for sp in list(self._spans.values()):
+            t0 = sp._t0[:1]  # empty once the span has ended
+            if t0:
+                out.append((sp._cat, t0[0]))
+        out.extend((sp._cat, sp._t0) for sp in list(self._open_cuda))
+        out.sort(key=lambda o: o[1])
+        return out
 
     def add(self, category: str, seconds: float) -> None:
         """Record `seconds` spent in `category` (the seed's `_prof_add`)."""
@@ -370,6 +391,13 @@ class ProfileStats:
         self._rng = random.Random(0x5EED)
         self._fold_rng = random.Random(0xF01D)
         self._window_start = _perf()
+        # open spans seen at the previous drain: (worker, category, start) -> seconds booked so far
+        self._booked: dict[tuple[str, str, float], float] = {}
+        # (worker, category) -> booked seconds of spans that have ended but whose sample has not been
+        # drained yet: taken off the window share of the sample when it arrives, so no time counts twice
+        self._carry: dict[tuple[str, str], float] = {}
+        # worker -> perf_counter time of the drain that last saw it complete a span (or its creation)
+        self._last_done: dict[str, float] = {}
 
     # --- recording ------------------------------------------------------------------------------------
 
@@ -471,6 +499,9 @@ class ProfileStats:
             with self._lock:
                 workers = list(self._workers.values())
                 raw = {w.name: _take(w._buf) for w in workers}
+                # after the buffers: a span that ends in between is then "ended" here and its sample
+                # arrives in a later window, which the carry handles (the other order would book it twice)
+                opened = {w.name: w.open_spans() for w in workers}
                 for w in workers:
                     self._park_cuda(w.name, _take(w._cuda))
                 pending, self._pending = self._pending, {}
@@ -494,6 +525,7 @@ class ProfileStats:
 
             out_workers: dict[str, dict[str, CategoryStats]] = {}
             out_cum: dict[str, dict[str, CategoryStats]] = {}
+            inflight, since_done = self._book_open(workers, opened, raw, pending, now, window_start, t)
             rng = self._rng
             for w in workers:
                 name = w.name
@@ -502,6 +534,9 @@ class ProfileStats:
                 accs: dict[str, _Acc] = pending.get(name, {})
                 cats: dict[str, CategoryStats] = {}
                 groups = _group(raw[name])
+                open_part: dict[str, float] = {}
+                for cat, t0 in opened[name]:
+                    open_part[cat] = open_part.get(cat, 0.0) + now - max(t0, window_start, w.created)
                 cum = self._cum.setdefault(name, {})
                 cum_dev = self._cum_dev.setdefault(name, {})
                 dev = device.get(name, {})
@@ -526,10 +561,17 @@ class ProfileStats:
                         cats[cat] = CategoryStats(n=0, total=0.0, mean=0.0, p50=0.0, p95=0.0, max=0.0, device=dstats)
                         continue
                     cats[cat] = acc.stats(wall, dstats)
+                    cats[cat].share = self._window_share(name, cat, acc.total, open_part.pop(cat, 0.0), wall)
                     cacc = cum.get(cat)
                     if cacc is None:
                         cacc = cum[cat] = _Acc(CUM_RESERVOIR)
                     cacc.merge(acc, rng)
+                for cat, part in open_part.items():  # open all window long, or ended without a sample yet
+                    share = self._window_share(name, cat, 0.0, part, wall)
+                    if cat in cats:
+                        cats[cat].share = share
+                    else:
+                        cats[cat] = CategoryStats(n=0, total=0.0, mean=0.0, p50=0.0, p95=0.0, max=0.0, share=share)
                 out_workers[name] = cats
                 out_cum[name] = {}
                 for cat, a in cum.items():
@@ -558,7 +600,58 @@ class ProfileStats:
             gauges=gauges,
             metrics=metrics,
             dropped=dropped,
+            inflight=inflight,
+            since_done=since_done,
         )
+
+    def _book_open(
+        self,
+        workers: list[Worker],
+        opened: dict[str, list[tuple[str, float]]],
+        raw: dict[str, list],
+        pending: dict[str, dict[str, _Acc]],
+        now: float,
+        window_start: float,
+        t: float,
+    ) -> tuple[dict[str, OpenSpan], dict[str, float]]:
+        """What each worker is doing now, how long since it last completed a span, and the carry of
+        spans that ended since the previous drain (their booked time comes off their sample's window).
+        Drain lock held."""
+        booked: dict[tuple[str, str, float], float] = {}
+        inflight: dict[str, OpenSpan] = {}
+        since_done: dict[str, float] = {}
+        for w in workers:
+            name = w.name
+            spans = opened[name]
+            for cat, t0 in spans:
+                booked[(name, cat, t0)] = now - max(t0, w.created)
+            if spans:
+                cat, t0 = spans[-1]  # the innermost: the latest to start
+                inflight[name] = OpenSpan(category=cat, start=t - (now - t0), elapsed=now - t0, depth=len(spans))
+            if raw[name] or pending.get(name):
+                self._last_done[name] = now
+            since_done[name] = now - self._last_done.setdefault(name, w.created)
+        for key, secs in self._booked.items():
+            if key not in booked:  # ended since the previous drain
+                ck = (key[0], key[1])
+                self._carry[ck] = self._carry.get(ck, 0.0) + secs
+        self._booked = booked
+        return inflight, since_done
+
+    def _window_share(self, name: str, cat: str, ended: float, open_part: float, wall: float) -> float:
+        """Share of the window: time of the spans that ended in it, less what earlier windows already
+        booked of them while they were open, plus the part of still-open spans that fell in it."""
+        busy = ended
+        carry = self._carry.get((name, cat))
+        if carry:
+            used = min(carry, busy)
+            busy -= used
+            if carry - used > 1e-12:
+                self._carry[(name, cat)] = carry - used
+            else:
+                del self._carry[(name, cat)]
+        busy += open_part
+        return min(1.0, max(0.0, busy / wall)) if wall > 0 else 0.0
 
     @staticmethod
     def _resolve_cuda(

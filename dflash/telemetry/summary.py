@@ -10,7 +10,16 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dflash.telemetry.protocol import Bottleneck, CategoryStats, DeviceStats, Snapshot, SystemSample
+from dflash.telemetry.protocol import (
+    Anomaly,
+    Bottleneck,
+    CategoryStats,
+    DeviceStats,
+    OpenSpan,
+    Snapshot,
+    Stall,
+    SystemSample,
+)
 
 WorkerStats = dict[str, dict[str, CategoryStats]]
 MetricValue = float | list[float]
@@ -40,6 +49,13 @@ class Summary:
     metrics: dict[str, MetricValue] = field(default_factory=dict)
     #: samples or CUDA span pairs that were discarded (non-finite values, CUDA backlog overflow, errors)
     dropped: int = 0
+    #: worker -> its innermost open span at the drain
+    inflight: dict[str, OpenSpan] = field(default_factory=dict)
+    #: worker -> seconds since it last completed a span (resolution: one window)
+    since_done: dict[str, float] = field(default_factory=dict)
+    #: filled in by the publisher: stalled workers (watchdog) and deviating timings (anomalies)
+    stalls: list[Stall] = field(default_factory=list)
+    anomalies: list[Anomaly] = field(default_factory=list)
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -165,6 +181,9 @@ def to_snapshot(
         nonfinite=nonfinite,
         system=system,
         bottleneck=bottleneck,
+        inflight=summary.inflight,
+        stalls=summary.stalls,
+        anomalies=summary.anomalies,
     )
 
 

@@ -130,25 +130,23 @@ class Pipeline:
     def _target(self, stage: TargetStage) -> None:
         tel = stage.tel
         while not self.stop.is_set():
-            t0 = time.perf_counter()
-            batch = get(self.batch_q, self.stop)
-            tel.add("batch_queue_wait", time.perf_counter() - t0)
+            # spans, not measured-then-added: a worker blocked on a queue then shows as waiting, live
+            with tel.span("batch_queue_wait"):
+                batch = get(self.batch_q, self.stop)
             hb = stage(batch)
-            t0 = time.perf_counter()
-            put(self.hs_q, hb, self.stop)
-            tel.add("hs_queue_put", time.perf_counter() - t0)
+            with tel.span("hs_queue_put"):
+                put(self.hs_q, hb, self.stop)
             self.stats.gauge("hs_queue", self.hs_q.qsize())
 
     def _drafter(self) -> None:
         tel = self.drafter.tel
         pending: dict[int, HiddenBatch] = {}  # batches that overtook an earlier one (several targets)
         while not self.stop.is_set():
-            t0 = time.perf_counter()
             # Consume in batch order whatever the targets' finishing order, so a run is reproducible.
-            while self.state.next_batch not in pending:
-                hb = get(self.hs_q, self.stop)
-                pending[hb.batch.index] = hb
-            tel.add("hs_queue_wait", time.perf_counter() - t0)
+            with tel.span("hs_queue_wait"):
+                while self.state.next_batch not in pending:
+                    hb = get(self.hs_q, self.stop)
+                    pending[hb.batch.index] = hb
             hb = pending.pop(self.state.next_batch)
             if not self.on_step(self.drafter.step(hb, self.progress())):
                 self.stop.set()

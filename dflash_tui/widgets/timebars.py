@@ -3,6 +3,10 @@
 Shares are per snapshot window. Untracked is the part of the window no category covered (the server
 reports it; otherwise it is what the shares leave). The bar is drawn with largest-remainder rounding
 so its segments always add up to the full width.
+
+When the panel is wide enough, a "now" column follows each bar: the worker's innermost open span and
+how long it has been open (red when the watchdog calls the worker stalled), so a worker stuck in one
+long call is visible while the call lasts, not only when it ends.
 """
 
 from __future__ import annotations
@@ -16,6 +20,11 @@ from dflash_tui.widgets.palette import UNTRACKED, category_color, category_order
 
 LABEL_W = 12
 SUFFIX_W = 11  # " untr 12.3%"
+NOW_W = 23  # " drafter_backwar  3.21s"
+#: narrower than this, the bars keep all the room and the "now" column is left out
+NOW_MIN_WIDTH = 60
+#: (category, seconds open, stalled) of a worker's innermost open span
+NowCell = tuple[str, float, bool]
 
 
 def split_width(parts: list[float], width: int) -> list[int]:
@@ -42,16 +51,23 @@ class TimeBars(TextPanel):
             if untracked is None:
                 untracked = max(0.0, 1.0 - covered)
             rows.append((worker, parts, max(0.0, untracked)))
-        return bars_text(rows, max(20, width))
+        return bars_text(rows, max(20, width), now_cells(state))
 
 
-def bars_text(rows: list[tuple[str, list[tuple[str, float]], float]], width: int) -> Text:
+def now_cells(state: RunState) -> dict[str, NowCell]:
+    stalled = {s.worker for s in state.stalls}
+    return {w: (op.category, op.elapsed, w in stalled) for w, op in state.inflight.items()}
+
+
+def bars_text(rows: list[tuple[str, list[tuple[str, float]], float]], width: int,
+              now: dict[str, NowCell] | None = None) -> Text:
     t = Text(no_wrap=True, overflow="crop")
     if not rows:
         return t.append("no timings yet", style="dim")
     # as wide as the longest worker name: `batch-producer` must not read `batch-produ`
     label_w = max(LABEL_W, max(len(w) for w, _, _ in rows) + 1)
-    bar_w = max(8, width - label_w - SUFFIX_W)
+    show_now = now is not None and width >= NOW_MIN_WIDTH
+    bar_w = max(8, width - label_w - SUFFIX_W - (NOW_W if show_now else 0))
     seen: dict[str, None] = {}
     for i, (worker, parts, untracked) in enumerate(rows):
         if i:
@@ -69,6 +85,14 @@ def bars_text(rows: list[tuple[str, list[tuple[str, float]], float]], width: int
         seen.update(dict.fromkeys(names[:-1]))  # every reported category, drawn or too thin to draw:
         # a legend that changed with rounding would change the panel's height, forcing a full layout
         t.append(f" untr {fmt.percent(untracked):>5}", style="dim")
+        if show_now:
+            cell = now.get(worker)  # type: ignore[union-attr]
+            if cell is None:
+                t.append(f" {'-':<15} {'':>6}", style="dim")
+            else:
+                cat, secs, stalled = cell
+                t.append(f" {cat[:15]:<15} {fmt.seconds(secs):>6}",
+                         style="bold white on red" if stalled else category_color(cat))
     # legend, wrapped to the width
     t.append("\n")
     col = 0
