@@ -46,6 +46,7 @@ from dflash_tui.pyspy import (
 )
 from dflash_tui.sources import FrameSource, SocketInfo, SourceUpdate, TargetError
 from dflash_tui.state import RunState, step_rank
+from dflash_tui.widgets.alerts import AlertBanner
 from dflash_tui.widgets.bottleneck import BottleneckPanel
 from dflash_tui.widgets.categories import CategoryTable
 from dflash_tui.widgets.cluster import ClusterPanel
@@ -83,7 +84,7 @@ class DFlashTop(App[None]):
     TITLE = "dflash-top"
     CSS_PATH = Path(__file__).with_name("app.tcss")  # absolute: subclasses elsewhere find it too
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
-    ALLOW_IN_MAXIMIZED_VIEW = "Footer, RunHeader, StatusLine"
+    ALLOW_IN_MAXIMIZED_VIEW = "Footer, RunHeader, AlertBanner, StatusLine"
     MAX_REFRESH_HZ = 5.0
     #: dense panels, read row by row (like top and nvidia-smi), redraw at most this often while the
     #: headline ones (header, bars, bottleneck) follow every snapshot: redrawing is nearly all of
@@ -159,6 +160,7 @@ class DFlashTop(App[None]):
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
+        yield AlertBanner(id="alerts")
         yield Panel("cluster", ClusterPanel(id="cluster"), id="p-cluster")
         with Container(id="body"):
             with Vertical(id="left"):
@@ -175,7 +177,7 @@ class DFlashTop(App[None]):
 
     @property
     def panels(self) -> list:
-        return [self.query_one(sel) for sel in ("#header", "#cluster", "#bars", "#bottleneck", "#table", "#gpus",
+        return [self.query_one(sel) for sel in ("#header", "#alerts", "#cluster", "#bars", "#bottleneck", "#table", "#gpus",
                                                 "#threads", "#curves", "#events", "#status")]
 
     def on_mount(self) -> None:

@@ -31,6 +31,7 @@ from dflash_tui.sources import (
     socket_dir,
 )
 from dflash_tui.state import RunState
+from dflash_tui.widgets.alerts import stall_line
 from dflash_tui.widgets.cluster import cluster_summary, cluster_text
 
 
@@ -101,16 +102,6 @@ def _untracked(workers: dict[str, dict[str, dict[str, Any]]]) -> dict[str, float
     return {w: max(0.0, 1.0 - sum(st["share"] for st in cats.values())) for w, cats in workers.items() if cats}
 
 
-def stall_line(st: dict[str, Any]) -> str:
-    """One line per stalled worker (the text report and the TUI banner say the same)."""
-    where = f"in {st['category']}" if st.get("category") else "between spans"
-    line = (f"STALLED: {st['worker']} {where} for {fmt.seconds(st['elapsed'])} "
-            f"(timeout {fmt.seconds(st['timeout'])})")
-    if st.get("frame"):
-        line += f" at {st['frame']}"
-    return line
-
-
 def render_text(s: dict[str, Any]) -> str:
     """The summary as an 80-column report: header, bottleneck, per-category table, GPUs."""
     lines: list[str] = []
@@ -131,7 +122,7 @@ def render_text(s: dict[str, Any]) -> str:
     else:
         lines.append("bottleneck: unknown (no verdict yet)")
     for st in s.get("stalls", []):
-        lines.append(stall_line(st))
+        lines.append("STALLED: " + stall_line(st))
     for a in s.get("anomalies", []):
         lines.append(f"ANOMALY: {a.get('message') or a['worker'] + '/' + a['category']}")
     if s.get("inflight"):

@@ -49,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--nproc", type=int, help="train with N ranks on this machine (runs torchrun; each rank one pipeline "
                                  "replica, drafters in DDP)")
     a("--collective-timeout", type=float, help="multi-rank: seconds a collective may wait for a rank (default 300)")
+    a("--stall-timeout", type=float, help="seconds without a completed span before a worker counts as stalled "
+                                          "(default: from its own history, at least 30; 0: no watchdog)")
+    a("--on-stall", choices=["warn", "exit"], help="exit: checkpoint the last completed step and exit 3 so a "
+                                                   "scheduler can restart the job (default warn)")
+    a("--nonfinite-limit", type=int, help="non-finite steps in a row (each skipped) that stop the run (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:

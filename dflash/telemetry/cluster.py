@@ -110,6 +110,7 @@ def make_report(rank: int, seq: int, summary: Summary | None, smoother: _Smoothe
     loss = summary.gauges.get("loss")
     if loss is not None and math.isfinite(loss):
         r.loss = loss
+    r.stalled = [f"{s.worker}/{s.category or '(between spans)'} for {s.elapsed:.0f}s" for s in summary.stalls]
     return r
 
 
@@ -143,8 +144,10 @@ def build_cluster(world_size: int, reports: Mapping[int, RankReport], ages: Mapp
     categories.sort(key=lambda c: (c.max - c.min, c.max), reverse=True)
 
     straggler, reason = _straggler(live)
+    # alive and reporting, but its own watchdog says its training is stuck
+    stalled = sorted(r for r, rep in reports.items() if rep.stalled and r not in stale)
     return Cluster(world_size=world_size, ranks=ranks, categories=categories[:MAX_CATEGORIES],
-                   straggler=straggler, straggler_reason=reason, stale=stale, error=error)
+                   straggler=straggler, straggler_reason=reason, stale=stale, stalled=stalled, error=error)
 
 
 def _straggler(live: Mapping[int, RankReport]) -> tuple[int | None, str]:

@@ -325,7 +325,7 @@ class MetricsExporter:
         snap = self._snapshot
         if snap is not None:
             self._scraped.set()
-            for section in (_snapshot_meta, _spans, _counters, _gauges, _metrics, _system, _bottleneck):
+            for section in (_snapshot_meta, _spans, _counters, _gauges, _metrics, _system, _bottleneck, _health):
                 try:
                     section(fams, snap)
                 except Exception as e:
@@ -478,6 +478,23 @@ def _bottleneck(f: _Families, snap: Snapshot) -> None:
             value,
             {"name": str(name)},
         )
+
+
+def _health(f: _Families, snap: Snapshot) -> None:
+    """What each worker is in now, stalls and anomalies: the series to alert on."""
+    for worker, op in (snap.inflight or {}).items():
+        f.gauge("dflash_inflight_seconds", "How long each worker's innermost open span has been open.",
+                op.elapsed, {"worker": str(worker), "category": str(op.category)})
+    f.gauge("dflash_stalled_workers", "Workers the stall watchdog calls stalled now (alert on > 0).",
+            len(snap.stalls or []))
+    for st in snap.stalls or []:
+        f.gauge("dflash_stall_seconds", "Seconds a stalled worker has completed no span.", st.elapsed,
+                {"worker": str(st.worker), "category": str(st.category)})
+    f.gauge("dflash_anomalies", "Worker/category timings deviating from their baseline now.",
+            len(snap.anomalies or []))
+    for a in snap.anomalies or []:
+        f.gauge("dflash_anomaly_ratio", "A deviating timing over its baseline.", a.ratio,
+                {"worker": str(a.worker), "category": str(a.category), "stat": str(a.stat)})
 
 
 __all__ = ["MetricsExporter", "MetricsServerError"]

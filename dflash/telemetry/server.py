@@ -21,9 +21,9 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -70,6 +70,14 @@ RECENT_EVENTS = 16
 #: AF_UNIX sun_path holds 108 bytes including the terminating NUL
 _SUN_PATH_MAX = 107
 PR_SET_PTRACER = 0x59616D61
+
+
+class Monitor(Protocol):
+    """Something that judges each published window (see `TelemetryServer(monitors=...)`)."""
+
+    emit: Callable[..., None] | None
+
+    def check(self, summary: Summary, live: set[str]) -> object: ...
 
 
 def ensure_socket_dir(requested: Path) -> Path:
@@ -260,6 +268,7 @@ class TelemetryServer:
         max_clients: int = 64,
         on_publish: Callable[[Summary, Snapshot], None] | None = None,
         cluster_view: Callable[[], Cluster | None] | None = None,
+        monitors: Sequence[Monitor] = (),
     ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
@@ -279,6 +288,12 @@ class TelemetryServer:
         # Rank 0 of a multi-rank run: the latest cross-rank view, put into every snapshot. It must
         # return at once (the exchange runs in its own thread; this only reads its result).
         self._cluster_view = cluster_view
+        # Judges of each window (the stall watchdog, the anomaly detector): they run here, on the
+        # publisher thread, never on a worker; their events go out as this server's events.
+        self._monitors = list(monitors)
+        for m in self._monitors:
+            if getattr(m, "emit", None) is None:
+                m.emit = self.publish_event
         self._pid = os.getpid()
         self._host = socket.gethostname()
         self._started_t = time.time()
@@ -426,8 +441,8 @@ class TelemetryServer:
     def publish_event(self, kind: str, message: str, **data: Any) -> None:
         """Send an event (checkpoint, eval, warning, ...) to clients and the recording. Thread-safe;
         encoding happens here so that bad data fails in the caller's frame."""
-        if self._closed:
-            return
+        if self._closed and threading.current_thread() is not self._thread:
+            return  # (the publisher thread itself may still report, e.g. a monitor in the last publish)
         ev = Event(t=time.time(), kind=kind, message=message, data=data)
         try:
             frame = encode(ev)
@@ -494,6 +509,12 @@ class TelemetryServer:
         try:
             summary = self.stats.drain()
             tmap = thread_map()
+            live = set(tmap.values())
+            for m in self._monitors:
+                try:
+                    m.check(summary, live)
+                except Exception:
+                    log.exception("telemetry monitor %s failed", type(m).__name__)
             system = None
             if self._sampler is not None:
                 try:
@@ -737,6 +758,7 @@ class TelemetryServer:
             self._drain_commands()
             if final:
                 self._publish()
+                self._drain_commands()  # events the monitors raised in that last publish
             bye = encode(Bye(t=time.time(), reason=self._reason))
             self._broadcast(bye)
             deadline = time.monotonic() + CLOSE_FLUSH_S

@@ -73,6 +73,12 @@ class TrainConfig:
     report_to: list[str] = field(default_factory=list)
     # multi-rank runs (torchrun): seconds any collective may wait before the job gives up on a rank
     collective_timeout: float = 300.0
+    # health (docs/telemetry.md): stall watchdog timeout in seconds (None: from each worker's own
+    # history; 0: no watchdog), what a stall does ("warn", or "exit": checkpoint and exit 3), and how
+    # many non-finite steps in a row stop the run (each one is skipped)
+    stall_timeout: float | None = None
+    on_stall: str = "warn"
+    nonfinite_limit: int = 3
 
     def validate(self) -> None:
         if not self.target_devices:
@@ -102,6 +108,16 @@ class TrainConfig:
         unknown = [t for t in self.report_to if t not in KNOWN]
         if unknown:
             raise ConfigError(f"report_to: unknown tracker {unknown[0]!r}; choose from {', '.join(KNOWN)} (or none)")
+        if self.stall_timeout is not None and (isinstance(self.stall_timeout, bool)
+                                               or not isinstance(self.stall_timeout, (int, float))
+                                               or self.stall_timeout < 0):
+            raise ConfigError(f"stall_timeout must be seconds >= 0 (0: no watchdog), got {self.stall_timeout!r}")
+        if self.on_stall not in ("warn", "exit"):
+            raise ConfigError(f"on_stall must be 'warn' or 'exit', got {self.on_stall!r}")
+        if self.on_stall == "exit" and (not self.telemetry or self.stall_timeout == 0):
+            raise ConfigError("--on-stall exit needs the stall watchdog: drop --no-telemetry / --stall-timeout 0")
+        if self.nonfinite_limit < 1:
+            raise ConfigError(f"nonfinite_limit must be at least 1, got {self.nonfinite_limit}")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 

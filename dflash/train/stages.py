@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,8 @@ import torch
 from dflash.data import Sample
 from dflash.model.objective import LossOutput, dflash_loss
 from dflash.train.distributed import explain_backward_error
+from dflash.train.faults import FaultPlan
+from dflash.train.guard import NonFiniteGuard
 
 
 @dataclass
@@ -78,8 +81,10 @@ class BatchSource:
 class TargetStage:
     """One target replica on one device. Its output is on the drafter's device (or on its way there)."""
 
-    def __init__(self, target, drafter_device: torch.device, telemetry, name: str = "target-0"):
+    def __init__(self, target, drafter_device: torch.device, telemetry, name: str = "target-0",
+                 faults: FaultPlan | None = None):
         self.target, self.drafter_device, self.tel, self.name = target, drafter_device, telemetry, name
+        self.faults = faults  # DFLASH_FAULT injection (tests and drills); None in a normal run
         self.device = target.device
         cuda = self.device.type == "cuda" or drafter_device.type == "cuda"
         # A side stream for the device-to-device copy so the next forward is not queued behind it.
@@ -87,8 +92,12 @@ class TargetStage:
 
     def __call__(self, batch: Batch) -> HiddenBatch:
         with self.tel.cuda_span("target_forward"):
+            t0 = time.perf_counter()
             hidden = self.target.hidden_states(batch.input_ids.to(self.device, non_blocking=True),
                                                batch.attention_mask.to(self.device, non_blocking=True))
+            if self.faults is not None:
+                self.faults.delay(self.name if self.name.startswith("target") else "target-0", batch.index,
+                                  time.perf_counter() - t0)
         with self.tel.span("pack_hidden"):
             if self.copy_stream is None:
                 return HiddenBatch(batch, hidden.to(self.drafter_device))
@@ -128,7 +137,7 @@ class DrafterStage:
     """The drafter, its optimizer, and the target's frozen embedding and LM head on the drafter's device."""
 
     def __init__(self, drafter, embed_tokens, lm_head, device: torch.device, cfg, telemetry, generator,
-                 ddp: torch.nn.Module | None = None):
+                 ddp: torch.nn.Module | None = None, faults: FaultPlan | None = None):
         """`ddp`: the drafter wrapped in DistributedDataParallel (multi-rank runs); the forward goes
         through it so that backward averages gradients across ranks."""
         self.drafter, self.embed, self.lm_head = drafter, embed_tokens, lm_head
@@ -143,6 +152,8 @@ class DrafterStage:
         # bf16 activations on CUDA with fp32 master weights; plain fp32 on CPU (bf16 matmuls are
         # slower than fp32 on the CPUs we measured).
         self.autocast = device.type == "cuda"
+        self.guard = NonFiniteGuard(self.optimizer, device, getattr(cfg, "nonfinite_limit", 3))
+        self.faults = faults
 
     def step(self, hb: HiddenBatch, progress: float) -> StepResult:
         b = hb.batch
@@ -155,8 +166,13 @@ class DrafterStage:
             loss_mask = b.loss_mask.to(self.device, non_blocking=True)
             attn = b.attention_mask.to(self.device, non_blocking=True)
         with self.tel.cuda_span("drafter_forward"), torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+            t0 = time.perf_counter()
             out = dflash_loss(self.forward_module, self.embed, self.lm_head, ids, hb.hidden, loss_mask,
                               num_anchors=self.cfg.num_anchors, generator=self.generator, attention_mask=attn)
+            if self.faults is not None:
+                self.faults.delay("drafter", b.index, time.perf_counter() - t0)
+                if self.faults.poison(b.index):
+                    out.loss = out.loss * float("nan")
         with self.tel.cuda_span("drafter_backward"):
             try:
                 out.loss.backward()
@@ -169,7 +185,7 @@ class DrafterStage:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
             grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
-            self.optimizer.step()
+            self.guard.step(out.loss, grad_norm, b.index)  # skips a non-finite step, on the device
             self.optimizer.zero_grad(set_to_none=True)
         return StepResult(
             loss=float(out.loss.detach()), out=out, grad_norm=float(grad_norm), lr=lr,

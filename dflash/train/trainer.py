@@ -32,6 +32,7 @@ from dflash.train.checkpoint import (
 )
 from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.distributed import Dist, DistError
+from dflash.train.faults import FaultPlan, FaultSpecError
 from dflash.train.pipeline import Pipeline, RunState
 from dflash.train.progress import EvalProgress, Progress
 from dflash.train.stages import BatchSource, DrafterStage, StepResult, TargetStage
@@ -62,6 +63,12 @@ class Trainer:
         self.checkpoint_failed = False  # the last checkpoint write failed (disk full, ...)
         self._signals = 0
         self._logged_step = -1
+        # health: the watchdog's stall when --on-stall exit is to end the run (set on the publisher
+        # thread), the line a non-finite stop ends with, and when the guard was last read
+        self.watchdog = None
+        self.stall_exit = None
+        self.nonfinite_stop: str | None = None
+        self._guard_read = time.monotonic()
 
     def log(self, line: str) -> None:
         """Rank 0 speaks for the job; the other ranks would only repeat it (their telemetry is their own)."""
@@ -94,6 +101,12 @@ class Trainer:
         cfg = self.cfg
         self._join_ranks()
         d = self.dist
+        try:
+            faults = FaultPlan.from_env(d.rank)
+        except FaultSpecError as e:
+            raise TrainError(str(e)) from None
+        if faults is not None:
+            self.say(f"fault injection (DFLASH_FAULT): {faults.describe()}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if d.is_main and clean_partial(self.run_dir):
             self.log("removed a partial checkpoint left by an interrupted write")
@@ -166,11 +179,13 @@ class Trainer:
             drafter.load_state_dict(ckpt["drafter"])
         ddp = distributed.wrap_ddp(drafter, self.drafter_device, self.stats) if d.enabled else None
         self.drafter = DrafterStage(drafter, embed, lm_head,
-                                    self.drafter_device, cfg, self.stats.worker(names[0]), self.generator, ddp)
+                                    self.drafter_device, cfg, self.stats.worker(names[0]), self.generator, ddp,
+                                    faults=faults)
         self.targets = []
         for i, dev in enumerate(devices if cfg.pipeline else devices[:1]):
             name = f"target-{i}" if cfg.pipeline else "trainer"
-            self.targets.append(TargetStage(targets[dev], self.drafter_device, self.stats.worker(name), name))
+            self.targets.append(TargetStage(targets[dev], self.drafter_device, self.stats.worker(name), name,
+                                            faults=faults))
         self.source = BatchSource(samples, cfg.batch_size, cfg.seed, pad, d.rank, d.world_size)
         self.dcfg = dcfg
         self._limit_epochs(cfg)
@@ -250,6 +265,7 @@ class Trainer:
         steps_done = cfg.max_steps is not None and st.step >= cfg.max_steps
         wants_stop = self.stop_requested.is_set() or (cfg.max_time is not None
                                                       and self.pipeline.clock() >= cfg.max_time)
+        wants_stop = self._check_guard(now) or wants_stop
         # Rank 0's clocks decide checkpoints and evaluations for the whole job.
         ckpt = self.dist.is_main and now - self._last_ckpt_time >= cfg.checkpoint_every
         ev = self.dist.is_main and bool(cfg.eval_every) and now - self._last_eval_time >= cfg.eval_every
@@ -272,6 +288,29 @@ class Trainer:
             self.evaluate(in_training=True)
         return not done
 
+    def _check_guard(self, now: float) -> bool:
+        """Report skipped non-finite steps; True when too many came in a row. The guard's counters live
+        on the device on CUDA, so they are read once per log interval there (after every step on the
+        CPU, where a read costs nothing)."""
+        g = self.drafter.guard
+        if not g.reads_free and now - self._guard_read < self.cfg.log_every:
+            return False
+        self._guard_read = now
+        r = g.read()
+        if r.new:
+            self.stats.gauge("nonfinite_skipped", r.skipped)
+            more = f" ({r.new} since the last report)" if r.new > 1 else ""
+            self._event("nonfinite", f"non-finite loss or gradient norm at step {r.last_step} (batch "
+                        f"{r.last_batch}): optimizer step skipped{more}, {r.skipped} skipped in all",
+                        step=r.last_step, batch=r.last_batch, skipped=r.skipped, in_a_row=r.in_a_row)
+        if r.in_a_row >= g.limit and self.nonfinite_stop is None:
+            first = r.last_batch - r.in_a_row + 1
+            self.nonfinite_stop = (f"{r.in_a_row} non-finite steps in a row (steps {first + 1}-{r.last_step}, "
+                                   f"batches {first}-{r.last_batch}), limit {g.limit}: stopping; the checkpoint "
+                                   f"holds the last good state (step {first})")
+            return True
+        return False
+
     def _allocator_gauges(self) -> None:
         devs = {self.drafter_device, *(t.device for t in self.targets)}
         for d in devs:
@@ -285,10 +324,14 @@ class Trainer:
 
     # --- checkpoints and evaluation -------------------------------------------------------------------
 
-    def checkpoint(self, final: bool = False) -> Path | None:
+    def checkpoint(self, final: bool = False, collective: bool = True) -> Path | None:
         """Save (rank 0) after an agreed decision. A failed write is one warning and training goes on
-        (see README "Checkpoints"); ``checkpoint_failed`` tells the end of the run."""
+        (see README "Checkpoints"); ``checkpoint_failed`` tells the end of the run. `collective=False`
+        (a stall exit, when a collective may be hung): rank 0 saves its own replica without asking
+        the others; the other ranks save nothing."""
         if self.state.step == self._ckpt_step:
+            return None
+        if self.dist.enabled and not collective and not self.dist.is_main:
             return None
         from dataclasses import asdict
 
@@ -296,7 +339,7 @@ class Trainer:
             st = self.state
             rng_state = rng.capture(self.generator)
             rng_per_rank = None
-            if self.dist.enabled:
+            if self.dist.enabled and collective:
                 # All ranks are here at the same step (the decision was agreed): collect every rank's
                 # anchor RNG for an exact resume, and prove the replicas are still identical.
                 rng_per_rank = distributed.gather(self.dist, rng_state)
@@ -473,7 +516,8 @@ class Trainer:
                                          run_dir=self.run_dir.resolve(), socket_dir=cfg.socket_dir,
                                          rank=d.rank, world_size=d.world_size,
                                          on_publish=self.exporter.update if self.exporter else None,
-                                         cluster_view=self.exchange.view if self.exchange and d.is_main else None)
+                                         cluster_view=self.exchange.view if self.exchange and d.is_main else None,
+                                         monitors=self._monitors())
                 try:
                     server.start()
                 except (OSError, RuntimeError) as e:
@@ -489,7 +533,8 @@ class Trainer:
                 self.log("telemetry: off (--no-telemetry)")
             code = self._supervise()
         finally:
-            self.pipeline.shutdown()
+            # after a stall exit the stuck worker will not stop: do not wait long for it
+            self.pipeline.shutdown(timeout=1.0 if self.stall_exit is not None else 10.0)
             self._restore_signals(old)
             if self.exchange is not None:
                 self.exchange.close("failed" if code else "finished")
@@ -501,8 +546,42 @@ class Trainer:
             if self.trackers is not None:
                 self.trackers.close()
         self.log(f"done: {self.state.step} steps, {self.state.tokens:,} tokens, run dir {self.run_dir}")
+        if self.stall_exit is not None and self.dist.enabled:
+            sys.stdout.flush()
+            os._exit(code)  # a collective is hung: tearing down the process group would hang with it
         distributed.shutdown(self.dist)
         return code
+
+    def _monitors(self) -> list:
+        """The judges the telemetry server runs on each window: the stall watchdog, unless disabled."""
+        cfg = self.cfg
+        if cfg.stall_timeout == 0:
+            return []
+        from dflash.telemetry.watchdog import Watchdog
+
+        def on_stall(st) -> None:  # publisher thread: only hand the stall to the main thread
+            self.stall_exit = st
+
+        self.watchdog = Watchdog(self.run_dir.resolve(), cfg.stall_timeout or None, emit=self._event,
+                                 on_stall=on_stall if cfg.on_stall == "exit" else None)
+        return [self.watchdog]
+
+    def _exit_on_stall(self) -> int:
+        """--on-stall exit: checkpoint the last completed step without any collective (one may be the
+        thing that hangs) and end with code 3, so a scheduler restarts the job with --resume."""
+        st = self.stall_exit
+        self.pipeline.stop.set()
+        path = self.checkpoint(collective=False)
+        where = f"in {st.category}" if st.category else "between spans"
+        line = (f"{st.worker} stalled {where} for {st.elapsed:.0f} s (timeout {st.timeout:.0f} s)"
+                + (f" at {st.frame}" if st.frame else "") + f"; checkpointed step {self.state.step}"
+                + (f" to {path}" if path is not None else "") + "; exiting with code 3 (--on-stall exit), "
+                "restart with --resume")
+        print(f"dflash train: {line}", file=sys.stderr, flush=True)
+        self._event("error", line)
+        if self.watchdog is not None:
+            self.watchdog.join_dumps()  # the native stacks are the point of the exercise
+        return 3
 
     def _supervise(self) -> int:
         """Main-thread loop: log, watch for failures, and finish the run (checkpoint, final eval)."""
@@ -511,6 +590,8 @@ class Trainer:
         self._step_at_start, self._clock_at_start = self.state.step, self.pipeline.clock()
         while self.pipeline.running:
             time.sleep(0.05)
+            if self.stall_exit is not None:
+                return self._exit_on_stall()
             if self.pipeline.failure:
                 break
             self._publish_progress()
@@ -543,7 +624,11 @@ class Trainer:
                 print(f"dflash train: the final checkpoint was not saved (see above): --resume continues from "
                       f"the newest one in {self.run_dir}/checkpoints", file=sys.stderr, flush=True)
                 code = 1
-            if not self.stop_requested.is_set() and cfg.eval_prompts > 0 and self.dist.is_main:
+            if self.nonfinite_stop is not None:
+                print(f"dflash train: {self.nonfinite_stop}", file=sys.stderr, flush=True)
+                self._event("error", self.nonfinite_stop)
+                code = 1
+            elif not self.stop_requested.is_set() and cfg.eval_prompts > 0 and self.dist.is_main:
                 self.evaluate()
         if stuck:
             self.log(f"warning: workers did not exit in time: {', '.join(stuck)}")

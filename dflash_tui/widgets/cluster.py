@@ -84,7 +84,8 @@ def pick_ranks(cluster: Cluster, limit: int, keep: Iterable[int | None] = ()) ->
 
 def rank_cells(r: ClusterRank, straggler: int | None, selected: int | None, shown: int | None) -> list[Cell]:
     mark = "▶" if r.rank == selected else "•" if r.rank == shown else " "
-    state, state_style = ("STALE", STALE) if r.stale else (r.state, STATE_STYLE.get(r.state, ""))
+    state, state_style = (("STALE", STALE) if r.stale else ("STALLED", STALE) if r.stalled
+                          else (r.state, STATE_STYLE.get(r.state, "")))
     return [(mark, "bold"), (f"r{r.rank}", STRAGGLER if r.rank == straggler else "bold"), (r.host or fmt.NA, ""),
             (state, state_style), (str(r.step), ""), (fmt.count(r.tokens_per_s), ""), (fmt.number(r.loss), ""),
             (fmt.percent(r.allreduce_share), ""), (fmt.age(r.age_s), "bold red" if r.stale else "dim")]
@@ -102,6 +103,8 @@ def cluster_summary(cluster: Cluster) -> str:
     stale = sorted(set(cluster.stale) | {r.rank for r in cluster.ranks if r.stale})
     if stale:
         out += f" · {len(stale)} stale"
+    if cluster.stalled:
+        out += f" · {len(cluster.stalled)} stalled"
     return out
 
 
@@ -149,6 +152,12 @@ def cluster_text(cluster: Cluster, width: int, *, selected: int | None = None, s
         line.append(f" stale {', '.join(f'r{r}' for r in stale)} ", style=STALE)
         line.append(" stopped reporting to rank 0")
         lines.append(line)
+    for r in cluster.ranks:
+        if r.stalled and not r.stale:
+            line = Text(no_wrap=True, overflow="ellipsis")
+            line.append(f" stalled r{r.rank} ", style=STALE)
+            line.append(" " + "; ".join(r.stalled))
+            lines.append(line)
     out = Text("\n").join(lines)
     out.no_wrap, out.overflow = True, "crop"
     return out

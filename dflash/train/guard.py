@@ -1,0 +1,82 @@
+"""The non-finite guard: an optimizer step whose loss or gradient norm is NaN/inf is skipped, counted
+and reported; too many in a row stop the run with the last good state checkpointed.
+
+Why it is shaped like this: the trainer must not synchronise with the GPU in a step, so on CUDA the
+decision never reaches the host. The fused AdamW kernel takes a `found_inf` tensor (the hook AMP's
+grad scaler uses) and, when it is 1, leaves parameters, both moments and the step count untouched, all
+on the device. A plain "zero the gradients" would not do: AdamW would still decay the moments and
+apply weight decay. The counters (skipped steps, the current run of them, the last bad step and
+batch) are device tensors too, updated with `torch.where`, and read on the host once per log interval
+(`read`). Where the optimizer is not fused (the CPU default), the check is a host branch: on the CPU
+reading a tensor is not a device synchronisation, and then every bad step is reported at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: non-finite steps in a row that stop the run (a transient spike skips one or two)
+DEFAULT_LIMIT = 3
+
+
+@dataclass
+class GuardReading:
+    """The guard's counters as of one read."""
+
+    skipped: int  # steps skipped since the start of this process
+    new: int  # of which since the previous read
+    in_a_row: int  # the current run of consecutive skipped steps (0: the last step was good)
+    last_batch: int  # batch index of the latest skipped step (-1: none yet); it was step last_batch + 1
+
+    @property
+    def last_step(self) -> int:
+        """The step number the log shows for that step (steps count from 1, batches from 0)."""
+        return self.last_batch + 1
+
+
+class NonFiniteGuard:
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, limit: int = DEFAULT_LIMIT) -> None:
+        self.optimizer, self.limit = optimizer, limit
+        # on the device when the optimizer can take the decision there (fused kernels: CUDA, and CPU)
+        self.on_device = bool(optimizer.defaults.get("fused"))
+        if self.on_device:
+            z = torch.zeros((), dtype=torch.long, device=device)
+            self._skipped, self._run, self._last_batch = z.clone(), z.clone(), z - 1
+        else:
+            self._skipped = self._run = 0
+            self._last_batch = -1
+        self._read_skipped = 0
+
+    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor, batch: int) -> None:
+        """`optimizer.step()` unless the loss or the (pre-clip) gradient norm is not finite."""
+        ok = torch.isfinite(loss.detach()) & torch.isfinite(grad_norm)
+        if self.on_device:
+            bad = ~ok
+            self.optimizer.found_inf = bad.float()  # type: ignore[attr-defined]  # read by the fused kernel
+            self.optimizer.step()
+            self._skipped += bad
+            self._run = torch.where(ok, 0, self._run + 1)
+            self._last_batch = torch.where(ok, self._last_batch, batch)
+        elif bool(ok):  # a host tensor: no device synchronisation
+            self.optimizer.step()
+            self._run = 0
+        else:
+            self._skipped += 1
+            self._run += 1
+            self._last_batch = batch
+
+    def read(self) -> GuardReading:
+        """The counters on the host: one small copy on CUDA, so call it once per log interval."""
+        if self.on_device:
+            skipped, run, last_batch = torch.stack([self._skipped, self._run, self._last_batch]).tolist()
+        else:
+            skipped, run, last_batch = self._skipped, self._run, self._last_batch
+        new, self._read_skipped = skipped - self._read_skipped, skipped
+        return GuardReading(skipped=skipped, new=new, in_a_row=run, last_batch=last_batch)
+
+    @property
+    def reads_free(self) -> bool:
+        """Whether `read` costs nothing (host counters), so the trainer may read after every step."""
+        return not self.on_device or self._skipped.device.type == "cpu"

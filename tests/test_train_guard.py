@@ -1,0 +1,58 @@
+"""The non-finite guard, on both of its paths: the host branch (plain AdamW) and the on-device one
+(fused AdamW's found_inf, the path CUDA takes; torch also runs it on the CPU, so it is tested here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.train.guard import NonFiniteGuard
+
+
+def _model_and_opt(fused: bool):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1, fused=fused)
+    return model, opt
+
+
+def _step(model, opt, guard, batch: int, poison: bool) -> None:
+    loss = model(torch.ones(2, 4)).square().mean()
+    if poison:
+        loss = loss * float("nan")
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    guard.step(loss, norm, batch)
+    opt.zero_grad(set_to_none=True)
+
+
+def _state(model, opt) -> dict:
+    out = {f"p.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, st in opt.state.items():
+        for k, v in st.items():
+            out[f"s.{id(i)}.{k}"] = v.detach().clone() if torch.is_tensor(v) else v
+    return out
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_non_finite_step_changes_nothing_and_is_counted(fused: bool) -> None:
+    model, opt = _model_and_opt(fused)
+    guard = NonFiniteGuard(opt, torch.device("cpu"), limit=3)
+    assert guard.on_device is fused
+    _step(model, opt, guard, 0, poison=False)
+    before = _state(model, opt)
+    _step(model, opt, guard, 1, poison=True)
+    after = _state(model, opt)
+    assert before.keys() == after.keys()
+    for k in before:  # weights, both moments, the step count: untouched (weight decay too)
+        assert torch.equal(torch.as_tensor(before[k]), torch.as_tensor(after[k])), k
+    r = guard.read()
+    assert (r.skipped, r.new, r.in_a_row, r.last_batch, r.last_step) == (1, 1, 1, 1, 2)
+    _step(model, opt, guard, 2, poison=True)
+    _step(model, opt, guard, 3, poison=True)
+    r = guard.read()
+    assert (r.skipped, r.new, r.in_a_row, r.last_batch) == (3, 2, 3, 3)
+    _step(model, opt, guard, 4, poison=False)  # a good step moves the weights and ends the run
+    assert not torch.equal(before["p.weight"], model.weight)
+    r = guard.read()
+    assert (r.skipped, r.new, r.in_a_row) == (3, 0, 0)
