@@ -133,3 +133,20 @@ def test_a_bad_spec_stops_the_trainer_with_one_line(setup, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "dflash train: error: DFLASH_FAULT 'hang:drafter': hang needs seconds=S (> 0)"]
+
+
+def test_a_slowdown_raises_one_anomaly(setup, tmp_path):
+    """Normal for ~5 s (the baseline forms; nothing may be raised), then every target forward takes 4x
+    as long: one anomaly, on that worker and category (the drafter's longer waits are not another)."""
+    run_dir = tmp_path / "run"
+    proc = _train(setup, run_dir, "slow:target:factor=4:from_step=250", "--max-time", "14", "--log-every", "5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events, snaps = _frames(run_dir)
+    anomalies = [e for e in events if e.kind == "anomaly"]
+    assert len(anomalies) == 1, [e.message for e in anomalies]
+    a = anomalies[0]
+    assert (a.data["worker"], a.data["category"]) == ("target-0", "target_forward") and a.data["ratio"] >= 2
+    assert a.message.startswith("target-0/target_forward ") and "x its baseline (" in a.message
+    assert any(s.anomalies and s.anomalies[0].category == "target_forward" for s in snaps)
+    steps_at = [s.counters.get("steps", 0) for s in snaps if s.anomalies]
+    assert min(steps_at) >= 250  # not before the slowdown

@@ -553,18 +553,22 @@ class Trainer:
         return code
 
     def _monitors(self) -> list:
-        """The judges the telemetry server runs on each window: the stall watchdog, unless disabled."""
-        cfg = self.cfg
-        if cfg.stall_timeout == 0:
-            return []
+        """The judges the telemetry server runs on each window: the anomaly detector and the stall
+        watchdog (unless --stall-timeout 0)."""
+        from dflash.telemetry.anomalies import AnomalyDetector
         from dflash.telemetry.watchdog import Watchdog
+
+        cfg = self.cfg
+        monitors: list = [AnomalyDetector(emit=self._event)]
+        if cfg.stall_timeout == 0:
+            return monitors
 
         def on_stall(st) -> None:  # publisher thread: only hand the stall to the main thread
             self.stall_exit = st
 
         self.watchdog = Watchdog(self.run_dir.resolve(), cfg.stall_timeout or None, emit=self._event,
                                  on_stall=on_stall if cfg.on_stall == "exit" else None)
-        return [self.watchdog]
+        return [*monitors, self.watchdog]
 
     def _exit_on_stall(self) -> int:
         """--on-stall exit: checkpoint the last completed step without any collective (one may be the

@@ -1,0 +1,55 @@
+"""The anomaly detector on window statistics: a sustained slowdown is one event, noise is none."""
+
+from __future__ import annotations
+
+import random
+
+from dflash.telemetry.anomalies import AnomalyDetector
+from dflash.telemetry.protocol import CategoryStats
+from dflash.telemetry.summary import Summary
+
+
+def _window(t: float, cats: dict[str, float]) -> Summary:
+    stats = {c: CategoryStats(n=10, total=10 * v, mean=v, p50=v, p95=v * 1.3, max=v * 1.6) for c, v in cats.items()}
+    return Summary(t=t, window_s=1.0, workers={"target-0": stats})
+
+
+def _run(det: AnomalyDetector, values: list[dict[str, float]], start: float = 1000.0) -> list[tuple[str, str]]:
+    """Feed one 1 s window per entry; the events raised."""
+    events: list[tuple[str, str]] = []
+    det.emit = lambda kind, msg, **data: events.append((kind, msg))
+    for i, cats in enumerate(values):
+        det.check(_window(start + i, cats))
+    return events
+
+
+def test_a_sustained_slowdown_is_one_event_and_its_end_another() -> None:
+    rng = random.Random(1)
+    base = [{"target_forward": 0.012 * rng.uniform(0.9, 1.1)} for _ in range(40)]
+    slow = [{"target_forward": 0.041 * rng.uniform(0.95, 1.05)} for _ in range(20)]
+    back = [{"target_forward": 0.012 * rng.uniform(0.9, 1.1)} for _ in range(10)]
+    det = AnomalyDetector()
+    events = _run(det, base + slow[:10])
+    assert [k for k, _ in events] == ["anomaly"]
+    msg = events[0][1]
+    assert msg.startswith("target-0/target_forward p95 3.") and "its baseline (" in msg and " vs 15" in msg
+    assert det.active and det.active[0].ratio > 3
+    events = _run(det, slow[10:] + back, start=1050.0)
+    assert [k for k, _ in events] == ["anomaly_end"] and not det.active
+
+
+def test_noise_spikes_and_waits_raise_nothing() -> None:
+    rng = random.Random(2)
+    values = []
+    for i in range(300):
+        v = 0.012 * rng.uniform(0.8, 1.25)
+        if i % 7 == 0:
+            v *= 5  # a single slow window now and then (GC, a checkpoint elsewhere)
+        wait = 0.001 if i < 150 else 0.05  # a wait that grows 50x: the consequence of someone else
+        values.append({"target_forward": v, "hs_queue_put": wait})
+    assert _run(AnomalyDetector(), values) == []
+
+
+def test_no_judgement_before_a_baseline() -> None:
+    values = [{"target_forward": 0.01}] * 5 + [{"target_forward": 1.0}] * 30
+    assert _run(AnomalyDetector(), values) == []  # the slow part became the baseline before judging
