@@ -24,6 +24,9 @@ from dflash.telemetry.protocol import Bottleneck, CategoryStats
 THRESHOLD = 0.20
 #: below this much timed work per pipeline worker there is nothing to judge (start-up, eval pauses)
 MIN_TRACKED = 0.05
+#: GIL contention (share of a probe thread's time spent waiting for the GIL, dflash/telemetry/gil.py)
+#: from which the interpreter lock, not compute, limits the stage that bounds throughput
+GIL_BOUND = 0.5
 
 TARGET_BUSY = ("target_forward", "pack_hidden", "h2d")
 DRAFTER_BUSY = ("drafter_forward", "drafter_backward", "optimizer_step", "h2d")
@@ -157,3 +160,19 @@ class SteadyVerdict:
                           reason=f"{cur.reason} (held: this window looks {raw.verdict}, "
                                  f"{self._wins} of {self.hold} in a row needed to change)",
                           evidence=raw.evidence)
+def gil_bound(b: Bottleneck, contention: float | None, threshold: float = GIL_BOUND) -> Bottleneck:
+    """The verdict, turned into "GIL-bound" when Python threads queue for the interpreter lock: then
+    the stage that looks slowest is slow because its thread waits for the GIL, and more compute
+    (GPUs, workers) would not help; less Python per step, or processes, would."""
+    if contention is None or contention < threshold or b.verdict == "unknown":
+        return b
+    evidence = {**b.evidence, "gil_contention": round(contention, 4)}
+    stage = b.verdict.removesuffix("-bound")
+    return Bottleneck(
+        verdict="GIL-bound",
+        reason=(f"a thread that wants the GIL waits {contention:.0%} of its time for it: Python threads queue "
+                f"for the interpreter lock, so the {stage} stage ({b.verdict} by its waits) is limited by the GIL, "
+                "not by compute; move Python work out of the step (fewer small ops, CUDA graphs) or use "
+                "processes (--nproc)"),
+        evidence=evidence,
+    )

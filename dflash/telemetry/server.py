@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from dflash.telemetry.analysis import SteadyVerdict, analyze
+from dflash.telemetry.analysis import SteadyVerdict, analyze, gil_bound
 from dflash.telemetry.protocol import (
     PROTO,
     Bye,
@@ -524,7 +524,8 @@ class TelemetryServer:
                         log.warning("system sample failed: %s", e)
                         self._sampler_failed = True
             self._seq += 1
-            snap = to_snapshot(summary, self._seq, self.interval_s, system, self.verdict.update(analyze(summary.workers)))
+            verdict = self.verdict.update(gil_bound(analyze(summary.workers), summary.gauges.get("gil_contention")))
+            snap = to_snapshot(summary, self._seq, self.interval_s, system, verdict)
             if self._cluster_view is not None:
                 snap.cluster = self._cluster_view()
             data = encode(snap)
@@ -793,6 +794,10 @@ class TelemetryServer:
                 self._recorder.close()
             if self._sampler is not None:
                 self._sampler.close()
+            for m in self._monitors:  # e.g. the GIL probe's thread
+                close = getattr(m, "close", None)
+                if close is not None:
+                    close()
 
     def _unlink_own_socket(self) -> None:
         """Remove our socket file, but not one another server bound at the same path since."""

@@ -553,13 +553,14 @@ class Trainer:
         return code
 
     def _monitors(self) -> list:
-        """The judges the telemetry server runs on each window: the anomaly detector and the stall
-        watchdog (unless --stall-timeout 0)."""
+        """The judges the telemetry server runs on each window: the anomaly detector, the GIL probe and
+        the stall watchdog (unless --stall-timeout 0)."""
         from dflash.telemetry.anomalies import AnomalyDetector
+        from dflash.telemetry.gil import GilProbe
         from dflash.telemetry.watchdog import Watchdog
 
         cfg = self.cfg
-        monitors: list = [AnomalyDetector(emit=self._event)]
+        monitors: list = [AnomalyDetector(emit=self._event), GilProbe()]
         if cfg.stall_timeout == 0:
             return monitors
 
