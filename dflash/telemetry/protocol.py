@@ -102,7 +102,7 @@ class SystemSample(msgspec.Struct, omit_defaults=True):
 
 
 class Bottleneck(msgspec.Struct, omit_defaults=True):
-    #: "target-bound", "drafter-bound", "data-bound", "balanced" or "unknown"
+    #: "target-bound", "drafter-bound", "data-bound", "GIL-bound", "balanced" or "unknown"
     verdict: str
     reason: str = ""
     evidence: dict[str, float] = {}
