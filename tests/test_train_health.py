@@ -150,3 +150,45 @@ def test_a_slowdown_raises_one_anomaly(setup, tmp_path):
     assert any(s.anomalies and s.anomalies[0].category == "target_forward" for s in snaps)
     steps_at = [s.counters.get("steps", 0) for s in snaps if s.anomalies]
     assert min(steps_at) >= 250  # not before the slowdown
+
+
+def test_a_stopped_rank_makes_rank_0_report_its_stalled_allreduce(tmp_path, tmp_path_factory):
+    """2 ranks; rank 1 gets SIGSTOP. Rank 0's drafter then waits in the gradient all-reduce: its
+    watchdog reports that stall, with the stack, long before the 60 s collective timeout."""
+    import os
+    import signal
+    import time
+
+    from test_train_distributed import _finish, _launch, _wait_for_rank_0_to_hear_from, _wait_for_training
+
+    root = tmp_path_factory.mktemp("dist-health")
+    target = make_target_dir(root / "target", layers=4, tokenizer=make_tokenizer())
+    data = _write_data(root / "data.jsonl", rows=48)
+    socks, run = tmp_path / "socks", tmp_path / "run"
+    proc = _launch(target, data, run, socks, "--max-steps", "100000", "--collective-timeout", "60",
+                   "--stall-timeout", "3")
+    pids = {}
+    try:
+        pids = _wait_for_training(proc, socks)
+        _wait_for_rank_0_to_hear_from(run, pids[1])
+        os.kill(pids[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        stall = None
+        while stall is None and time.monotonic() - t0 < 40:
+            stall = next((f for f in read_frames(run / "telemetry.jsonl")
+                          if isinstance(f, Event) and f.kind == "stall" and f.data["worker"] == "drafter-0"), None)
+            time.sleep(0.2)
+        assert stall is not None, "rank 0 reported no stall"
+        assert time.monotonic() - t0 < 30  # the collective timeout is 60 s
+        block = Path(stall.data["stack_file"]).read_text().split("\n\n")[1]
+        assert '"drafter-0" (stalled)' in block
+        # stuck in the all-reduce: DDP's backward, or the per-step agreement, both wait on gloo
+        assert any(w in block for w in ("backward", "all_reduce", "allreduce", "wait", "exchange")), block
+    finally:
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+        _finish(proc, timeout=60)
