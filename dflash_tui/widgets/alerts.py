@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 from rich.text import Text
 
+from dflash.telemetry.protocol import Anomaly
 from dflash_tui import fmt
 from dflash_tui.state import RunState
 from dflash_tui.widgets.base import TextPanel
@@ -22,24 +23,36 @@ ANOMALY_STYLE = "bold black on yellow"
 MAX_LINES = 2
 
 
-def stall_line(st: dict[str, Any]) -> str:
-    """One line per stalled worker (the --once report and the banner say the same)."""
+def stall_line(st: dict[str, Any], compact: bool = False) -> str:
+    """One line per stalled worker (the --once report and the banner say the same). `compact` (80
+    columns): the innermost function of the code that waits instead of the full frame."""
     where = f"in {st['category']}" if st.get("category") else "between spans"
+    frame = st.get("frame") or ""
+    if compact:
+        line = f"{st['worker']} {st.get('category') or '(between spans)'} {fmt.seconds(st['elapsed'])} " \
+               f">{fmt.seconds(st['timeout'])}"
+        return line + (f" {frame.rsplit(' in ', 1)[-1]}()" if frame else "")
     line = f"{st['worker']} {where} for {fmt.seconds(st['elapsed'])} (timeout {fmt.seconds(st['timeout'])})"
-    if st.get("frame"):
-        line += f" at {st['frame']}"
-    return line
+    return line + (f" at {frame}" if frame else "")
 
 
-def alerts_text(state: RunState) -> Text:
+def anomaly_line(a: Anomaly, compact: bool = False) -> str:
+    """The trainer's message, or (80 columns) the same without the time it began."""
+    if a.message and not compact:
+        return a.message
+    return (f"{a.worker}/{a.category} {a.stat} {a.ratio:.1f}x baseline ({fmt.seconds(a.value)} vs "
+            f"{fmt.seconds(a.baseline)})")
+
+
+def alerts_text(state: RunState, width: int = 200) -> Text:
     t = Text(no_wrap=True, overflow="ellipsis")
     rows: list[tuple[str, str, str]] = []
     stalls, anomalies = state.stalls, state.anomalies
-    rows += [(" STALLED ", STALL_STYLE, stall_line(msgspec.to_builtins(s))) for s in stalls[:MAX_LINES]]
+    compact = width < 120
+    rows += [(" STALLED ", STALL_STYLE, stall_line(msgspec.to_builtins(s), compact)) for s in stalls[:MAX_LINES]]
     if len(stalls) > MAX_LINES:
         rows.append((" STALLED ", STALL_STYLE, f"+{len(stalls) - MAX_LINES} more workers"))
-    rows += [(" ANOMALY ", ANOMALY_STYLE, a.message or f"{a.worker}/{a.category} {a.stat} {a.ratio:.1f}x baseline")
-             for a in anomalies[:MAX_LINES]]
+    rows += [(" ANOMALY ", ANOMALY_STYLE, anomaly_line(a, compact)) for a in anomalies[:MAX_LINES]]
     if len(anomalies) > MAX_LINES:
         rows.append((" ANOMALY ", ANOMALY_STYLE, f"+{len(anomalies) - MAX_LINES} more"))
     for i, (tag, style, msg) in enumerate(rows):
@@ -55,7 +68,7 @@ class AlertBanner(TextPanel):
     """
 
     def build(self, state: RunState, width: int) -> Text:
-        return alerts_text(state)
+        return alerts_text(state, width)
 
     def refresh_from(self, state: RunState) -> None:
         show = bool(state.stalls or state.anomalies)
