@@ -38,8 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.telemetry import ProfileStats, TelemetryServer  # noqa: E402
 from dflash.telemetry.analysis import analyze  # noqa: E402
+from dflash.telemetry.anomalies import AnomalyDetector  # noqa: E402
+from dflash.telemetry.gil import GilProbe  # noqa: E402
 from dflash.telemetry.protocol import encode  # noqa: E402
 from dflash.telemetry.summary import to_snapshot  # noqa: E402
+from dflash.telemetry.watchdog import Watchdog  # noqa: E402
 
 CATS = [
     "batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put", "hs_queue_wait", "h2d",
@@ -202,7 +205,9 @@ def bench_throughput(seconds: float, pairs: int) -> tuple[float, float, float]:
 
     def on() -> tuple[float, float]:
         stats = ProfileStats()
-        srv = TelemetryServer("bench", stats, interval_s=0.25, socket_dir=sock_dir).start()
+        # every probe on, as `dflash train` runs them: stall watchdog, anomaly detector, GIL probe
+        monitors = [Watchdog(native=False), AnomalyDetector(), GilProbe()]
+        srv = TelemetryServer("bench", stats, interval_s=0.25, socket_dir=sock_dir, monitors=monitors).start()
         readers = [subprocess.Popen([sys.executable, "-c", _READER, str(srv.path)]) for _ in range(3)]
         silent = socket.socket(socket.AF_UNIX)
         silent.connect(str(srv.path))  # never reads

@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                           "(default: from its own history, at least 30; 0: no watchdog)")
     a("--on-stall", choices=["warn", "exit"], help="exit: checkpoint the last completed step and exit 3 so a "
                                                    "scheduler can restart the job (default warn)")
+    a("--no-gil-probe", dest="gil_probe", action="store_false", default=None,
+      help="turn off the GIL contention gauge (its probe thread takes the GIL 200 times a second)")
     a("--nonfinite-limit", type=int, help="non-finite steps in a row (each skipped) that stop the run (default 3)")
 
 

@@ -79,6 +79,7 @@ class TrainConfig:
     stall_timeout: float | None = None
     on_stall: str = "warn"
     nonfinite_limit: int = 3
+    gil_probe: bool = True  # the GIL contention gauge (a thread sampling the GIL every 5 ms)
 
     def validate(self) -> None:
         if not self.target_devices:

@@ -560,7 +560,9 @@ class Trainer:
         from dflash.telemetry.watchdog import Watchdog
 
         cfg = self.cfg
-        monitors: list = [AnomalyDetector(emit=self._event), GilProbe()]
+        monitors: list = [AnomalyDetector(emit=self._event)]
+        if cfg.gil_probe:
+            monitors.append(GilProbe())
         if cfg.stall_timeout == 0:
             return monitors
 
