@@ -27,7 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from dflash.telemetry.analysis import GIL_BOUND
+from dflash.telemetry.analysis import gil_bound
+from dflash.telemetry.protocol import Bottleneck
 
 REPO = Path(__file__).resolve().parent.parent
 RATE = 100  # py-spy samples per second
@@ -70,10 +71,12 @@ def _child(kind: str, threads: int, seconds: float, probe: str) -> None:
         knocker.start()
     if p is not None:
         p.read()
-    c0, t0 = sum(counts), time.perf_counter()
+    c0, t0, cpu0 = sum(counts), time.perf_counter(), time.process_time()
     print("ready", flush=True)
     time.sleep(seconds)
-    ops = (sum(counts) - c0) / (time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    ops = (sum(counts) - c0) / wall
+    cpu = (time.process_time() - cpu0) / wall * 100
     share, wait, _ = p.read() if p is not None else (None, None, 0)
     if knocker is not None:
         knocker_share = knocker.contention_metric
@@ -84,7 +87,7 @@ def _child(kind: str, threads: int, seconds: float, probe: str) -> None:
         t.join()
     if p is not None:
         p.close()
-    print(json.dumps({"ops_per_s": ops, "probe": share, "probe_wait_ms": wait * 1e3 if wait is not None else None,
+    print(json.dumps({"ops_per_s": ops, "cpu_percent": cpu, "probe": share, "probe_wait_ms": wait * 1e3 if wait is not None else None,
                       "knocker": knocker_share if knocker is not None else None}), flush=True)
 
 
@@ -143,9 +146,8 @@ def trainer_row(seconds: float) -> dict:
         waits = [s.gauges["gil_wait_ms"] for s in snaps if "gil_wait_ms" in s.gauges]
         verdicts = [s.bottleneck.verdict for s in snaps if s.bottleneck is not None]
     mean = sum(vals) / len(vals) if vals else None
-    # the trainer's probe is gilknocker when it imports (then there is no gil_wait_ms gauge)
-    return {"probe": mean if waits else None, "probe_wait_ms": sum(waits) / len(waits) if waits else None,
-            "knocker": None if waits else mean, "pyspy": share, "ratio": None, "kratio": None,
+    return {"probe": mean, "probe_wait_ms": sum(waits) / len(waits) if waits else None,
+            "knocker": None, "pyspy": share, "ratio": None, "kratio": None,
             "verdict": max(set(verdicts), key=verdicts.count) if verdicts else "-"}
 
 
@@ -183,14 +185,14 @@ def main() -> None:
         rows[f"{a.threads} {kind} threads"] = {
             **on, "knocker": kn["knocker"] if kn else None, "pyspy": spy, "ratio": on["ops_per_s"] / off["ops_per_s"],
             "kratio": kn["ops_per_s"] / off["ops_per_s"] if kn else None,
-            # what the trainer's gauge would say: gilknocker when installed (dflash.telemetry.gil)
-            "verdict": "GIL-bound" if ((kn["knocker"] if kn else on["probe"]) or 0) >= GIL_BOUND else "-"}
+            # what the trainer's verdict would say (dflash.telemetry.analysis.gil_bound)
+            "verdict": gil_bound(Bottleneck(verdict="balanced"), on["probe"], on["cpu_percent"]).verdict}
     if not a.skip_trainer:
         rows["trainer (tiny-cpu)"] = trainer_row(a.seconds)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     print()
     print("| workload | sleep probe | its wait/wake | gilknocker | py-spy GIL held | ops on/off: sleep probe | "
-          "gilknocker | trainer's gauge / verdict |")
+          "gilknocker | verdict |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in rows.items():
         print(f"| {name} | {_fmt(r['probe'])} | {_fmt(r['probe_wait_ms'], False)} ms | {_fmt(r['knocker'])} | "

@@ -27,6 +27,10 @@ MIN_TRACKED = 0.05
 #: GIL contention (share of a probe thread's time spent waiting for the GIL, dflash/telemetry/gil.py)
 #: from which the interpreter lock, not compute, limits the stage that bounds throughput
 GIL_BOUND = 0.5
+#: ... provided the process runs on no more than this many cores (CPU percent): threads limited by the
+#: GIL run one at a time, so a process using more is computing in parallel, whatever the probe says
+#: (a sleep probe on an oversubscribed machine also counts waiting for a core)
+GIL_BOUND_MAX_CPU = 150.0
 
 TARGET_BUSY = ("target_forward", "pack_hidden", "h2d")
 DRAFTER_BUSY = ("drafter_forward", "drafter_backward", "optimizer_step", "h2d")
@@ -160,13 +164,21 @@ class SteadyVerdict:
                           reason=f"{cur.reason} (held: this window looks {raw.verdict}, "
                                  f"{self._wins} of {self.hold} in a row needed to change)",
                           evidence=raw.evidence)
-def gil_bound(b: Bottleneck, contention: float | None, threshold: float = GIL_BOUND) -> Bottleneck:
-    """The verdict, turned into "GIL-bound" when Python threads queue for the interpreter lock: then
-    the stage that looks slowest is slow because its thread waits for the GIL, and more compute
-    (GPUs, workers) would not help; less Python per step, or processes, would."""
+
+
+def gil_bound(b: Bottleneck, contention: float | None, cpu_percent: float | None = None,
+              threshold: float = GIL_BOUND) -> Bottleneck:
+    """The verdict, turned into "GIL-bound" when Python threads queue for the interpreter lock while
+    the process runs on about one core: then the stage that looks slowest is slow because its thread
+    waits for the GIL, and more compute (GPUs, workers) would not help; less Python per step, or
+    processes, would."""
     if contention is None or contention < threshold or b.verdict == "unknown":
         return b
+    if cpu_percent is not None and cpu_percent > GIL_BOUND_MAX_CPU:
+        return b
     evidence = {**b.evidence, "gil_contention": round(contention, 4)}
+    if cpu_percent is not None:
+        evidence["process_cpu_percent"] = round(cpu_percent, 1)
     stage = b.verdict.removesuffix("-bound")
     return Bottleneck(
         verdict="GIL-bound",

@@ -1,21 +1,22 @@
 """GIL contention, live: how long a Python thread that wants to run has to wait for the interpreter lock.
 
-Two probes measure it, both sampling every 5 ms from a thread of their own; the gauge `gil_contention`
-(0..1) is the share of the probe's time spent waiting for the GIL, `gil_wait_ms` (sleep probe only)
-the mean wait per wake-up.
+The probe: a thread sleeps 5 ms and measures how late it wakes. `time.sleep` releases the GIL and
+returns only once the thread holds it again, so the lateness is the wait for the GIL: up to
+`sys.getswitchinterval()` (5 ms) per wake-up behind one running Python thread, longer behind several,
+next to nothing behind threads in C code that releases the GIL (large torch ops, I/O). The gauge
+`gil_contention` (0..1) is the share of the probe's time spent waiting; `gil_wait_ms` the mean wait
+per wake-up. Its blind spot: on a machine with more runnable threads than cores the lateness also
+holds the wait for a core, which a Python thread cannot tell apart (floor ~1% on a quiet machine,
+more under load); the GIL-bound verdict therefore also asks that the process run on about one core
+(analysis.gil_bound).
 
-* `gilknocker` (a Rust extension, a dependency of dflash-trainer): its native thread wakes, *then*
-  times how long acquiring the GIL takes. Chosen when it imports, because it measured right where the
-  other did not: with threads in large torch matmuls on an oversubscribed machine it reads ~0%,
-  the sleep probe 57% (validation table in docs/telemetry.md, scripts/bench_gil.py).
-* the sleep probe, the fallback: a Python thread sleeps 5 ms and measures how late it wakes.
-  `time.sleep` releases the GIL and returns only once the thread holds it again, so the lateness is
-  the wait for the GIL, up to `sys.getswitchinterval()` per wake-up behind one running Python thread,
-  longer behind several; but it also holds the OS's timer slack and, on a machine with more runnable
-  threads than cores, the wait for a core, which a Python thread cannot tell apart (its floor is ~1%
-  on a quiet machine and grows with load).
+`gilknocker` (a Rust extension whose native thread wakes first and then times acquiring the GIL) was
+measured side by side (scripts/bench_gil.py, docs/telemetry.md): it reads right under CPU
+oversubscription where the sleep probe does not, but with it the trainer aborted at interpreter exit
+in 3 of 8 short runs ("FATAL: exception not rethrown": its thread is unwound while in Rust code), so
+it is not used by default; `backend="gilknocker"` remains for comparisons.
 
-Cost: 200 wake-ups a second, each one hand-off of the GIL.
+Cost: 200 wake-ups a second, each a few microseconds of Python and one hand-off of the GIL.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ def _knocker(interval_s: float):  # noqa: ANN202 - gilknocker.KnockKnock, when i
 
 class GilProbe:
     """Measures GIL wait continuously in its own thread; `read()` (or `check()`, as a telemetry server
-    monitor) returns the contention since the previous read. `backend`: "auto" (gilknocker when it
-    imports, else the sleep probe), "gilknocker" or "sleep"."""
+    monitor) returns the contention since the previous read. `backend`: "sleep" (the default),
+    "gilknocker" (for comparison only, see the module docstring) or "auto" (gilknocker if it imports)."""
 
-    def __init__(self, interval_s: float = INTERVAL_S, backend: str = "auto") -> None:
+    def __init__(self, interval_s: float = INTERVAL_S, backend: str = "sleep") -> None:
         if backend not in ("auto", "gilknocker", "sleep"):
             raise ValueError(f"backend must be auto, gilknocker or sleep, not {backend!r}")
         self.interval_s = interval_s

@@ -524,7 +524,8 @@ class TelemetryServer:
                         log.warning("system sample failed: %s", e)
                         self._sampler_failed = True
             self._seq += 1
-            verdict = self.verdict.update(gil_bound(analyze(summary.workers), summary.gauges.get("gil_contention")))
+            verdict = self.verdict.update(gil_bound(analyze(summary.workers), summary.gauges.get("gil_contention"),
+                                                    system.cpu_percent if system is not None else None))
             snap = to_snapshot(summary, self._seq, self.interval_s, system, verdict)
             if self._cluster_view is not None:
                 snap.cluster = self._cluster_view()
