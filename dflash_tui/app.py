@@ -84,7 +84,7 @@ class DFlashTop(App[None]):
     TITLE = "dflash-top"
     CSS_PATH = Path(__file__).with_name("app.tcss")  # absolute: subclasses elsewhere find it too
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
-    ALLOW_IN_MAXIMIZED_VIEW = "Footer, RunHeader, AlertBanner, StatusLine"
+    ALLOW_IN_MAXIMIZED_VIEW = "Footer, RunHeader, #alerts-box, AlertBanner, StatusLine"
     MAX_REFRESH_HZ = 5.0
     #: dense panels, read row by row (like top and nvidia-smi), redraw at most this often while the
     #: headline ones (header, bars, bottleneck) follow every snapshot: redrawing is nearly all of
@@ -160,7 +160,8 @@ class DFlashTop(App[None]):
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
-        yield AlertBanner(id="alerts")
+        with Vertical(id="alerts-box"):  # a container of auto height: the banner's own height varies
+            yield AlertBanner(id="alerts")
         yield Panel("cluster", ClusterPanel(id="cluster"), id="p-cluster")
         with Container(id="body"):
             with Vertical(id="left"):

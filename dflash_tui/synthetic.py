@@ -115,7 +115,8 @@ def snapshot(seq: int, *, workers: int = 4, categories: int = 12, interval_s: fl
     # what each worker is in now: targets in a forward, drafters waiting for hidden states
     inflight = {}
     for i, w in enumerate(worker_names(workers)):
-        cat = "target_forward" if w.startswith("target") else "hs_queue_wait"
+        cat = ("target_forward" if w.startswith("target") else "hs_queue_wait" if w.startswith("drafter")
+               else "batch_queue_put")
         elapsed = round(_MEAN.get(cat, 0.01) * (0.2 + 0.7 * ((seq + i) % 5) / 4), 4)
         inflight[w] = OpenSpan(category=cat, start=round(t - elapsed, 4), elapsed=elapsed)
     return Snapshot(seq=seq, t=t, interval_s=interval_s, workers=ws, untracked=untracked, inflight=inflight,
