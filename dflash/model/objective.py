@@ -22,7 +22,8 @@ FlexAttention BlockMask from tile metadata (CUDA; masks.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,53 @@ from dflash.model.masks import block_attention_mask, flex_block_mask, use_flex
 
 @dataclass
 class LossOutput:
-    """Loss plus the metrics the trainer streams.
+    """The loss plus the step's metrics, as device tensors and host counts.
+
+    Nothing here is read back from the device during a training step (a read would block the worker
+    until the GPU drains): ``stats`` stays on the device and the trainer sums it over a log interval
+    and reads it once (dflash/train/metrics.py). The properties below read it at once; they are for
+    tests and one-off use.
+
+    stats: float32 ``[loss, sum over blocks of the run of leading correct slots, correct slot 1 ..
+        correct slot B-1]`` (the totals ``metrics_of`` turns into rates).
+    per_position_count[k-1]: supervised slots at position k (host ints, known from the batch plan).
+    """
+
+    loss: torch.Tensor
+    stats: torch.Tensor
+    num_blocks: int
+    per_position_count: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.per_position_count)
+
+    def metrics(self) -> dict[str, float | list[float]]:
+        """accuracy, per_position_acc, sim_tau, block_tau of this step (reads the device)."""
+        values = self.stats.detach().double().cpu().tolist()
+        return metrics_of(values[1], values[2:], self.per_position_count, self.num_blocks)
+
+    @property
+    def accuracy(self) -> float:
+        return self.metrics()["accuracy"]  # type: ignore[return-value]
+
+    @property
+    def per_position_acc(self) -> list[float]:
+        return self.metrics()["per_position_acc"]  # type: ignore[return-value]
+
+    @property
+    def sim_tau(self) -> float:
+        return self.metrics()["sim_tau"]  # type: ignore[return-value]
+
+    @property
+    def block_tau(self) -> float:
+        return self.metrics()["block_tau"]  # type: ignore[return-value]
+
+
+def metrics_of(run_sum: float, correct: Sequence[float], counts: Sequence[float],
+               blocks: float) -> dict[str, float | list[float]]:
+    """Acceptance metrics from totals over one step or many (pooled, so a log interval's figure weighs
+    every supervised slot alike).
 
     per_position_acc[k-1]: top-1 accuracy of slot k over supervised slots (k = 1..B-1).
     sim_tau: simulated acceptance length ``1 + sum_k prod_{j<=k} acc_j`` (the expected tokens per
@@ -42,15 +89,14 @@ class LossOutput:
     block_tau: ``1 + mean over blocks of the run of leading correct slots``: the acceptance each
         training block would actually have had, with no independence assumption.
     """
-
-    loss: torch.Tensor
-    num_tokens: int
-    accuracy: float
-    per_position_acc: list[float]
-    sim_tau: float
-    block_tau: float
-    num_blocks: int
-    per_position_count: list[int] = field(default_factory=list)
+    per_pos = [c / n if n else 0.0 for c, n in zip(correct, counts, strict=True)]
+    tokens = sum(counts)
+    return {
+        "accuracy": sum(correct) / tokens if tokens else 0.0,
+        "per_position_acc": per_pos,
+        "sim_tau": 1.0 + sum(math.prod(per_pos[: k + 1]) for k in range(len(per_pos))),
+        "block_tau": 1.0 + run_sum / blocks if blocks else 1.0,
+    }
 
 
 def loss_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
@@ -66,26 +112,102 @@ def sample_anchors(
     """Random anchors per sequence: positions a with loss_mask[a] on and a + B - 1 < T (a full block
     fits), drawn without replacement, up to ``num_anchors`` (all valid positions if fewer), sorted.
 
-    Returns (anchors [Bsz, N] long, keep [Bsz, N] bool) on loss_mask's device; N is the largest count in
-    the batch and rows with fewer anchors are padded (keep False). Sampling runs on the CPU so one
-    ``torch.Generator`` makes it reproducible on any device.
+    Returns (anchors [Bsz, N] long, keep [Bsz, N] bool); N is the largest count in the batch and rows
+    with fewer anchors are padded (keep False, anchor 0). Vectorised: every position gets a uniform
+    random key, invalid ones the key 2, and the N smallest keys of a row are a uniform sample of its
+    valid positions. Meant for the host (the trainer's batch producer): N is read from the mask, and
+    ``generator`` (a CPU generator, which makes the draw reproducible) needs a CPU mask.
     """
     bsz, t = loss_mask.shape
-    valid = loss_mask.detach().to("cpu").bool().clone()
+    valid = loss_mask.bool().clone()
     valid[:, max(0, t - block_size + 1):] = False
-    picks = []
-    for row in valid:
-        idx = row.nonzero().flatten()
-        if len(idx) > num_anchors:
-            idx = idx[torch.randperm(len(idx), generator=generator)[:num_anchors]].sort().values
-        picks.append(idx)
-    n = max((len(p) for p in picks), default=0)
-    anchors = torch.zeros(bsz, n, dtype=torch.long)
-    keep = torch.zeros(bsz, n, dtype=torch.bool)
-    for b, p in enumerate(picks):
-        anchors[b, : len(p)] = p
-        keep[b, : len(p)] = True
-    return anchors.to(loss_mask.device), keep.to(loss_mask.device)
+    n = min(num_anchors, int(valid.sum(1).max())) if valid.numel() else 0
+    keys = torch.rand(bsz, t, generator=generator, device=valid.device).masked_fill_(~valid, 2.0)
+    picked = keys.topk(n, dim=1, largest=False).indices
+    # Order the kept positions ascending and push padding (positions + t) past them.
+    order = torch.where(valid.gather(1, picked), picked, picked + t).sort(dim=1).values
+    keep = order < t
+    return torch.where(keep, order, 0), keep
+
+
+@dataclass
+class BlockPlan:
+    """Which blocks a batch trains on and which of their slots are supervised, built on the host.
+
+    Every data-dependent shape of the objective (how many anchors, which slots have a label in the
+    response) is settled here from the CPU batch, so the device step needs no ``nonzero``, boolean
+    indexing or count read, each of which would block the worker until the GPU drains. The tensors are
+    views of one buffer: pinned and moved in one non-blocking copy.
+
+    anchors [Bsz, N]: anchor positions, -1 for padding. sel [S]: flat index into [Bsz, N, B-1] of the
+    supervised slots; labels [S]: their tokens x[a + k]; slot [S]: k - 1.
+    """
+
+    buffer: torch.Tensor
+    shape: tuple[int, int]  # (Bsz, N)
+    num_blocks: int
+    per_position_count: list[int]
+
+    def _part(self, i: int) -> torch.Tensor:
+        a = self.shape[0] * self.shape[1]
+        s = self.num_tokens
+        bounds = (0, a, a + s, a + 2 * s, a + 3 * s)
+        return self.buffer[bounds[i]:bounds[i + 1]]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.per_position_count)
+
+    @property
+    def anchors(self) -> torch.Tensor:
+        return self._part(0).view(self.shape)
+
+    @property
+    def sel(self) -> torch.Tensor:
+        return self._part(1)
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self._part(2)
+
+    @property
+    def slot(self) -> torch.Tensor:
+        return self._part(3)
+
+    def pin_memory(self) -> BlockPlan:
+        return replace(self, buffer=self.buffer.pin_memory())
+
+    def to(self, device: torch.device) -> BlockPlan:
+        """On ``device`` (non-blocking: pin first for a truly asynchronous host-to-device copy)."""
+        return replace(self, buffer=self.buffer.to(device, non_blocking=True))
+
+
+def plan_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    block_size: int,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+    anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> BlockPlan:
+    """The BlockPlan of a (host) batch: sampled anchors, or the given (anchors, keep).
+
+    A slot k of the block at anchor a is supervised iff the block is kept and loss_mask[a + k] is on;
+    its label is input_ids[a + k].
+    """
+    if anchors is None:
+        anchors, keep = sample_anchors(loss_mask, block_size, num_anchors, generator)
+    else:
+        anchors, keep = anchors[0].long(), anchors[1].bool()
+    bsz, n = anchors.shape
+    t = input_ids.shape[1]
+    label_pos = (anchors[:, :, None] + torch.arange(1, block_size)).clamp(max=max(t - 1, 0)).view(bsz, -1)
+    supervised = keep[:, :, None] & loss_mask.bool().gather(1, label_pos).view(bsz, n, block_size - 1)
+    sel = supervised.flatten().nonzero().flatten()
+    slot = sel % (block_size - 1)
+    buffer = torch.cat([torch.where(keep, anchors, -1).flatten(), sel,
+                        input_ids.gather(1, label_pos).flatten()[sel], slot])
+    return BlockPlan(buffer, (bsz, n), int(keep.sum()), torch.bincount(slot, minlength=block_size - 1).tolist())
 
 
 def build_blocks(
@@ -161,12 +283,13 @@ def dflash_loss(
     lm_head: torch.nn.Module,
     input_ids: torch.Tensor,
     target_hidden: torch.Tensor,
-    loss_mask: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
     num_anchors: int = 512,
     generator: torch.Generator | None = None,
     attention_mask: torch.Tensor | None = None,
     attn_backend: str = "auto",
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    plan: BlockPlan | None = None,
 ) -> LossOutput:
     """Weighted block cross-entropy of the drafter on one batch.
 
@@ -174,8 +297,12 @@ def dflash_loss(
     loss_mask [Bsz, T] marks tokens the drafter should learn to predict (the response). A slot is
     supervised iff its block was sampled and its label position has loss_mask on. ``attention_mask``
     (1 = real token) additionally hides padded context; padding is expected at the right.
-    ``attn_backend``: "auto" (flex on CUDA, else sdpa), "sdpa" or "flex". ``anchors`` overrides the
-    sampling with given (anchors, keep) — for tests and debugging.
+    ``attn_backend``: "auto" (flex on CUDA, else sdpa), "sdpa" or "flex".
+
+    ``plan``: the batch's BlockPlan on input_ids' device (the trainer builds it in the batch producer;
+    with it the step never waits for the device). Without one it is built here from loss_mask and
+    ``anchors`` (given (anchors, keep), for tests and debugging) or sampled with ``generator``, which
+    reads the batch back to the host first.
 
     The loss is sum(w_k * CE) / sum(w_k) over supervised slots, w_k = exp(-(k-1)/gamma).
     """
@@ -183,37 +310,28 @@ def dflash_loss(
     bs = cfg.block_size
     bsz = input_ids.shape[0]
     device = input_ids.device
-    loss_mask = loss_mask.bool()
-    if anchors is None:
-        anchors, keep = sample_anchors(loss_mask, bs, num_anchors, generator)
-    else:
-        anchors, keep = anchors[0].to(device), anchors[1].to(device).bool()
-    n = anchors.shape[1]
-    _, _, label_pos = build_blocks(input_ids, anchors, bs, cfg.mask_token_id)
-    labels = torch.gather(input_ids, 1, label_pos.reshape(bsz, -1)).view(bsz, n, bs - 1)
-    supervised = keep[:, :, None] & torch.gather(loss_mask, 1, label_pos.reshape(bsz, -1)).view(bsz, n, bs - 1)
-    if not supervised.any():  # nothing to learn from (e.g. responses shorter than two tokens)
+    if plan is None:
+        if loss_mask is None:
+            raise ValueError("dflash_loss needs a loss_mask or a plan")
+        plan = plan_blocks(input_ids.cpu(), loss_mask.cpu(), bs, num_anchors, generator,
+                           None if anchors is None else (anchors[0].cpu(), anchors[1].cpu())).to(device)
+    if plan.num_tokens == 0:  # nothing to learn from (e.g. responses shorter than two tokens)
         zero = sum(p.sum() for p in drafter.parameters()) * 0.0
-        return LossOutput(zero, 0, 0.0, [0.0] * (bs - 1), 1.0, 1.0, 0, [0] * (bs - 1))
-    hidden = forward_blocks(drafter, embed_tokens, input_ids, target_hidden, anchors, attention_mask, attn_backend)
-    hidden = hidden[:, :, 1:]  # drop the anchor slot: it predicts nothing
-
-    # Only supervised slots go through the (large) LM head.
-    sel = supervised.nonzero(as_tuple=True)
-    y = labels[sel]
-    w = loss_weights(bs, cfg.gamma, device)[sel[2]]
-    ce, pred = head_cross_entropy(lm_head, hidden[sel], y)
+        return LossOutput(zero, torch.zeros(bs + 1, device=device), 0, [0] * (bs - 1))
+    padded = plan.anchors
+    # Padding blocks sit at position 0: computed like the others, never supervised, never counted.
+    hidden = forward_blocks(drafter, embed_tokens, input_ids, target_hidden, padded.clamp(min=0),
+                            attention_mask, attn_backend)
+    # Only supervised slots go through the (large) LM head; the anchor slot predicts nothing.
+    h = hidden[:, :, 1:].reshape(-1, hidden.shape[-1]).index_select(0, plan.sel)
+    ce, pred = head_cross_entropy(lm_head, h, plan.labels)
+    w = loss_weights(bs, cfg.gamma, device)[plan.slot]
     loss = (ce * w).sum() / w.sum()
 
     with torch.no_grad():
-        correct = torch.zeros(bsz, n, bs - 1, dtype=torch.bool, device=device)
-        correct[sel] = pred == y
-        counts = supervised.sum(dim=(0, 1))
-        per_pos = (correct.sum(dim=(0, 1)).float() / counts.clamp(min=1)).tolist()
-        run = (correct & supervised).int().cumprod(dim=-1).sum(-1).float()  # leading correct slots
-        block_tau = 1.0 + run[keep].mean().item()
-        sim_tau = 1.0 + sum(math.prod(per_pos[: k + 1]) for k in range(bs - 1))
-        num_tokens = int(counts.sum().item())
-        accuracy = float(correct.sum().item()) / max(1, num_tokens)
-    return LossOutput(loss, num_tokens, accuracy, per_pos, sim_tau, block_tau, int(keep.sum().item()),
-                      counts.tolist())
+        correct = (pred == plan.labels).float()
+        per_slot = torch.zeros(bs - 1, device=device).index_add_(0, plan.slot, correct)
+        grid = torch.zeros(bsz * padded.shape[1] * (bs - 1), device=device).index_copy_(0, plan.sel, correct)
+        runs = grid.view(-1, bs - 1).cumprod(dim=-1).sum()  # leading correct slots, summed over blocks
+        stats = torch.cat([loss.detach().float().reshape(1), runs.reshape(1), per_slot])
+    return LossOutput(loss, stats, plan.num_blocks, plan.per_position_count)

@@ -84,6 +84,9 @@ class TrainConfig:
     def validate(self) -> None:
         if not self.target_devices:
             raise ConfigError("target_devices is empty: give at least one device, e.g. cpu or cuda:0")
+        if self.drafter_device.startswith("cpu") and any(d.startswith("cuda") for d in self.target_devices):
+            raise ConfigError("a CUDA target needs a CUDA drafter (--drafter-device cuda): a CPU drafter would "
+                              "wait on the host for every hidden-state copy")
         for dev in [*self.target_devices, self.drafter_device]:
             check_device(dev)
         if self.max_steps is None and self.max_time is None and self.epochs is None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.train.devices import bind_thread, thread_device
 from dflash.train.stages import BatchSource, DrafterStage, HiddenBatch, StepResult, TargetStage
 
 _POLL = 0.05  # seconds: how often a blocked worker rechecks the stop flag
@@ -95,9 +96,11 @@ class Pipeline:
 
     # --- workers --------------------------------------------------------------------------------------
 
-    def _thread(self, name: str, body: Callable[[], None]) -> threading.Thread:
+    def _thread(self, name: str, body: Callable[[], None], *devices: torch.device) -> threading.Thread:
+        """A worker thread that names itself and binds the CUDA device it works on (see devices.py)."""
         def run() -> None:
             _name_os_thread(name)
+            bind_thread(thread_device(*devices))
             if self.cfg.threads_per_worker:
                 # Per thread on purpose: OpenMP/MKL thread counts are thread-local, so setting it in the
                 # main thread does not reach matmuls issued from this one.
@@ -179,13 +182,16 @@ class Pipeline:
 
     def start(self) -> None:
         self._t0 = time.monotonic()
+        drafter = self.drafter.device
+        targets = [stage.device for stage in self.targets]
         if self.cfg.pipeline:
-            self._thread("batch-producer", self._producer)
+            # The producer pins batches, which needs the CUDA context of the GPU they will go to.
+            self._thread("batch-producer", self._producer, *targets, drafter)
             for stage in self.targets:
-                self._thread(stage.name, lambda s=stage: self._target(s))
-            self._thread("drafter-0", self._drafter)
+                self._thread(stage.name, lambda s=stage: self._target(s), stage.device, drafter)
+            self._thread("drafter-0", self._drafter, drafter)
         else:
-            self._thread("trainer", self._sync)
+            self._thread("trainer", self._sync, drafter, *targets)
         for t in self.threads:
             t.start()
 

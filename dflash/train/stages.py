@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from dflash.data import Sample
-from dflash.model.objective import LossOutput, dflash_loss
+from dflash.model.objective import BlockPlan, LossOutput, dflash_loss, plan_blocks
 from dflash.train.distributed import explain_backward_error
 from dflash.train.faults import FaultPlan
 from dflash.train.guard import NonFiniteGuard
@@ -30,6 +31,15 @@ class Batch:
     input_ids: torch.Tensor  # [B, T] right-padded
     attention_mask: torch.Tensor  # [B, T] 1 = real token
     loss_mask: torch.Tensor  # [B, T] 1 = the drafter learns to predict this token
+    num_tokens: int = 0  # real tokens, counted on the host while building (no device read later)
+    plan: BlockPlan | None = None  # the blocks the drafter trains on (see objective.plan_blocks)
+
+    def pin_memory(self) -> Batch:
+        """Page-locked copies: a non-blocking host-to-device copy from pageable memory is not
+        asynchronous (the driver stages it and waits for the stream first)."""
+        return replace(self, input_ids=self.input_ids.pin_memory(), attention_mask=self.attention_mask.pin_memory(),
+                       loss_mask=self.loss_mask.pin_memory(),
+                       plan=None if self.plan is None else self.plan.pin_memory())
 
 
 @dataclass
@@ -43,14 +53,21 @@ class BatchSource:
     """Batch ``i`` is a pure function of (samples, seed, i, rank): epochs are reshuffled with
     seed + epoch. With several ranks, index ``i`` covers ``world_size`` consecutive slices of one
     shuffled order and rank ``r`` takes slice ``r``: every rank sees the same permutation, no two
-    ranks share a sample within an epoch, and a resumed run continues at the same index on all."""
+    ranks share a sample within an epoch, and a resumed run continues at the same index on all.
+
+    Given ``block_size`` and ``num_anchors`` it also samples each batch's anchors (its BlockPlan) from
+    a generator seeded by (seed, rank, i): host work done by the batch producer, off the drafter's
+    thread, and as reproducible on resume as the data itself. ``pin``: page-lock every batch (for a
+    CUDA target or drafter)."""
 
     def __init__(self, samples: list[Sample], batch_size: int, seed: int, pad_id: int, rank: int = 0,
-                 world_size: int = 1):
+                 world_size: int = 1, block_size: int | None = None, num_anchors: int | None = None,
+                 pin: bool = False):
         if len(samples) < batch_size * world_size:
             batch_size = max(1, len(samples) // world_size)
         self.samples, self.batch_size, self.seed, self.pad_id = samples, batch_size, seed, pad_id
         self.rank, self.world_size = rank, world_size
+        self.block_size, self.num_anchors, self.pin = block_size, num_anchors, pin
         self.per_epoch = len(samples) // (batch_size * world_size)
         self._perm_epoch, self._perm = -1, []
 
@@ -60,6 +77,10 @@ class BatchSource:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(self._perm)
             self._perm_epoch = epoch
         return self._perm
+
+    def anchor_generator(self, index: int) -> torch.Generator:
+        """The generator batch ``index``'s anchors are drawn from on this rank."""
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_000_007 + index)
 
     def __call__(self, index: int) -> Batch:
         epoch, k = divmod(index, self.per_epoch)
@@ -75,7 +96,11 @@ class BatchSource:
             ids[i, :n] = torch.tensor(r.input_ids)
             attn[i, :n] = 1
             loss[i, :n] = torch.tensor(r.loss_mask, dtype=torch.bool)
-        return Batch(index, ids, attn, loss)
+        plan = None
+        if self.block_size is not None and self.num_anchors is not None:
+            plan = plan_blocks(ids, loss, self.block_size, self.num_anchors, self.anchor_generator(index))
+        batch = Batch(index, ids, attn, loss, sum(len(r.input_ids) for r in rows), plan)
+        return batch.pin_memory() if self.pin else batch
 
 
 class TargetStage:
@@ -86,21 +111,30 @@ class TargetStage:
         self.target, self.drafter_device, self.tel, self.name = target, drafter_device, telemetry, name
         self.faults = faults  # DFLASH_FAULT injection (tests and drills); None in a normal run
         self.device = target.device
-        cuda = self.device.type == "cuda" or drafter_device.type == "cuda"
-        # A side stream for the device-to-device copy so the next forward is not queued behind it.
-        self.copy_stream = torch.cuda.Stream(device=self.device if self.device.type == "cuda" else drafter_device) if cuda else None
+        if self.device.type == "cuda" and drafter_device.type != "cuda":
+            # The drafter would have to wait on the host for every copy; config validation refuses it.
+            raise ValueError(f"a target on {self.device} needs a CUDA drafter, not {drafter_device}")
+        # A side stream for the copy so the next forward is not queued behind it (on the source GPU: a
+        # copy between GPUs runs on the source device's current stream).
+        self.copy_stream = None
+        if drafter_device.type == "cuda":
+            self.copy_stream = torch.cuda.Stream(device=self.device if self.device.type == "cuda" else drafter_device)
+        self.span = device_span(telemetry, self.device)
 
     def __call__(self, batch: Batch) -> HiddenBatch:
-        with self.tel.cuda_span("target_forward"):
+        with self.span("target_forward"):
             t0 = time.perf_counter()
-            hidden = self.target.hidden_states(batch.input_ids.to(self.device, non_blocking=True),
-                                               batch.attention_mask.to(self.device, non_blocking=True))
+            # No attention mask: batches are right-padded, so in a causal LM no real token attends to
+            # padding, and nothing downstream reads the padded positions' states (every anchor and its
+            # context lie in the real tokens). A mask would also make transformers' mask helpers read
+            # it back to the host (`if mask.all()`), which blocks this thread until the GPU drains.
+            hidden = self.target.hidden_states(batch.input_ids.to(self.device, non_blocking=True))
             if self.faults is not None:
                 self.faults.delay(self.name if self.name.startswith("target") else "target-0", batch.index,
                                   time.perf_counter() - t0)
         with self.tel.span("pack_hidden"):
             if self.copy_stream is None:
-                return HiddenBatch(batch, hidden.to(self.drafter_device))
+                return HiddenBatch(batch, hidden)
             if self.device.type == "cpu":
                 hidden = hidden.pin_memory()  # pinned memory makes the host-to-device copy truly async
             else:
@@ -115,11 +149,22 @@ class TargetStage:
             return HiddenBatch(batch, moved, ready)
 
 
+def device_span(telemetry, device: torch.device) -> Callable[[str], Any]:
+    """The span a stage on ``device`` times its compute with: on a GPU a CUDA-event span on the calling
+    thread's current stream *of that device* (right even in sync mode, where one thread drives a target
+    and a drafter on two GPUs); on the CPU a host span, since CPU compute is synchronous."""
+    if device.type != "cuda":
+        return telemetry.span
+    return lambda category: telemetry.cuda_span(category, torch.cuda.current_stream(device))
+
+
 @dataclass
 class StepResult:
-    loss: float
+    """One optimizer step. ``out`` and ``grad_norm`` hold device tensors (read once per log interval by
+    the main thread, never by the step); the rest are host numbers."""
+
     out: LossOutput
-    grad_norm: float
+    grad_norm: torch.Tensor
     lr: float
     tokens: int
     samples: int
@@ -139,23 +184,29 @@ class DrafterStage:
     def __init__(self, drafter, embed_tokens, lm_head, device: torch.device, cfg, telemetry, generator,
                  ddp: torch.nn.Module | None = None, faults: FaultPlan | None = None):
         """`ddp`: the drafter wrapped in DistributedDataParallel (multi-rank runs); the forward goes
-        through it so that backward averages gradients across ranks."""
+        through it so that backward averages gradients across ranks. `generator` samples anchors for
+        batches that come without a plan."""
         self.drafter, self.embed, self.lm_head = drafter, embed_tokens, lm_head
         self.forward_module = ddp if ddp is not None else drafter
         self.device, self.cfg, self.tel, self.generator = device, cfg, telemetry, generator
         decay = [p for p in drafter.parameters() if p.dim() >= 2]
         other = [p for p in drafter.parameters() if p.dim() < 2]
+        # Fused AdamW keeps its step counters on the parameters' device and never reads them back;
+        # the foreach/for-loop versions call `.item()` on them every step.
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda",
+            lr=cfg.lr, betas=(0.9, 0.95), fused=device.type in ("cuda", "cpu"),
         )
         # bf16 activations on CUDA with fp32 master weights; plain fp32 on CPU (bf16 matmuls are
         # slower than fp32 on the CPUs we measured).
         self.autocast = device.type == "cuda"
         self.guard = NonFiniteGuard(self.optimizer, device, getattr(cfg, "nonfinite_limit", 3))
         self.faults = faults
+        self.span = device_span(telemetry, device)
 
     def step(self, hb: HiddenBatch, progress: float) -> StepResult:
+        """One training step that never waits for the device: every copy is non-blocking from pinned
+        memory, every shape is known on the host, and the metrics stay on the device."""
         b = hb.batch
         with self.tel.span("h2d"):
             if hb.ready is not None:
@@ -163,31 +214,31 @@ class DrafterStage:
                 torch.cuda.current_stream(self.device).wait_event(hb.ready)
                 hb.hidden.record_stream(torch.cuda.current_stream(self.device))
             ids = b.input_ids.to(self.device, non_blocking=True)
-            loss_mask = b.loss_mask.to(self.device, non_blocking=True)
             attn = b.attention_mask.to(self.device, non_blocking=True)
-        with self.tel.cuda_span("drafter_forward"), torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+            plan = b.plan if b.plan is not None else plan_blocks(
+                b.input_ids, b.loss_mask, self.drafter.config.block_size, self.cfg.num_anchors, self.generator)
+            plan = plan.to(self.device)
+        with self.span("drafter_forward"), torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
             t0 = time.perf_counter()
-            out = dflash_loss(self.forward_module, self.embed, self.lm_head, ids, hb.hidden, loss_mask,
-                              num_anchors=self.cfg.num_anchors, generator=self.generator, attention_mask=attn)
+            out = dflash_loss(self.forward_module, self.embed, self.lm_head, ids, hb.hidden,
+                              attention_mask=attn, plan=plan)
             if self.faults is not None:
                 self.faults.delay("drafter", b.index, time.perf_counter() - t0)
                 if self.faults.poison(b.index):
                     out.loss = out.loss * float("nan")
-        with self.tel.cuda_span("drafter_backward"):
+        with self.span("drafter_backward"):
             try:
                 out.loss.backward()
             except RuntimeError as e:
                 if self.forward_module is self.drafter:
                     raise
                 raise explain_backward_error(self.forward_module, e, torch.distributed.get_rank()) from None
-        with self.tel.cuda_span("optimizer_step"):
+        with self.span("optimizer_step"):
             lr = lr_at(progress, self.cfg.lr, self.cfg.warmup_ratio, self.cfg.min_lr_ratio)
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
             grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
             self.guard.step(out.loss, grad_norm, b.index)  # skips a non-finite step, on the device
             self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(
-            loss=float(out.loss.detach()), out=out, grad_norm=float(grad_norm), lr=lr,
-            tokens=int(b.attention_mask.sum()), samples=int(b.input_ids.shape[0]),
-        )
+        return StepResult(out=out, grad_norm=grad_norm.detach(), lr=lr, tokens=b.num_tokens,
+                          samples=b.input_ids.shape[0])

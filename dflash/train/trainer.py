@@ -31,8 +31,10 @@ from dflash.train.checkpoint import (
     save_checkpoint,
 )
 from dflash.train.config import ConfigError, TrainConfig
+from dflash.train.devices import resolve
 from dflash.train.distributed import Dist, DistError
 from dflash.train.faults import FaultPlan, FaultSpecError
+from dflash.train.metrics import StepMetrics, Totals
 from dflash.train.pipeline import Pipeline, RunState
 from dflash.train.progress import EvalProgress, Progress
 from dflash.train.stages import BatchSource, DrafterStage, StepResult, TargetStage
@@ -69,6 +71,8 @@ class Trainer:
         self.stall_exit = None
         self.nonfinite_stop: str | None = None
         self._guard_read = time.monotonic()
+        self.metrics = StepMetrics()  # the drafter thread's device-side metric sums
+        self._log_totals = Totals()  # harvested since the last log line
 
     def log(self, line: str) -> None:
         """Rank 0 speaks for the job; the other ranks would only repeat it (their telemetry is their own)."""
@@ -129,8 +133,8 @@ class Trainer:
 
         try:
             data_path = resolve_data(cfg.data)
-            devices = [torch.device(d) for d in cfg.target_devices]
-            self.drafter_device = torch.device(cfg.drafter_device)
+            devices = [resolve(d) for d in cfg.target_devices]
+            self.drafter_device = resolve(cfg.drafter_device)
             n_taps = cfg.drafter_layers or None
             targets: dict[torch.device, Any] = {}
             for dev in dict.fromkeys(devices):  # one replica per distinct device; CPU workers share one
@@ -186,7 +190,9 @@ class Trainer:
             name = f"target-{i}" if cfg.pipeline else "trainer"
             self.targets.append(TargetStage(targets[dev], self.drafter_device, self.stats.worker(name), name,
                                             faults=faults))
-        self.source = BatchSource(samples, cfg.batch_size, cfg.seed, pad, d.rank, d.world_size)
+        cuda = self.drafter_device.type == "cuda" or any(t.device.type == "cuda" for t in self.targets)
+        self.source = BatchSource(samples, cfg.batch_size, cfg.seed, pad, d.rank, d.world_size,
+                                  block_size=dcfg.block_size, num_anchors=cfg.num_anchors, pin=cuda)
         self.dcfg = dcfg
         self._limit_epochs(cfg)
 
@@ -250,16 +256,11 @@ class Trainer:
         s.count("tokens", r.tokens)
         s.count("samples", r.samples)
         s.count("supervised_tokens", r.out.num_tokens)
-        s.gauge("loss", r.loss)
         s.gauge("lr", r.lr)
-        s.gauge("grad_norm", r.grad_norm)
         s.gauge("step", st.step)
-        s.metric("accuracy", r.out.accuracy)
-        s.metric("sim_tau", r.out.sim_tau)
-        s.metric("block_tau", r.out.block_tau)
-        s.metric("per_position_acc", r.out.per_position_acc)
-        if self.drafter_device.type == "cuda" or any(t.device.type == "cuda" for t in self.targets):
-            self._allocator_gauges()
+        # Loss, accuracy, taus and the gradient norm stay on the device; the main thread reads them
+        # once per interval (_harvest): reading them here would stall this thread on the GPU.
+        self.metrics.add(r.out.stats, r.grad_norm, r.out.per_position_count, r.out.num_blocks)
         now = time.monotonic()
         # The step budget is the same number on every rank; signals and the clock are not.
         steps_done = cfg.max_steps is not None and st.step >= cfg.max_steps
@@ -311,7 +312,22 @@ class Trainer:
             return True
         return False
 
+    def _harvest(self) -> None:
+        """Main thread, once per telemetry interval: read the device-side metric sums (the one wait on
+        the GPU the training loop allows), publish them as gauges and metrics, and keep them for the
+        next log line."""
+        totals = self.metrics.collect()
+        if totals is not None:
+            self._log_totals = self._log_totals + totals
+            t, s = totals.summary(), self.stats
+            s.gauge("loss", t["loss"])
+            s.gauge("grad_norm", t["grad_norm"])
+            for name in ("accuracy", "sim_tau", "block_tau", "per_position_acc"):
+                s.metric(name, t[name])
+        self._allocator_gauges()
+
     def _allocator_gauges(self) -> None:
+        """The caching allocator's counters, read here on the main thread rather than per step by a worker."""
         devs = {self.drafter_device, *(t.device for t in self.targets)}
         for d in devs:
             if d.type != "cuda":
@@ -445,9 +461,11 @@ class Trainer:
         if r is None or st.step == self._logged_step:
             return  # nothing new to say; a line per interval without progress would only be noise
         self._logged_step = st.step
+        self._harvest()
+        m, self._log_totals = self._log_totals.summary(), Totals()  # means over the steps since the last line
         q = f"q batch {self.pipeline.batch_q.qsize()}/{self.cfg.batch_queue_size} hs {self.pipeline.hs_q.qsize()}/{self.cfg.hs_queue_size}"
-        self.log(f"{self._progress().text()} | loss {r.loss:.3f} | acc {r.out.accuracy:.3f} | sim_tau {r.out.sim_tau:.2f} "
-                 f"| {tps:,.0f} tok/s | lr {r.lr:.2e} | gnorm {r.grad_norm:.2f} | {q}")
+        self.log(f"{self._progress().text()} | loss {m['loss']:.3f} | acc {m['accuracy']:.3f} | sim_tau {m['sim_tau']:.2f} "
+                 f"| {tps:,.0f} tok/s | lr {r.lr:.2e} | gnorm {m['grad_norm']:.2f} | {q}")
         summary = self.server.latest() if self.server is not None else None
         b = None
         if summary is not None:
@@ -461,8 +479,8 @@ class Trainer:
             self.log(f"bottleneck: {b.verdict}" + (f" - {b.reason}" if b.reason else ""))
         if self.trackers is not None:
             self.trackers.log(st.step, interval_scalars(
-                loss=r.loss, accuracy=r.out.accuracy, sim_tau=r.out.sim_tau, per_position=r.out.per_position_acc,
-                tokens_per_s=tps, lr=r.lr, grad_norm=r.grad_norm, verdict=b.verdict if b else None,
+                loss=m["loss"], accuracy=m["accuracy"], sim_tau=m["sim_tau"], per_position=m["per_position_acc"],
+                tokens_per_s=tps, lr=r.lr, grad_norm=m["grad_norm"], verdict=b.verdict if b else None,
                 workers=summary.cumulative if summary is not None else None))
 
     # --- run ------------------------------------------------------------------------------------------
@@ -595,6 +613,7 @@ class Trainer:
         cfg, code = self.cfg, 0
         last_log, tokens_at_log = time.monotonic(), self.state.tokens
         self._step_at_start, self._clock_at_start = self.state.step, self.pipeline.clock()
+        last_harvest = last_log
         while self.pipeline.running:
             time.sleep(0.05)
             if self.stall_exit is not None:
@@ -603,6 +622,9 @@ class Trainer:
                 break
             self._publish_progress()
             now = time.monotonic()
+            if now - last_harvest >= cfg.telemetry_interval:
+                self._harvest()
+                last_harvest = now
             if now - last_log >= cfg.log_every:
                 self._log_line(now - last_log, tokens_at_log)
                 last_log, tokens_at_log = now, self.state.tokens
