@@ -75,6 +75,7 @@ class Target:
         # transformers 5 renamed the cache argument `past_key_values` -> `cache`.
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._causal_only = self._probe_causal_only()
 
     @property
     def device(self) -> torch.device:
@@ -108,14 +109,41 @@ class Target:
 
     @torch.no_grad()
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, T, len(layer_ids) * hidden] tap-layer hidden states for a (right-padded) batch."""
-        out = self._decoder(
-            input_ids=input_ids.to(self.device),
-            attention_mask=None if attention_mask is None else attention_mask.to(self.device),
-            output_hidden_states=True,
-            use_cache=False,
-        )
+        """[B, T, len(layer_ids) * hidden] tap-layer hidden states for a (right-padded) batch.
+
+        Without ``attention_mask`` (what training passes: see TargetStage) the forward reads nothing back
+        from the device where the model allows it (see _causal_only_masks).
+        """
+        if attention_mask is None:
+            mask = dict(self._causal_only) if self._causal_only is not None else None
+        else:
+            mask = attention_mask.to(self.device)
+        out = self._decoder(input_ids=input_ids.to(self.device), attention_mask=mask, output_hidden_states=True,
+                            use_cache=False)
         return self.taps(out.hidden_states)
+
+    @torch.no_grad()
+    def _probe_causal_only(self) -> dict[str, None] | None:
+        """Prepared masks that say "plain causal", if this model takes them and computes the same states.
+
+        Given no mask, transformers still checks the position ids for packed sequences with a tensor
+        read (`if (...).all()`), which blocks the calling thread until the GPU has drained. A mapping of
+        already-prepared masks (what `generate` passes) skips mask preparation, and None in it makes SDPA
+        and flash attention run causally. Whether a model accepts the mapping, and whether it has
+        sliding-window or non-causal layers that None would not express, differs between models and
+        transformers versions; so this runs a 4-token forward both ways at load time and uses the mapping
+        only when the states agree.
+        """
+        ids = torch.arange(4, device=self.device)[None] % self.vocab_size
+        causal_only = {"full_attention": None}
+        try:
+            plain = self._decoder(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+            fast = self._decoder(input_ids=ids, attention_mask=dict(causal_only), output_hidden_states=True,
+                                 use_cache=False).hidden_states
+        except Exception:  # noqa: BLE001 - a model that rejects the mapping simply keeps the plain path
+            return None
+        same = len(plain) == len(fast) and all(torch.equal(a, b) for a, b in zip(plain, fast, strict=True))
+        return causal_only if same else None
 
     def default_mask_token_id(self) -> int:
         """The token id whose embedding fills the masked block slots.

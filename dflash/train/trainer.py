@@ -622,7 +622,7 @@ class Trainer:
                 break
             self._publish_progress()
             now = time.monotonic()
-            if now - last_harvest >= cfg.telemetry_interval:
+            if cfg.telemetry and now - last_harvest >= cfg.telemetry_interval:
                 self._harvest()
                 last_harvest = now
             if now - last_log >= cfg.log_every:
