@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dflash.telemetry.analysis import analyze, role_of
-from dflash.telemetry.protocol import CategoryStats
+from dflash.telemetry.protocol import CategoryStats, DeviceStats, Snapshot
 
 
 def cs(share: float, wall: float = 1.0) -> CategoryStats:
@@ -118,3 +118,60 @@ def test_after_unknown_the_next_verdict_shows_at_once() -> None:
     assert steady.update(idle).verdict == "unknown"
     busy = analyze(pipeline(t_fwd=0.5, t_batch=0.0, t_put=0.4, d_wait=0.02, d_fwd=0.9))
     assert steady.update(busy).verdict == "drafter-bound"
+
+
+def with_device(cats: dict[str, CategoryStats], shares: dict[str, float]) -> dict[str, CategoryStats]:
+    """The same host timings plus CUDA-event device time for some categories (share of wall time)."""
+    out = dict(cats)
+    for name, share in shares.items():
+        c = out[name]
+        out[name] = CategoryStats(n=c.n, total=c.total, mean=c.mean, p50=c.p50, p95=c.p95, max=c.max, share=c.share,
+                                  device=DeviceStats(n=c.n, total=share, mean=share / c.n, p50=share / c.n,
+                                                     p95=share / c.n, max=share / c.n, share=share))
+    return out
+
+
+def gpu_pipeline(target_device: float | None, drafter_device: float | None) -> dict[str, dict[str, CategoryStats]]:
+    """What a GPU run without host syncs looks like on the host: the target thread queues its kernels
+    in no time and then sits blocked on the full hidden-state queue, the drafter thread is always busy
+    launching; from host time alone that is drafter-bound, whichever GPU is actually the slow one."""
+    workers = pipeline(t_fwd=0.05, t_batch=0.0, t_put=0.9, d_wait=0.0, d_fwd=0.98)
+    for name in list(workers):
+        if name.startswith("target") and target_device is not None:
+            workers[name] = with_device(workers[name], {"target_forward": target_device})
+        if name.startswith("drafter") and drafter_device is not None:
+            workers[name] = with_device(workers[name], {"drafter_forward": drafter_device / 2,
+                                                        "drafter_backward": drafter_device / 2})
+    return workers
+
+
+def test_device_time_decides_on_a_gpu_run() -> None:
+    """Host time says drafter-bound; the target's GPU is busy 95% and the drafter's 45%: target-bound."""
+    assert analyze(gpu_pipeline(None, None)).verdict == "drafter-bound"  # what host time alone says
+    b = analyze(gpu_pipeline(0.95, 0.45))
+    assert b.verdict == "target-bound", b
+    assert b.evidence["target.device_busy"] == 0.95 and b.evidence["drafter.device_busy"] == 0.45
+    assert "95%" in b.reason and "device time" in b.reason
+    b = analyze(gpu_pipeline(0.40, 0.97))
+    assert b.verdict == "drafter-bound" and b.evidence["drafter.device_busy"] == 0.97
+    assert analyze(gpu_pipeline(0.9, 0.85)).verdict == "balanced"
+
+
+def test_a_cpu_stage_counts_its_host_time_against_a_gpu_stage() -> None:
+    """A CPU target (synchronous: host time is its compute) feeding a CUDA drafter."""
+    workers = gpu_pipeline(None, 0.5)
+    for name in workers:
+        if name.startswith("target"):
+            workers[name] = {"target_forward": cs(0.93), "hs_queue_put": cs(0.05)}
+    b = analyze(workers)
+    assert b.verdict == "target-bound" and b.evidence["target.device_busy"] == 0.93
+
+
+def test_device_share_survives_the_wire_and_old_frames_still_decode() -> None:
+    from dflash.telemetry.protocol import decode, encode
+
+    snap = Snapshot(seq=1, t=0.0, interval_s=1.0, workers=gpu_pipeline(0.95, 0.45))
+    back = decode(encode(snap))
+    assert analyze(back.workers).verdict == "target-bound"
+    old = encode(snap).replace(b',"share":0.95}', b"}")  # a frame from before DeviceStats.share
+    assert b'"device":{"n":10' in old and decode(old).workers["target-0"]["target_forward"].device.share == 0.0

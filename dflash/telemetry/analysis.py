@@ -12,6 +12,13 @@ A slow data stage starves the targets and, through them, the drafters too; so wh
 for batches at least as much as they block on puts, the verdict is data-bound even if the drafters
 also wait. The rules are documented in docs/telemetry.md; torch-free on purpose (dflash-top and
 `dflash stats` run it on recordings).
+
+On a GPU the waits lie: a worker that never synchronises returns from its forward as soon as the
+kernels are queued, so the slow GPU's worker sits in `hs_queue_put` while the other one's time goes
+into launches queued behind it. What tells the truth there is device time (CUDA events on each
+worker's own stream): where a stage has it, its busy share is the share of wall time its stream
+spent in its spans, and the verdict names the stage whose device is busier; a stage without device
+time (on the CPU, where compute is synchronous) counts its host time.
 """
 
 from __future__ import annotations
@@ -53,6 +60,18 @@ def _mean(values: list[float]) -> float:
 
 def _share(cats: Mapping[str, CategoryStats], names: tuple[str, ...]) -> float:
     return sum(cats[n].share for n in names if n in cats)
+
+
+def _device(cats: Mapping[str, CategoryStats], names: tuple[str, ...]) -> float | None:
+    """Share of wall time the worker's stream spent in these categories; None without device time."""
+    dev = [cats[n].device for n in names if n in cats and cats[n].device is not None and cats[n].device.n]
+    return min(1.0, sum(d.share for d in dev)) if dev else None
+
+
+def _busy(cats: Mapping[str, CategoryStats], names: tuple[str, ...]) -> float:
+    """Device busy share where the worker has device time, else host busy share."""
+    dev = _device(cats, names)
+    return dev if dev is not None else min(1.0, _share(cats, names))
 
 
 def analyze(
@@ -101,6 +120,10 @@ def analyze(
             ),
             evidence=evidence,
         )
+    has_device = any(_device(c, TARGET_BUSY) is not None for c in targets) or any(
+        _device(c, DRAFTER_BUSY) is not None for c in drafters)
+    if targets and drafters and has_device:
+        return _by_device_time(targets, drafters, threshold, evidence)
     if max(drafter_starve, target_blocked) >= threshold:
         if drafters and drafter_starve >= target_blocked:
             return Bottleneck(
@@ -188,3 +211,22 @@ def gil_bound(b: Bottleneck, contention: float | None, cpu_percent: float | None
                 "processes (--nproc)"),
         evidence=evidence,
     )
+
+
+def _by_device_time(targets: list[Mapping[str, CategoryStats]], drafters: list[Mapping[str, CategoryStats]],
+                    threshold: float, evidence: dict[str, float]) -> Bottleneck:
+    """The verdict once device time exists: the stage whose device is busier by ``threshold`` bounds
+    the pipeline (the other one idles that much of the time waiting for it)."""
+    t_busy = _mean([_busy(c, TARGET_BUSY) for c in targets])
+    d_busy = _mean([_busy(c, DRAFTER_BUSY) for c in drafters])
+    evidence.update({"target.device_busy": round(t_busy, 4), "drafter.device_busy": round(d_busy, 4),
+                     "device_time": 1.0})
+    figures = f"target stage busy {t_busy:.0%} of the time, drafter stage {d_busy:.0%} (device time from CUDA events)"
+    if t_busy - d_busy >= threshold:
+        return Bottleneck(verdict="target-bound", reason=f"{figures}: the target forward limits throughput; add "
+                          "target workers/GPUs (--target-devices) or batch the target more", evidence=evidence)
+    if d_busy - t_busy >= threshold:
+        return Bottleneck(verdict="drafter-bound", reason=f"{figures}: drafter training limits throughput; make the "
+                          "drafter step cheaper (fewer anchors or drafter layers) or add ranks (--nproc, torchrun)",
+                          evidence=evidence)
+    return Bottleneck(verdict="balanced", reason=f"{figures}: within {threshold:.0%} of each other", evidence=evidence)

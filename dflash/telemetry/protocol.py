@@ -52,6 +52,9 @@ class DeviceStats(msgspec.Struct, omit_defaults=True):
     p50: float
     p95: float
     max: float
+    #: fraction of the worker's wall time its CUDA stream spent inside these spans (the bottleneck
+    #: verdict's measure of how busy a GPU stage is; absent from recordings made before it existed)
+    share: float = 0.0
 
 
 class ThreadSample(msgspec.Struct):

@@ -96,10 +96,11 @@ class _Acc:
         p50, p95 = self.percentiles()
         return category_stats(self.n, self.total, self.max, p50, p95, wall_s, device)
 
-    def device_stats(self) -> DeviceStats:
+    def device_stats(self, wall_s: float) -> DeviceStats:
         p50, p95 = self.percentiles()
         return DeviceStats(
-            n=self.n, total=self.total, mean=self.total / self.n if self.n else 0.0, p50=p50, p95=p95, max=self.max
+            n=self.n, total=self.total, mean=self.total / self.n if self.n else 0.0, p50=p50, p95=p95, max=self.max,
+            share=min(1.0, self.total / wall_s) if wall_s > 0 else 0.0,
         )
 
     @classmethod
@@ -551,7 +552,7 @@ class ProfileStats:
                     dstats = None
                     dvals = dev.get(cat)
                     if dvals:
-                        dstats = _Acc.of(dvals).device_stats()
+                        dstats = _Acc.of(dvals).device_stats(wall)
                         cacc = cum_dev.get(cat)
                         if cacc is None:
                             cacc = cum_dev[cat] = _Acc(CUM_RESERVOIR)
@@ -576,12 +577,12 @@ class ProfileStats:
                 out_cum[name] = {}
                 for cat, a in cum.items():
                     d = cum_dev.get(cat)
-                    out_cum[name][cat] = a.stats(life, d.device_stats() if d is not None and d.n else None)
+                    out_cum[name][cat] = a.stats(life, d.device_stats(life) if d is not None and d.n else None)
                 # device-only categories (all host time recorded before the first drain saw them)
                 for cat, d in cum_dev.items():
                     if cat not in cum and d.n:
                         out_cum[name][cat] = CategoryStats(
-                            n=0, total=0.0, mean=0.0, p50=0.0, p95=0.0, max=0.0, device=d.device_stats()
+                            n=0, total=0.0, mean=0.0, p50=0.0, p95=0.0, max=0.0, device=d.device_stats(life)
                         )
 
             rates = {}

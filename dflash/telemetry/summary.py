@@ -107,6 +107,7 @@ def merge_category_stats(parts: Sequence[CategoryStats], wall_s: float | None = 
             p50=sum(d.p50 * d.n for d in dev_parts) / dw,
             p95=sum(d.p95 * d.n for d in dev_parts) / dw,
             max=max(d.max for d in dev_parts),
+            share=min(1.0, dt / wall_s) if wall_s else 0.0,
         )
     return CategoryStats(
         n=n, total=total, mean=total / w if n else 0.0, p50=p50, p95=p95, max=maximum, share=share, device=device
