@@ -56,6 +56,23 @@ def test_explicit_layer_ids_and_padding_mask(dirs):
         load_target(dirs["qwen3"], layer_ids=[8])
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_right_padded_batches_need_no_mask(dirs, arch):
+    """Training passes no mask (TargetStage): with right padding every real token's states equal those
+    of the masked forward. Qwen3 (the built-in target's architecture) also takes the prepared-mask
+    mapping that skips transformers' host read of the position ids; a model that does not keeps the
+    plain path."""
+    t = load_target(dirs[arch])
+    if arch == "qwen3":
+        assert t._causal_only == {"full_attention": None}
+    ids = torch.randint(4, 300, (2, 9))
+    attn = torch.ones(2, 9, dtype=torch.long)
+    ids[1, 5:], attn[1, 5:] = 2, 0
+    masked, free = t.hidden_states(ids, attn), t.hidden_states(ids)
+    torch.testing.assert_close(free[0], masked[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(free[1, :5], masked[1, :5], rtol=1e-5, atol=1e-5)
+
+
 def test_tokenizer_and_mask_token_choice(dirs):
     t = load_target(dirs["qwen3"])
     assert t.tokenizer is not None and t.tokenizer.mask_token == "<mask>"

@@ -301,9 +301,25 @@ def test_cuda_span_device_time_is_resolved_later_without_sync(monkeypatch: pytes
     summ = s.drain()
     dev = summ.workers["target-0"]["target_forward"].device
     assert dev is not None and dev.n == 1 and dev.total == pytest.approx(0.005)
+    assert 0 < dev.share <= 1  # the stream's busy share of the worker's wall time: what the verdict reads
     assert summ.workers["target-0"]["target_forward"].n == 0  # host time was in the earlier window
     assert summ.cumulative["target-0"]["target_forward"].device.n == 1
     assert s.pending_cuda() == 0
+
+
+def test_device_counter_waits_for_its_events_without_syncing() -> None:
+    """count_device (the NCCL all-reduce's timing): nothing counted until both events have completed,
+    then their device time, resolved by a later drain; the pair is never waited on."""
+    s = ProfileStats()
+    start, end = _FakeEvent(True), _FakeEvent(True)
+    start.record()
+    end.record()
+    s.count("allreduce_seconds", 0.0)
+    s.count_device("allreduce_seconds", start, end)
+    assert s.drain().counters["allreduce_seconds"] == 0.0
+    start.done = end.done = True
+    assert s.drain().counters["allreduce_seconds"] == pytest.approx(0.005)
+    assert s.drain().counters["allreduce_seconds"] == pytest.approx(0.005)  # counted once
 
 
 def test_format_profile_stats_table() -> None:

@@ -236,6 +236,7 @@ def test_sigkill_mid_run_then_resume(setup, tmp_path):
     [
         (["--target-devices", "tpu:0"], "unknown device 'tpu:0'"),
         (["--drafter-device", "cuda:3"], "CUDA is not available"),
+        (["--target-devices", "cuda:0"], "a CUDA target needs a CUDA drafter"),
         (["--data", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl: no such data file"),
         (["--config", "/nonexistent/cfg.toml"], "config file not found"),
         (["--target", "/nonexistent/model"], "/nonexistent/model"),

@@ -105,3 +105,14 @@ def test_steady_state_steps_make_no_syncing_call(setup, tmp_path) -> None:
                          guard=lambda: count_syncs(counts))
     assert trainer.state.step == 11
     assert sum(counts.values()) == 0, f"{sum(counts.values()) / 8:.1f} syncing calls per step: {dict(counts)}"
+
+
+def test_each_thread_binds_the_first_gpu_it_touches_and_host_threads_none() -> None:
+    from dflash.train.devices import resolve, thread_device
+
+    cpu, g0, g1 = torch.device("cpu"), torch.device("cuda:0"), torch.device("cuda:1")
+    assert thread_device(cpu, cpu) is None  # host-only: must not initialise CUDA at all
+    assert thread_device(g1, g0) == g1  # a target on GPU 1 feeding a drafter on GPU 0 binds GPU 1
+    assert thread_device(cpu, g1) == g1  # a CPU target still copies to the drafter's GPU
+    assert resolve("cpu") == cpu and resolve("cuda:1") == g1
+

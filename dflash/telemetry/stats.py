@@ -381,6 +381,7 @@ class ProfileStats:
         self._workers: dict[str, Worker] = {}
         self._pending: dict[str, dict[str, _Acc]] = {}
         self._unresolved: dict[str, list[tuple[str, Any, Any]]] = {}
+        self._device_counts: list[tuple[str, Any, Any]] = []  # see count_device
         self._dropped = 0
         self._cum: dict[str, dict[str, _Acc]] = {}
         self._cum_dev: dict[str, dict[str, _Acc]] = {}
@@ -440,6 +441,31 @@ class ProfileStats:
             with self._lock:
                 self._counters[name] = self._counters.get(name, 0) + n
 
+    def count_device(self, name: str, start: Any, end: Any) -> None:
+        """Add the device time between two recorded CUDA events to counter ``name`` once both have
+        completed (``drain`` resolves them with query(), never waiting): for work whose host side returns
+        before the device has done it, such as an NCCL all-reduce."""
+        if self.enabled:
+            with self._lock:
+                self._device_counts.append((name, start, end))
+                over = len(self._device_counts) - CUDA_BACKLOG
+                if over > 0:
+                    del self._device_counts[:over]
+                    self._dropped += over
+
+    def _resolve_device_counts(self) -> None:
+        """Fold completed count_device pairs into their counters; keep the rest for the next drain."""
+        with self._lock:
+            pairs, self._device_counts = self._device_counts, []
+        if not pairs:
+            return
+        done, still, bad = self._resolve_cuda({"": pairs})
+        with self._lock:
+            for name, secs in done.get("", {}).items():
+                self._counters[name] = self._counters.get(name, 0) + sum(secs)
+            self._device_counts[:0] = still.get("", [])
+            self._dropped += bad
+
     def gauge(self, name: str, value: float) -> None:
         """Set a last-value gauge (loss, lr, queue depth).
 
@@ -497,6 +523,7 @@ class ProfileStats:
         if not self.enabled:
             return Summary(t=t, window_s=0.0)
         with self._drain_lock:
+            self._resolve_device_counts()
             with self._lock:
                 workers = list(self._workers.values())
                 raw = {w.name: _take(w._buf) for w in workers}

@@ -162,8 +162,13 @@ def param_digest(module: torch.nn.Module) -> str:
 
 
 def wrap_ddp(module: torch.nn.Module, device: torch.device, stats) -> torch.nn.Module:
-    """DDP around the drafter, with a comm hook that books the all-reduce's wall time as the counter
-    `allreduce_seconds`: mostly waiting for the slowest rank, which is how the cluster view finds it."""
+    """DDP around the drafter, with a comm hook that books the all-reduce's duration as the counter
+    `allreduce_seconds`: mostly waiting for the slowest rank, which is how the cluster view finds it.
+
+    gloo completes the hook's future when the reduction is done, so host time measures it. NCCL
+    completes it as soon as the collective is queued, so on CUDA the hook brackets the all-reduce with
+    two CUDA events instead (the callback runs on a stream made to wait for the NCCL work) and the
+    telemetry drain adds their device time once they have completed, without waiting for them."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # The drafter's buffers (RoPE frequencies) are the same constants on every rank: syncing them at
@@ -177,10 +182,19 @@ def wrap_ddp(module: torch.nn.Module, device: torch.device, stats) -> torch.nn.M
     def timed_allreduce(state, bucket):
         t0 = time.perf_counter()
         buf = bucket.buffer().div_(world)
+        start = None
+        if buf.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         fut = dist.all_reduce(buf, async_op=True).get_future()
 
         def done(f):
-            stats.count("allreduce_seconds", time.perf_counter() - t0)
+            if start is None:
+                stats.count("allreduce_seconds", time.perf_counter() - t0)
+            else:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                stats.count_device("allreduce_seconds", start, end)
             try:
                 return f.value()[0]
             except Exception as e:
