@@ -286,3 +286,34 @@ def test_cuda_flex_equals_sdpa_forward_and_backward():
     assert grads["flex"][0] == pytest.approx(grads["sdpa"][0], rel=2e-2)
     for a, b in zip(grads["flex"][1], grads["sdpa"][1], strict=True):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-3)
+
+
+def test_step_metrics_summed_on_the_device_equal_the_pooled_figures():
+    """The trainer adds each step's device-side stats to a running sum and reads it once per interval:
+    that read must give the mean loss and the acceptance figures pooled over every supervised slot."""
+    from dflash.model.objective import metrics_of
+    from dflash.train.metrics import StepMetrics
+
+    drafter, embed, head = make_parts()
+    acc, outs = StepMetrics(), []
+    for seed in (1, 2, 3):
+        ids, hidden = batch(seed=seed)
+        loss_mask = torch.ones(2, T, dtype=torch.bool)
+        loss_mask[1, 25:] = False
+        out = dflash_loss(drafter, embed, head, ids, hidden, loss_mask, num_anchors=5,
+                          generator=torch.Generator().manual_seed(seed), attn_backend="sdpa")
+        acc.add(out.stats, torch.tensor(0.5 * seed), out.per_position_count, out.num_blocks)
+        outs.append(out)
+    t = acc.collect()
+    assert acc.collect() is None  # taken: the next interval starts from zero
+    s = t.summary()
+    assert t.steps == 3 and s["loss"] == pytest.approx(sum(o.loss.item() for o in outs) / 3)
+    assert s["grad_norm"] == pytest.approx(1.0)
+    counts = [sum(c) for c in zip(*(o.per_position_count for o in outs), strict=True)]
+    correct = [sum(o.per_position_acc[k] * o.per_position_count[k] for o in outs) for k in range(B - 1)]
+    runs = sum((o.block_tau - 1) * o.num_blocks for o in outs)
+    ref = metrics_of(runs, correct, counts, sum(o.num_blocks for o in outs))
+    for key in ("accuracy", "sim_tau", "block_tau"):
+        assert s[key] == pytest.approx(ref[key]), key
+    assert s["per_position_acc"] == pytest.approx(ref["per_position_acc"])
+    assert s["supervised_tokens"] == sum(o.num_tokens for o in outs) > 0
