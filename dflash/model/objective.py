@@ -322,8 +322,10 @@ def dflash_loss(
     # Padding blocks sit at position 0: computed like the others, never supervised, never counted.
     hidden = forward_blocks(drafter, embed_tokens, input_ids, target_hidden, padded.clamp(min=0),
                             attention_mask, attn_backend)
-    # Only supervised slots go through the (large) LM head; the anchor slot predicts nothing.
-    h = hidden[:, :, 1:].reshape(-1, hidden.shape[-1]).index_select(0, plan.sel)
+    # Only supervised slots go through the (large) LM head; the anchor slot predicts nothing. Slot k of
+    # flat block b is row b * B + k of the (contiguous) output, i.e. sel + b + 1: no copy of all slots.
+    rows = plan.sel + torch.div(plan.sel, bs - 1, rounding_mode="floor") + 1
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
     ce, pred = head_cross_entropy(lm_head, h, plan.labels)
     w = loss_weights(bs, cfg.gamma, device)[plan.slot]
     loss = (ce * w).sum() / w.sum()
