@@ -63,8 +63,11 @@ def _share(cats: Mapping[str, CategoryStats], names: tuple[str, ...]) -> float:
 
 
 def _device(cats: Mapping[str, CategoryStats], names: tuple[str, ...]) -> float | None:
-    """Share of wall time the worker's stream spent in these categories; None without device time."""
-    dev = [cats[n].device for n in names if n in cats and cats[n].device is not None and cats[n].device.n]
+    """Share of wall time the worker's stream spent in these categories; None without device time.
+
+    Device stats without a share (recordings from before the field existed) count as none, so an old
+    recording is judged as it was when recorded."""
+    dev = [cats[n].device for n in names if n in cats and cats[n].device is not None and cats[n].device.share > 0]
     return min(1.0, sum(d.share for d in dev)) if dev else None
 
 
