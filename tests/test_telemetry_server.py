@@ -117,6 +117,21 @@ def test_socket_dir_owned_by_someone_else_is_refused(sock_dir: Path) -> None:
         TelemetryServer("t", ProfileStats(), socket_dir=sock_dir).start()
 
 
+def test_publish_now_covers_work_done_between_intervals(sock_dir: Path, tmp_path: Path) -> None:
+    """A run that ends before the first interval still gets a window with its work (the trainer's last
+    log line and the recording read it)."""
+    stats = ProfileStats()
+    srv = TelemetryServer("t", stats, interval_s=3600, run_dir=tmp_path / "run", socket_dir=sock_dir).start()
+    try:
+        stats.worker("drafter-0").add("drafter_forward", 0.25)
+        assert srv.latest() is None  # no interval has passed
+        summary = srv.publish_now(timeout=30)
+        assert summary is not None and summary.workers["drafter-0"]["drafter_forward"].total == 0.25
+    finally:
+        srv.close()
+    assert srv.publish_now(timeout=3600) is srv.latest()  # a closed server answers at once (no hour-long wait)
+
+
 def test_hello_snapshots_events_bye_and_recording(server: TelemetryServer, connect, tmp_path: Path) -> None:
     stats = server.stats
     stats.count("tokens", 100)

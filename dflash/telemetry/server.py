@@ -311,6 +311,7 @@ class TelemetryServer:
         self._io_done = False
         self._reason = "shutdown"
         self._commands: collections.deque[bytes] = collections.deque()
+        self._publish_waiters: collections.deque[threading.Event] = collections.deque()
         self._recent_events: collections.deque[bytes] = collections.deque(maxlen=RECENT_EVENTS)
         self._recorder: Recorder | None = None
         self._sampler: SystemSampler | None = None
@@ -453,6 +454,18 @@ class TelemetryServer:
         self._commands.append(frame)
         self._wake()
 
+    def publish_now(self, timeout: float = 2.0) -> Summary | None:
+        """Publish a window at once and wait (bounded) until it is out, so that the trainer's last log
+        line and the recording cover a run that ended between two intervals. Main thread only; never
+        called from a worker."""
+        if self._thread is None or not self._thread.is_alive():
+            return self._latest
+        done = threading.Event()
+        self._publish_waiters.append(done)
+        self._wake()
+        done.wait(timeout)
+        return self._latest
+
     def _wake(self) -> None:
         if self._wake_w >= 0:
             try:
@@ -483,7 +496,12 @@ class TelemetryServer:
                     log.exception("telemetry: error while serving a client")
             self._drain_commands()
             now = time.monotonic()
-            if now >= next_pub:
+            if self._publish_waiters:
+                self._publish()
+                next_pub = now + self.interval_s
+                while self._publish_waiters:
+                    self._publish_waiters.popleft().set()
+            elif now >= next_pub:
                 self._publish()
                 next_pub += self.interval_s
                 if next_pub <= now:  # fell behind (suspended, huge GC): skip, do not burst

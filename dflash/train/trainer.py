@@ -647,6 +647,8 @@ class Trainer:
             self._event("error", f"worker {name} failed: {last}")
             code = 1
         else:
+            if self.server is not None:
+                self.server.publish_now()  # a run shorter than one interval still ends with its table
             self._log_line(max(1e-9, time.monotonic() - last_log), tokens_at_log)
             self.checkpoint(final=True)
             if self.checkpoint_failed:
