@@ -263,6 +263,14 @@ def _verified_steps(run: Path) -> list[int]:
     return [int(p.stem.split("-")[1]) for p in list_checkpoints(run) if p.name in manifest]
 
 
+def _fill_leaving(fs: Path, free: int) -> Path:
+    """Fill the small filesystem until only `free` bytes are left."""
+    filler = fs / "filler"
+    with filler.open("wb") as f:
+        f.write(b"\0" * max(0, shutil.disk_usage(fs).free - free))
+    return filler
+
+
 def test_disk_full_costs_one_line_keeps_the_last_checkpoint_and_training_goes_on(setup, small_fs, tmp_path):
     target, data, run = setup
     size = list_checkpoints(run)[-1].stat().st_size
@@ -274,9 +282,7 @@ def test_disk_full_costs_one_line_keeps_the_last_checkpoint_and_training_goes_on
                                 stdout=out, stderr=subprocess.STDOUT, text=True, env=_env())
     try:
         _wait(lambda: _verified_steps(run_dir), 180, proc, log)
-        filler = fs / "filler"
-        with filler.open("wb") as f:  # leave a third of a checkpoint free
-            f.write(b"\0" * max(0, shutil.disk_usage(fs).free - size // 3))
+        filler = _fill_leaving(fs, size // 3)  # a third of a checkpoint stays free
         _wait(lambda: "no space left on device" in log.read_text(), 60, proc, log)
         good = _verified_steps(run_dir)[-1]
         lines = [x for x in log.read_text().splitlines() if "no space left" in x]
@@ -306,8 +312,7 @@ def test_a_final_checkpoint_that_does_not_fit_exits_1_saying_so(setup, small_fs,
                                 stdout=out, stderr=subprocess.STDOUT, text=True, env=_env())
     try:
         _wait(lambda: "step " in log.read_text(), 180, proc, log)
-        with (fs / "filler").open("wb") as f:
-            f.write(b"\0" * max(0, shutil.disk_usage(fs).free - size // 3))
+        _fill_leaving(fs, size // 3)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     finally:

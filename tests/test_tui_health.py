@@ -3,29 +3,12 @@ yellow ANOMALY line, the "now" column; hidden when all is well. Screenshots at 8
 
 from __future__ import annotations
 
-import os
-import time
-
-import pytest
-from test_tui_snapshots import settle
+from test_tui_snapshots import settle, utc  # noqa: F401  (utc: autouse, fixes the zone of event times)
 
 from dflash.telemetry.protocol import Anomaly, OpenSpan, Snapshot, Stall
 from dflash_tui import synthetic
 from dflash_tui.app import DFlashTop
 from dflash_tui.sources import MemorySource
-
-
-@pytest.fixture(autouse=True)
-def utc() -> None:
-    old = os.environ.get("TZ")
-    os.environ["TZ"] = "UTC"
-    time.tzset()
-    yield
-    if old is None:
-        del os.environ["TZ"]
-    else:
-        os.environ["TZ"] = old
-    time.tzset()
 
 
 def _frames(gpus: int, troubled_from: int = 70) -> list:
