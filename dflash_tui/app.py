@@ -13,7 +13,6 @@ another rank is shown a second, view-only connection to rank 0 keeps that panel 
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -30,7 +29,8 @@ from textual.reactive import reactive
 from textual.timer import Timer
 from textual.widgets import Footer
 
-from dflash.telemetry.protocol import Hello, recording_filename
+from dflash.telemetry.protocol import Hello
+from dflash.telemetry.sockets import SocketInfo, default_socket_dir, discover, group_jobs
 from dflash_tui import sources
 from dflash_tui.messages import ProfileDone, SourceUpdated, TrainersFound
 from dflash_tui.pyspy import (
@@ -44,8 +44,9 @@ from dflash_tui.pyspy import (
     record,
     save_report,
 )
-from dflash_tui.sources import FrameSource, SocketInfo, SourceUpdate, TargetError
-from dflash_tui.state import RunState, step_rank
+from dflash_tui.ranks import RankFollower
+from dflash_tui.sources import Connection, FrameSource, LiveLink, Playback, SourceUpdate
+from dflash_tui.state import RunState
 from dflash_tui.widgets.alerts import AlertBanner
 from dflash_tui.widgets.bottleneck import BottleneckPanel
 from dflash_tui.widgets.categories import CategoryTable
@@ -132,7 +133,7 @@ class DFlashTop(App[None]):
         self.target = target
         #: with no target: attach only to this run (a run directory or a run name), once it appears
         self.wait_for = wait_for
-        self.socket_directory = socket_directory or sources.socket_dir()
+        self.socket_directory = socket_directory or default_socket_dir()
         self.speed = speed
         self.start_paused = paused
         self.pyspy_exe = pyspy_exe if pyspy_exe is not None else find_pyspy()
@@ -145,6 +146,7 @@ class DFlashTop(App[None]):
         #: publishes the cluster view
         self.cluster_source: sources.LiveSource | None = None
         self.state = RunState()
+        self.ranks = RankFollower(self.state)
         self._multi_rank = False
         self.job: str | None = None
         self._job_end: float | None = None
@@ -228,10 +230,10 @@ class DFlashTop(App[None]):
             self._sync_cluster_feed()
         self._bindings_follow_ranks()
         if update.state is not None:
-            self.disconnected = update.state in (sources.DISCONNECTED, sources.INCOMPATIBLE, sources.UNTRUSTED)
-            if update.state == sources.INCOMPATIBLE:
+            self.disconnected = update.state.away
+            if update.state == Connection.INCOMPATIBLE:
                 self.notify(update.detail, title="protocol mismatch", severity="error", timeout=30)
-            elif update.state == sources.UNTRUSTED:
+            elif update.state == Connection.UNTRUSTED:
                 self.notify(update.detail, title="socket not trusted", severity="error", timeout=30)
             self.refresh_bindings()
         self.schedule_refresh()
@@ -269,8 +271,8 @@ class DFlashTop(App[None]):
                 self._slow_timer = None
         elif self._slow_timer is None:
             self._slow_timer = self.set_timer(self._last_slow + self.SLOW_INTERVAL_S - now, self._timed_slow)
-        if isinstance(self.source, sources.ReplaySource):
-            self._status.replay_text = self.source.where()
+        if self.playback is not None:
+            self._status.replay_text = self.playback.where()
         with self.batch_update():
             show_cluster = self.state.cluster is not None
             if self._cluster_box.display != show_cluster:
@@ -291,7 +293,7 @@ class DFlashTop(App[None]):
 
     @work(thread=True, exclusive=True, group="discover")
     def discover_trainers(self) -> None:
-        found = [i for i in sources.discover(self.socket_directory) if i.alive]
+        found = [i for i in discover(self.socket_directory) if i.alive]
         if self.wait_for is not None:
             found = [i for i in found if sources.serves(i, self.wait_for)]
         self.post_message(TrainersFound(found))
@@ -309,7 +311,7 @@ class DFlashTop(App[None]):
         if self._waiting is not None:
             self._waiting.dismiss(found)
             self._waiting = None
-        jobs = sources.group_jobs(found)  # one ssh session to rank 0's node shows the whole job
+        jobs = group_jobs(found)  # one ssh session to rank 0's node shows the whole job
         if len(jobs) == 1:
             self.attach(jobs[0][0].path)
         else:
@@ -323,12 +325,21 @@ class DFlashTop(App[None]):
 
     # ------------------------------------------------------------------ replay controls
 
+    @property
+    def playback(self) -> Playback | None:
+        """The replay controls of the current source (None: it cannot be paused or moved in)."""
+        return self.source.playback if self.source is not None else None
+
+    @property
+    def live(self) -> LiveLink | None:
+        """The current source's link to a live trainer (None: a recording or fixed frames)."""
+        return self.source.live if self.source is not None else None
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        replay = self.source is not None and self.source.kind == "replay"
         if action in ("pause", "step", "faster", "slower", "seek", "jump"):
-            return replay
+            return self.playback is not None
         if action in ("snapshot", "record", "trainer_stacks"):
-            return self.source is not None and not replay
+            return self.live is not None
         if action == "next_worker":
             return self.source is not None
         if action in ("rank", "pick_rank"):
@@ -336,29 +347,30 @@ class DFlashTop(App[None]):
         return True
 
     def action_pause(self) -> None:
-        if isinstance(self.source, sources.ReplaySource):
-            self.source.toggle_pause()
+        if self.playback is not None:
+            self.playback.toggle_pause()
 
     def action_step(self) -> None:
-        if isinstance(self.source, sources.ReplaySource):
-            self.source.step()
+        if self.playback is not None:
+            self.playback.step()
 
     def _change_speed(self, direction: int) -> None:
-        if not isinstance(self.source, sources.ReplaySource):
+        playback = self.playback
+        if playback is None:
             return
-        cur = self.source.speed
+        cur = playback.speed
         idx = min(range(len(SPEEDS)), key=lambda i: abs(math.log(SPEEDS[i]) - math.log(cur))
                   if math.isfinite(SPEEDS[i]) and math.isfinite(cur) else (0 if SPEEDS[i] == cur else 99))
         self.speed = SPEEDS[max(0, min(len(SPEEDS) - 1, idx + direction))]
-        self.source.set_speed(self.speed)
+        playback.set_speed(self.speed)
 
     def action_seek(self, seconds: float) -> None:
-        if isinstance(self.source, sources.ReplaySource):
-            self.source.seek(delta=seconds)
+        if self.playback is not None:
+            self.playback.seek(delta=seconds)
 
     def action_jump(self) -> None:
-        src = self.source
-        if not isinstance(src, sources.ReplaySource):
+        src = self.playback
+        if src is None:
             return
 
         def go(value: str | None) -> None:
@@ -402,41 +414,21 @@ class DFlashTop(App[None]):
             self._multi_rank = self.state.multi_rank
             self.refresh_bindings()
 
-    def _local_ranks(self) -> dict[int, Path]:
-        """The job's sockets on this machine, by rank (they share the socket directory)."""
-        src = self.source
-        if not isinstance(src, sources.LiveSource) or src.info.run is None:
-            return {}
-        return sources.rank_sockets(src.info.run, src.path.parent)
-
-    def _locate_rank(self, rank: int, local: dict[int, Path] | None = None) -> tuple[Path | None, str]:
-        src = self.source
-        if not isinstance(src, sources.LiveSource):
-            return None, f"rank {rank}: a recording holds one rank; replay {recording_filename(rank)}"
-        return sources.rank_socket(rank, self._local_ranks() if local is None else local, src.path.parent,
-                                   self.state.cluster_rank(rank))
-
     def action_rank(self, delta: int) -> None:
-        st = self.state
-        current = st.selected_rank if st.selected_rank is not None else st.shown_rank
-        rank = step_rank(st.job_ranks(self._local_ranks()), current, delta)
+        rank = self.ranks.next(self.live, delta)
         if rank is not None:
             self.select_rank(rank)
 
     def action_pick_rank(self) -> None:
-        st = self.state
-        local = self._local_ranks()
-        ranks = st.job_ranks(local)
-        current = st.selected_rank if st.selected_rank is not None else st.shown_rank
         choices = []
-        for r in ranks:
-            info = st.cluster_rank(r)
-            path, why = (None, "shown now") if r == st.shown_rank else self._locate_rank(r, local)
-            label = Text(f"r{r:<4} {(info.host if info else '') or '-':<16.16} ")
-            label.append(f"{('STALE' if info.stale else info.state) if info else '?':<9}",
-                         style="bold red" if info and info.stale else "")
-            label.append(f" {path}" if path is not None else f" {why}", style="" if path is not None else "dim")
-            choices.append((label, r))
+        for c in self.ranks.choices(self.live):
+            label = Text(f"r{c.rank:<4} {(c.info.host if c.info else '') or '-':<16.16} ")
+            label.append(f"{('STALE' if c.info.stale else c.info.state) if c.info else '?':<9}",
+                         style="bold red" if c.info and c.info.stale else "")
+            label.append(f" {c.path}" if c.path is not None else f" {c.why}", style="" if c.path is not None else "dim")
+            choices.append((label, c.rank))
+        ranks = [r for _, r in choices]
+        current = self.ranks.current
         highlighted = ranks.index(current) if current in ranks else None
         self.push_screen(ChoiceScreen(f"{len(ranks)} ranks: the panels follow the one you pick", choices,
                                       highlighted), self.select_rank)
@@ -446,32 +438,23 @@ class DFlashTop(App[None]):
         current rank's panels and say in the status line why (its cluster row stays marked)."""
         if rank is None:
             return
-        st = self.state
-        st.selected_rank = rank
-        path, why = (None, "") if rank == st.shown_rank else self._locate_rank(rank)
-        if path is None:
-            st.rank_note = why
-        else:
-            st.rank_note = ""
-            if self.source is None or path != self.source.path:
-                st.forget_source()
-                st.note("info", f"following rank {rank} ({path})")
-                self.attach(path)  # its hello then decides whether rank 0 needs a second connection
+        path = self.ranks.select(rank, self.live)
+        if path is not None and (self.source is None or path != self.source.path):
+            self.state.forget_source()
+            self.state.note("info", f"following rank {rank} ({path})")
+            self.attach(path)  # its hello then decides whether rank 0 needs a second connection
         self.refresh_panels()
 
     def _sync_cluster_feed(self) -> None:
         """Keep a connection to rank 0 exactly while the panels follow another rank of a multi-rank run."""
-        hello, src = self.state.hello, self.source
-        want = (hello is not None and hello.world_size > 1 and hello.rank != 0
-                and isinstance(src, sources.LiveSource))
+        live = self.live
+        leader = self.ranks.cluster_feed(live)
         feed = self.cluster_source
-        if feed is not None and (not want or feed.info.run != src.info.run):
+        if feed is not None and (leader is None or live is None or feed.info.run != live.info.run):
             self._stop_cluster_feed()
-        if want and self.cluster_source is None:
-            leader, _ = self._locate_rank(0)
-            if leader is not None:
-                self.cluster_source = sources.LiveSource(leader)
-                self._start(self.cluster_source)
+        if leader is not None and self.cluster_source is None:
+            self.cluster_source = sources.LiveSource(leader)
+            self._start(self.cluster_source)
 
     def _stop_cluster_feed(self) -> None:
         feed, self.cluster_source = self.cluster_source, None
@@ -489,10 +472,10 @@ class DFlashTop(App[None]):
 
     # ------------------------------------------------------------------ py-spy
 
-    def _live_trainer(self, what: str) -> tuple[sources.LiveSource, int, str, str | None] | None:
-        src = self.source
+    def _live_trainer(self, what: str) -> tuple[LiveLink, int, str, str | None] | None:
+        src = self.live
         hello = self.state.hello
-        if not isinstance(src, sources.LiveSource) or hello is None or not src.connected:
+        if src is None or hello is None or not src.connected:
             self.notify(f"{what} needs a live trainer (this is {self.state.connection})", severity="warning")
             return None
         if self.job is not None:
@@ -517,7 +500,7 @@ class DFlashTop(App[None]):
     def action_trainer_stacks(self) -> None:
         self.action_snapshot(force_trainer=True)
 
-    def _ask(self, src: sources.LiveSource, op: str, args: dict) -> object:
+    def _ask(self, src: LiveLink, op: str, args: dict) -> object:
         return src.request(op, args, timeout=self.request_timeout)
 
     def _snapshot_job(self, kwargs: dict, run_dir: str | None) -> None:
@@ -554,7 +537,7 @@ class DFlashTop(App[None]):
 
         self.push_screen(RecordDialog(self.record_defaults), start)
 
-    def _record_job(self, src: sources.LiveSource, pid: int, settings: RecordSettings, run_dir: str | None) -> None:
+    def _record_job(self, src: LiveLink, pid: int, settings: RecordSettings, run_dir: str | None) -> None:
         result: RecordReport | ProfileFailure
         try:
             try:
@@ -608,81 +591,7 @@ class DFlashTop(App[None]):
         self.schedule_refresh()
 
 
-# ---------------------------------------------------------------------- command line
+if __name__ == "__main__":  # `python -m dflash_tui.app`, as the trainer's attach hint says
+    from dflash_tui.cli import main
 
-
-def list_sockets(directory: Path | None) -> int:
-    d = directory or sources.socket_dir()
-    found = sources.discover(d)
-    if not found:
-        print(f"no trainer sockets in {d}", file=sys.stderr)
-        return 1
-    print(f"{'STATE':<6} {'RUN':<20} {'PID':>8} {'RANK':>5} {'HOST':<16} {'RUN DIR':<24} SOCKET")
-    for job in sources.group_jobs(found):
-        hellos = [sources.read_hello(info.path, timeout=0.5) if info.alive else None for info in job]
-        for info, hello in zip(job, hellos, strict=True):
-            rank = "-" if info.rank is None else f"{info.rank}/{hello.world_size}" if hello else str(info.rank)
-            print(f"{'live' if info.alive else 'stale':<6} {(info.run or '?'):<20.20} {info.pid or '?':>8} "
-                  f"{rank:>5} {(hello.host if hello else '-'):<16.16} "
-                  f"{((hello.run_dir or '-') if hello else '-'):<24} {info.path}")
-        if len(job) > 1:
-            world = next((h.world_size for h in hellos if h is not None), None)
-            print(f"{'':<6} └ one job: ranks {sources.rank_list(i.rank or 0 for i in job)}"
-                  + (f" of {world}" if world else "") + f" on this machine; dflash-top shows it from rank "
-                  f"{job[0].rank}, [ ] switch ranks")
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-top", description="Live view of a dflash trainer: where the time goes, "
-                                "GPUs, threads, and one-key py-spy snapshots.")
-    p.add_argument("target", nargs="?", help="a trainer socket, a run directory, a telemetry.jsonl (replay) or a "
-                   "running run's name; default: find the running trainers")
-    p.add_argument("--list", action="store_true", help="print the trainer sockets found and exit")
-    p.add_argument("--once", action="store_true", help="print one summary (table, bottleneck, GPUs) and exit")
-    p.add_argument("--json", action="store_true", help="with --once: print the summary as JSON")
-    p.add_argument("--speed", type=float, default=1.0, help="replay speed multiplier (0 = as fast as possible)")
-    p.add_argument("--paused", action="store_true", help="start a replay paused (space plays, n steps)")
-    p.add_argument("--wait", action="store_true", help="TARGET is a run directory or run name that may not "
-                   "be running yet: wait for its trainer instead of replaying its recording")
-    p.add_argument("--socket-dir", type=Path, default=None, help="where to look for sockets "
-                   "(default $XDG_RUNTIME_DIR/dflash or /tmp/dflash-$UID)")
-    p.add_argument("--timeout", type=float, default=10.0, help="--once: seconds to wait for a snapshot")
-    p.add_argument("--pyspy-timeout", type=float, default=10.0, help="kill a py-spy dump after this many seconds")
-    p.add_argument("--record-seconds", type=float, default=10.0, help="default duration of `r` (py-spy record)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.list:
-        return list_sockets(args.socket_dir)
-    if args.once or args.json:
-        from dflash_tui.headless import run_once
-
-        return run_once(args.target, args.json, timeout=args.timeout,
-                        directory=str(args.socket_dir) if args.socket_dir else None)
-    wait_for: Path | str | None = None
-    if args.wait and args.target and not sources.is_socket(Path(args.target)):
-        given = Path(args.target).expanduser()
-        wait_for = given if (given.is_dir() or "/" in args.target) else args.target
-        target = None
-    else:
-        try:
-            target = sources.resolve(args.target, args.socket_dir)
-        except TargetError as e:
-            print(f"dflash-top: {e}", file=sys.stderr)
-            return 2
-    if not (sys.stdin.isatty() and sys.__stderr__.isatty()):
-        print("dflash-top: not a terminal; use --once (or --once --json) for a printed summary",
-              file=sys.stderr)
-        return 2
-    app = DFlashTop(target, socket_directory=args.socket_dir, speed=args.speed if args.speed > 0 else math.inf,
-                    paused=args.paused, pyspy_timeout=args.pyspy_timeout, record_seconds=args.record_seconds,
-                    wait_for=wait_for)
-    app.run()
-    return app.return_code or 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

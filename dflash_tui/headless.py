@@ -16,20 +16,9 @@ from typing import Any, TextIO
 import msgspec
 
 from dflash.telemetry.protocol import Cluster, training_shares
+from dflash.telemetry.sockets import default_socket_dir, discover, group_jobs
 from dflash_tui import fmt
-from dflash_tui.sources import (
-    ENDED,
-    INCOMPATIBLE,
-    UNTRUSTED,
-    FrameSource,
-    SourceUpdate,
-    TargetError,
-    discover,
-    group_jobs,
-    open_source,
-    resolve,
-    socket_dir,
-)
+from dflash_tui.sources import AttachError, Connection, FrameSource, SourceUpdate, open_source, resolve
 from dflash_tui.state import RunState
 from dflash_tui.widgets.alerts import stall_line
 from dflash_tui.widgets.cluster import cluster_summary, cluster_text
@@ -43,7 +32,7 @@ def summarize(state: RunState) -> dict[str, Any]:
     verdict judged on training; a live run by its latest window."""
     hello, snap = state.hello, state.snapshot
     sys_ = state.system
-    whole = state.connection == ENDED and snap is not None and bool(snap.cumulative)
+    whole = state.connection == Connection.ENDED and snap is not None and bool(snap.cumulative)
     stats, evaluation_s = training_shares(snap.cumulative) if whole else (state.workers, None)
     bottleneck = (state.training_bottleneck or state.bottleneck) if whole else state.bottleneck
     workers: dict[str, dict[str, dict[str, Any]]] = {}
@@ -185,7 +174,7 @@ def collect(source: FrameSource, timeout: float) -> RunState:
     state = RunState(history=8)
     source.start(q.put)
     deadline = time.monotonic() + timeout
-    live = source.kind == "live"
+    live = source.live is not None
     try:
         while True:
             left = deadline - time.monotonic()
@@ -196,7 +185,7 @@ def collect(source: FrameSource, timeout: float) -> RunState:
             except queue.Empty:
                 continue
             state.apply_update(update)
-            if update.state in (ENDED, INCOMPATIBLE, UNTRUSTED):
+            if update.state in (Connection.ENDED, Connection.INCOMPATIBLE, Connection.UNTRUSTED):
                 break
             if live and state.snapshot is not None and state.hello is not None:
                 break
@@ -210,13 +199,13 @@ def run_once(target: str | None, as_json: bool, timeout: float = 10.0, out: Text
     """The `--once` command: 0 on a summary, 1 when there was nothing to summarize, 2 on a bad target."""
     try:
         path = resolve(target, directory)
-    except TargetError as e:
+    except AttachError as e:
         print(f"dflash-top: {e}", file=sys.stderr)
         return 2
     if path is None:
         alive = [i for i in discover(directory) if i.alive]
         if not alive:
-            where = directory or socket_dir()
+            where = directory or default_socket_dir()
             print(f"dflash-top: no running trainer found in {where}; start one with `dflash train`, or pass "
                   "a run directory or telemetry.jsonl to summarize a recording", file=sys.stderr)
             return 1
@@ -228,7 +217,7 @@ def run_once(target: str | None, as_json: bool, timeout: float = 10.0, out: Text
         path = jobs[0][0].path
     source = open_source(path, speed=math.inf)
     state = collect(source, timeout)
-    if state.connection in (INCOMPATIBLE, UNTRUSTED):
+    if state.connection in (Connection.INCOMPATIBLE, Connection.UNTRUSTED):
         print(f"dflash-top: {state.connection_detail}", file=sys.stderr)
         return 1
     if state.snapshot is None:

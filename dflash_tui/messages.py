@@ -11,7 +11,8 @@ from typing import Any
 
 from textual.message import Message
 
-from dflash_tui.sources import SocketInfo, SourceUpdate
+from dflash.telemetry.sockets import SocketInfo
+from dflash_tui.sources import SourceUpdate
 
 
 class SourceUpdated(Message):

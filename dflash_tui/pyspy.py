@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.telemetry.protocol import Reply, pid_alive
+from dflash.telemetry.protocol import Reply
+from dflash.telemetry.sockets import pid_alive
 
 #: ask the trainer something and get its reply; raises on failure (LiveSource.request)
 Ask = Callable[[str, dict[str, Any]], Reply]

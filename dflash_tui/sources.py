@@ -1,61 +1,60 @@
 """Where frames come from: a live trainer's Unix socket, or a recorded telemetry.jsonl.
 
-Both sources do their blocking I/O on a daemon thread and hand batches of decoded frames to a sink
-callable (the app turns each batch into a message), so the UI thread never waits on a socket or a
-disk, the way memray's live reporter reads its socket. They share one small interface (start, stop,
-request) in the manner of harlequin's adapters, so the app, the headless `--once` mode and the tests
-treat a replay and a live trainer alike. Nothing here imports Textual.
+Both sources fetch bytes on a daemon thread, turn them into frames with the one telemetry reader
+(``dflash.telemetry.reader``) and hand batches to a sink callable (the app turns each batch into a
+message), so the UI thread never waits on a socket or a disk. They share one small interface (start,
+stop, request) and say what else they can do: ``playback`` (pause, step, speed, seek) for a recording,
+``live`` (requests to the trainer, its run's other ranks) for a socket; the app, the headless `--once`
+mode and the tests ask those instead of checking a source's type. Nothing here imports Textual.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import itertools
 import math
 import os
 import socket
-import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
-from dflash.telemetry.protocol import (
-    MAX_FRAME_BYTES,
-    PROTO,
-    Bye,
-    ClusterRank,
-    Frame,
-    Hello,
-    ProtocolError,
-    Reply,
-    Request,
-    SegmentGate,
-    Snapshot,
-    decode,
+from dflash.telemetry.protocol import PROTO, Bye, Frame, Hello, Reply, Request, Snapshot, encode
+from dflash.telemetry.reader import FrameReader, Read, read_file
+from dflash.telemetry.sockets import (
+    SocketInfo,
     default_socket_dir,
-    encode,
-    hello_proto,
-    owned_by_us,
-    parse_socket_filename,
-    peer_credentials,
-    pid_alive,
-    private_socket_dir,
-    trusted_uid,
+    discover,
+    group_jobs,
+    is_socket,
+    read_hello,
+    untrusted_server,
 )
 
-#: connection states a source reports; the header and the status line show them
-CONNECTING = "connecting"
-LIVE = "live"
-DISCONNECTED = "disconnected"
-INCOMPATIBLE = "incompatible"
-#: the socket's server runs as another user (not us, not root): nothing it says is shown
-UNTRUSTED = "untrusted"
-REPLAY = "replay"
-PAUSED = "paused"
-ENDED = "ended"
+
+class Connection(enum.StrEnum):
+    """Where a source stands; the header and the status line show it."""
+
+    CONNECTING = "connecting"
+    LIVE = "live"
+    DISCONNECTED = "disconnected"
+    #: the trainer speaks another protocol version
+    INCOMPATIBLE = "incompatible"
+    #: the socket's server runs as another user (not us, not root): nothing it says is shown
+    UNTRUSTED = "untrusted"
+    REPLAY = "replay"
+    PAUSED = "paused"
+    ENDED = "ended"
+
+    @property
+    def away(self) -> bool:
+        """No trainer is being heard from here: the panels dim and keep the last data."""
+        return self in (Connection.DISCONNECTED, Connection.INCOMPATIBLE, Connection.UNTRUSTED)
+
 
 RECORDING_NAME = "telemetry.jsonl"
 #: how long to wait before reconnecting to a trainer that refused us (wrong uid, too many clients)
@@ -68,7 +67,7 @@ class SourceUpdate:
 
     frames: list[Frame] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    state: str | None = None
+    state: Connection | None = None
     detail: str = ""
     #: the frames that follow start the stream over (a replay seeking backwards): forget the old ones
     reset: bool = False
@@ -81,227 +80,49 @@ class RequestFailed(RuntimeError):
     """A request could not be answered (not connected, timed out, or the trainer said no)."""
 
 
-class FrameSource(Protocol):
-    """What the app needs from a source; LiveSource and ReplaySource both provide it."""
+class Playback(Protocol):
+    """What a recording's source can do: pace, pause, single-step and move in the stream."""
 
-    kind: str
+    speed: float
+    paused: bool
+    #: the recording's first and last snapshot times (None until known)
+    start_t: float | None
+    end_t: float | None
+
+    def toggle_pause(self) -> None: ...
+
+    def step(self) -> None: ...
+
+    def set_speed(self, speed: float) -> None: ...
+
+    def seek(self, delta: float | None = None, to: float | None = None) -> None: ...
+
+    def where(self) -> str: ...
+
+
+class LiveLink(Protocol):
+    """What a live trainer's source can do: answer requests, and name its socket (run and rank) so that
+    the other ranks of its job can be found next to it."""
+
     path: Path
+    info: SocketInfo
+    connected: bool
+
+    def request(self, op: str, args: dict[str, Any] | None = None, timeout: float = 5.0) -> Reply: ...
+
+
+class FrameSource(Protocol):
+    """What the app needs from any source; `playback` and `live` are None where the source cannot."""
+
+    path: Path
+    playback: Playback | None
+    live: LiveLink | None
 
     def start(self, sink: Sink) -> None: ...
 
     def stop(self) -> None: ...
 
     def request(self, op: str, args: dict[str, Any] | None = None, timeout: float = 5.0) -> Reply: ...
-
-
-# --------------------------------------------------------------------------- discovery
-
-
-def socket_dir() -> Path:
-    """The directory trainers put their sockets in (the protocol module owns the rule)."""
-    return private_socket_dir(default_socket_dir())
-
-
-def untrusted_server(sock: socket.socket) -> str | None:
-    """Why the server at the other end of a connected socket is not to be believed (it runs as another
-    user, so its telemetry could be made up), or None when it runs as us or as root."""
-    try:
-        _pid, uid, _gid = peer_credentials(sock)
-    except OSError as e:
-        return f"cannot tell who serves it ({e.strerror or e})"
-    if trusted_uid(uid):
-        return None
-    return f"its server runs as uid {uid}, not as you ({os.getuid()}) or root: not trusted"
-
-
-@dataclass
-class SocketInfo:
-    """One socket file; run/pid/rank come from its name when it follows `<run>-<pid>[-r<rank>].sock`."""
-
-    path: Path
-    run: str | None = None
-    pid: int | None = None
-    rank: int | None = None
-    mtime: float = 0.0
-    alive: bool | None = None
-
-    @classmethod
-    def from_path(cls, path: Path | str) -> SocketInfo:
-        path = Path(path)
-        name = parse_socket_filename(path.name)
-        try:
-            mtime = path.stat().st_mtime
-        except OSError:
-            mtime = 0.0
-        if name is None:
-            return cls(path=path, mtime=mtime)
-        return cls(path=path, run=name.run, pid=name.pid, rank=name.rank, mtime=mtime)
-
-    @property
-    def label(self) -> str:
-        if self.run is None:
-            return self.path.name
-        rank = f" rank {self.rank}" if self.rank is not None else ""
-        return f"{self.run} (pid {self.pid}{rank})"
-
-
-def is_socket(path: Path) -> bool:
-    try:
-        return stat.S_ISSOCK(path.stat().st_mode)
-    except OSError:
-        return False
-
-
-def probe(path: Path, timeout: float = 0.5) -> bool:
-    """True when something accepts connections on the socket (a stale file refuses them)."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
-    try:
-        s.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
-def discover(directory: Path | str | None = None, check_alive: bool = True) -> list[SocketInfo]:
-    """Our trainer sockets in `directory` (default: the protocol's), oldest run first; where the
-    directory is not private, also those in the private subdirectory a trainer binds in there
-    (``private_socket_dir``). Socket files that belong to another user are left out: whoever planted
-    one could serve any telemetry through it."""
-    d = Path(directory) if directory is not None else default_socket_dir()
-    found: list[SocketInfo] = []
-    entries: list[os.DirEntry] = []
-    for where in dict.fromkeys([d, private_socket_dir(d)]):
-        try:
-            entries += list(os.scandir(where))
-        except OSError:
-            pass
-    for entry in entries:
-        if not entry.name.endswith(".sock"):
-            continue
-        path = Path(entry.path)
-        if not is_socket(path) or not owned_by_us(path):
-            continue
-        info = SocketInfo.from_path(path)
-        if check_alive:
-            info.alive = probe(path)
-        found.append(info)
-    found.sort(key=lambda i: (i.run or "", i.rank or 0, i.mtime))
-    return found
-
-
-def group_jobs(infos: Iterable[SocketInfo]) -> list[list[SocketInfo]]:
-    """Sockets grouped by job, in the order given: the ranks of one multi-rank run (same run name, each
-    `-r<rank>`) together, lowest rank first; every other socket alone. Two jobs under one run name
-    cannot be told apart by name, so when a rank appears twice those sockets stay alone."""
-    infos = list(infos)
-    by_run: dict[str, list[SocketInfo]] = {}
-    for i in infos:
-        if i.run is not None and i.rank is not None:
-            by_run.setdefault(i.run, []).append(i)
-    jobs: list[list[SocketInfo]] = []
-    placed: set[int] = set()
-    for i in infos:
-        if id(i) in placed:
-            continue
-        group = by_run.get(i.run, []) if i.rank is not None else []
-        if len(group) > 1 and len({g.rank for g in group}) == len(group):
-            job = sorted(group, key=lambda g: g.rank or 0)
-        else:
-            job = [i]
-        jobs.append(job)
-        placed.update(id(g) for g in job)
-    return jobs
-
-
-def rank_list(ranks: Iterable[int]) -> str:
-    """`0-3,6` for ranks 0, 1, 2, 3 and 6."""
-    spans: list[list[int]] = []
-    for r in sorted(set(ranks)):
-        if spans and spans[-1][1] == r - 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-
-
-def job_label(job: list[SocketInfo]) -> str:
-    """How the picker names a job: a lone socket by its own label, a multi-rank job by its ranks here."""
-    lead = job[0]
-    if len(job) == 1:
-        return lead.label
-    return f"{lead.run} (ranks {rank_list(i.rank or 0 for i in job)} here; rank {lead.rank} is pid {lead.pid})"
-
-
-def rank_sockets(run: str, directory: Path | str | None) -> dict[int, Path]:
-    """This machine's sockets of `run`, by rank (the newest when a rank has several). Judged by the
-    pid in the name rather than by connecting, so that the UI thread may ask on a key press."""
-    found: dict[int, Path] = {}
-    for info in sorted(discover(directory, check_alive=False), key=lambda i: i.mtime):
-        if info.run == run and info.rank is not None and info.pid is not None and pid_alive(info.pid):
-            found[info.rank] = info.path
-    return found
-
-
-def rank_socket(rank: int, local: dict[int, Path], directory: Path | str | None,
-                reported: ClusterRank | None = None) -> tuple[Path | None, str]:
-    """Where rank `rank` of a job can be attached from this machine, or None and why not.
-
-    The socket rank 0 reported for it counts when it is a socket here (its host is ours); else the
-    job's socket for that rank in `local` (`rank_sockets()`: a rank that restarted has a new pid, so a
-    new name). `directory` is only named in the explanation.
-    """
-    here = socket.gethostname()
-    if (reported is not None and reported.socket and reported.host in ("", here)
-            and is_socket(Path(reported.socket))):
-        return Path(reported.socket), ""
-    if rank in local:
-        return local[rank], ""
-    if reported is not None and reported.host and reported.host != here:
-        return None, (f"rank {rank} runs on {reported.host}: its socket is not on this machine "
-                      f"(ssh {reported.host} and run dflash-top there)")
-    if reported is not None and reported.state == "silent":
-        return None, f"rank {rank} has not reported yet and has no socket in {directory}"
-    return None, f"rank {rank} has no live socket of this run in {directory}"
-
-
-def read_hello(path: Path, timeout: float = 1.0) -> Hello | None:
-    """Connect, read the first frame and hang up: how `--list` and run-dir matching learn who is there."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
-    deadline = time.monotonic() + timeout
-    buf = b""
-    try:
-        s.connect(str(path))
-        if untrusted_server(s):
-            return None
-        while b"\n" not in buf and time.monotonic() < deadline and len(buf) < MAX_FRAME_BYTES:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-    except OSError:
-        return None
-    finally:
-        s.close()
-    try:
-        frame = decode(buf.split(b"\n", 1)[0])
-    except ProtocolError:
-        return None
-    return frame if isinstance(frame, Hello) else None
-
-
-def proto_mismatch(line: bytes) -> str | None:
-    """If `line` is a hello from another protocol version, the message to show; else None.
-
-    A hello from a newer trainer may not even decode with our structs, so this peeks at the raw JSON.
-    """
-    proto = hello_proto(line)
-    if proto is None or proto == PROTO:
-        return None
-    return mismatch_message(proto)
 
 
 def mismatch_message(proto: Any) -> str:
@@ -312,7 +133,7 @@ def mismatch_message(proto: Any) -> str:
 # --------------------------------------------------------------------------- targets
 
 
-class TargetError(Exception):
+class AttachError(Exception):
     """The command-line target names nothing we can read; the message says what to do."""
 
 
@@ -334,14 +155,14 @@ def resolve(target: str | None, directory: Path | str | None = None) -> Path | N
         rec = path / RECORDING_NAME
         if rec.exists():
             return rec
-        raise TargetError(f"{path} has no {RECORDING_NAME} and no running trainer writes to it")
+        raise AttachError(f"{path} has no {RECORDING_NAME} and no running trainer writes to it")
     if path.is_file():
         return path
     matches = [i for i in discover(directory) if i.alive and i.run == target]
     if matches:
         return group_jobs(matches)[-1][0].path  # a multi-rank job is shown from rank 0
-    raise TargetError(f"{target}: not a socket, a run directory, a {RECORDING_NAME} or a running run's name "
-                      f"(sockets are looked for in {Path(directory) if directory else socket_dir()})")
+    raise AttachError(f"{target}: not a socket, a run directory, a {RECORDING_NAME} or a running run's name "
+                      f"(sockets are looked for in {Path(directory) if directory else default_socket_dir()})")
 
 
 def _live_socket_for_run_dir(run_dir: Path, directory: Path | str | None) -> Path | None:
@@ -384,7 +205,7 @@ class LiveSource:
     answering, the source looks in the same directory for a live socket of the same run and rank.
     """
 
-    kind = "live"
+    playback: Playback | None = None
 
     def __init__(self, path: Path | str, *, reconnect: bool = True, retry_s: float = 0.5) -> None:
         self.path = Path(path)
@@ -416,6 +237,10 @@ class LiveSource:
                 sock.shutdown(socket.SHUT_RDWR)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
+
+    @property
+    def live(self) -> LiveLink:
+        return self
 
     @property
     def connected(self) -> bool:
@@ -456,10 +281,10 @@ class LiveSource:
         while not self._stop.is_set():
             sock = self._open()
             if sock is None and self._untrusted and not ever_connected:
-                sink(SourceUpdate(state=UNTRUSTED, detail=f"{self.path}: {self._untrusted}"))
+                sink(SourceUpdate(state=Connection.UNTRUSTED, detail=f"{self.path}: {self._untrusted}"))
                 return
             if sock is None:
-                state = DISCONNECTED if ever_connected else CONNECTING
+                state = Connection.DISCONNECTED if ever_connected else Connection.CONNECTING
                 if announced != state:
                     detail = (f"waiting for {self.info.label} to come back" if ever_connected
                               else f"connecting to {self.path}")
@@ -481,14 +306,14 @@ class LiveSource:
                     sock.close()
                 self._fail_pending("the connection to the trainer was lost")
             if incompatible:
-                sink(SourceUpdate(state=INCOMPATIBLE, detail=why))
+                sink(SourceUpdate(state=Connection.INCOMPATIBLE, detail=why))
                 return
             if not self._stop.is_set():
                 # a connection that died before its hello (a listener closing under us, as a trainer
                 # shuts down) is not news: keep the reason the last real session ended with
                 if self._had_hello or self._refused:
-                    sink(SourceUpdate(state=DISCONNECTED, detail=why))
-                announced = DISCONNECTED
+                    sink(SourceUpdate(state=Connection.DISCONNECTED, detail=why))
+                announced = Connection.DISCONNECTED
                 if not self.reconnect:
                     return
                 self._stop.wait(REFUSED_RETRY_S if self._refused else self.retry_s)
@@ -521,7 +346,7 @@ class LiveSource:
 
     def _read(self, sock: socket.socket, sink: Sink) -> tuple[str, bool]:
         """Read frames until the connection ends; returns (why it ended, protocol mismatch?)."""
-        buf = bytearray()
+        reader = FrameReader()
         bye: Bye | None = None
         self._refused = None
         self._had_hello = False
@@ -536,25 +361,13 @@ class LiveSource:
                 break
             if not chunk:
                 break
-            buf += chunk
-            if b"\n" not in chunk:
-                if len(buf) > MAX_FRAME_BYTES:
-                    sink(SourceUpdate(errors=[f"dropped a frame over {MAX_FRAME_BYTES} bytes"]))
-                    buf.clear()
-                continue
-            *lines, rest = bytes(buf).split(b"\n")
-            buf = bytearray(rest)
             update = SourceUpdate()
-            for line in lines:
-                if not line.strip():
-                    continue
-                try:
-                    frame = decode(line)
-                except ProtocolError as e:
-                    mismatch = proto_mismatch(line)
-                    if mismatch:
-                        return mismatch, True
-                    update.errors.append(str(e))
+            for read in reader.feed(chunk):
+                if reader.foreign is not None:  # a trainer of another protocol version
+                    return mismatch_message(reader.foreign), True
+                frame = read.frame
+                if frame is None:
+                    update.errors.append(read.error or "unreadable frame")
                     continue
                 if isinstance(frame, Reply):
                     pending = self._pending.get(frame.id)
@@ -567,11 +380,9 @@ class LiveSource:
                         update.errors.append(f"trainer replied: {frame.error}")
                     continue
                 if isinstance(frame, Hello):
-                    if frame.proto != PROTO:
-                        return mismatch_message(frame.proto), True
                     self.hello = frame
                     self._had_hello = True
-                    update.state, update.detail = LIVE, f"attached to {self.path}"
+                    update.state, update.detail = Connection.LIVE, f"attached to {self.path}"
                 elif isinstance(frame, Bye):
                     bye = frame
                 update.frames.append(frame)
@@ -588,11 +399,13 @@ class LiveSource:
 
 
 class MemorySource:
-    """Frames already in memory, delivered in one batch: fixed data for screenshots and tests."""
+    """Frames already in memory, delivered in one batch: fixed data for screenshots and tests. There is
+    nothing to pace or ask."""
 
-    kind = "replay"
+    playback: Playback | None = None
+    live: LiveLink | None = None
 
-    def __init__(self, frames: list[Frame], path: Path | str = "memory", state: str = ENDED,
+    def __init__(self, frames: list[Frame], path: Path | str = "memory", state: Connection = Connection.ENDED,
                  detail: str = "fixed frames") -> None:
         self.frames = list(frames)
         self.path = Path(path)
@@ -612,52 +425,23 @@ class MemorySource:
 # --------------------------------------------------------------------------- replay
 
 
-def recording_span(f) -> tuple[float | None, float | None]:
+def recording_span(f: BinaryIO) -> tuple[float | None, float | None]:
     """The first and last snapshot times of an open recording: the first from its head, the last
-    from its tail (a recording of hours is tens of MB; only 64 KB at each end are read)."""
-    def times(chunk: bytes) -> list[float]:
-        out = []
-        for line in chunk.splitlines():
-            if b'"snapshot"' not in line[:40]:
-                continue
-            try:
-                frame = decode(line)
-            except ProtocolError:
-                continue
-            if isinstance(frame, Snapshot):
-                out.append(frame.t)
-        return out
+    from its tail (a recording of hours is tens of MB; only 64 KB at each end are read). The tail's
+    first line is cut and does not decode: it is passed over like any bad line."""
+    def times(reads: list[Read]) -> list[float]:
+        return [r.frame.t for r in reads if isinstance(r.frame, Snapshot)]
 
     try:
-        head = times(f.read(65536))
+        head = times(FrameReader().feed(f.read(65536)))
         f.seek(0, os.SEEK_END)
-        size = f.tell()
-        f.seek(max(0, size - 65536))
-        tail = times(f.read())
+        f.seek(max(0, f.tell() - 65536))
+        tail_reader = FrameReader()
+        tail = times(tail_reader.feed(f.read()) + tail_reader.finish())
         f.seek(0)
     except OSError:
         return None, None
     return (head[0] if head else None), (tail[-1] if tail else None)
-
-
-def _rewindable(f) -> Iterable[tuple[int, bytes]]:
-    """(line number, line) of `f`, numbered anew, after a (0, b"") marker, whenever the reader seeks
-    the file back to its start (a replay seeking backwards)."""
-    lineno = 0
-    while True:
-        before = f.tell()
-        raw = f.readline()
-        if not raw:
-            return
-        if before == 0 and lineno:
-            lineno = 0
-            yield 0, b""
-        lineno += 1
-        yield lineno, raw
-
-
-def frame_time(frame: Frame) -> float | None:
-    return getattr(frame, "t", None)
 
 
 class ReplaySource:
@@ -668,7 +452,7 @@ class ReplaySource:
     A truncated last line (a trainer killed mid-write) is reported and skipped.
     """
 
-    kind = "replay"
+    live: LiveLink | None = None
     #: the longest a gap in the recording is allowed to stall the replay, in wall seconds
     MAX_GAP_S = 5.0
 
@@ -730,6 +514,10 @@ class ReplaySource:
         return f"{pos} / {length} at {speed}" + (", paused" if self._paused else "")
 
     @property
+    def playback(self) -> Playback:
+        return self
+
+    @property
     def speed(self) -> float:
         return self._speed
 
@@ -773,7 +561,7 @@ class ReplaySource:
 
     def _announce(self) -> None:
         if self._sink is not None and not self.finished.is_set():
-            self._sink(SourceUpdate(state=PAUSED if self._paused else REPLAY, detail=self.describe()))
+            self._sink(SourceUpdate(state=Connection.PAUSED if self._paused else Connection.REPLAY, detail=self.describe()))
 
     # -- lifecycle
 
@@ -800,46 +588,39 @@ class ReplaySource:
         try:
             f = open(self.path, "rb")  # noqa: SIM115 - closed below, the loop can return early
         except OSError as e:
-            sink(SourceUpdate(state=ENDED, detail=f"cannot read {self.path}: {e}"))
+            sink(SourceUpdate(state=Connection.ENDED, detail=f"cannot read {self.path}: {e}"))
             self.finished.set()
             return
         self.start_t, self.end_t = recording_span(f)
         # the state goes with the first frames, so its note in the events log is stamped with the
         # run's time (the hello's) rather than today's
-        batch = SourceUpdate(state=PAUSED if self._paused else REPLAY, detail=self.describe())
+        batch = SourceUpdate(state=Connection.PAUSED if self._paused else Connection.REPLAY, detail=self.describe())
         last_flush = time.monotonic()
         errors = 0
-        gate = SegmentGate()
+        reader = FrameReader()
         with f:
-            for lineno, raw in _rewindable(f):
+            reads: Iterator[Read] = read_file(f, reader)
+            while (read := next(reads, None)) is not None:
                 if self._stop.is_set():
                     return
-                if lineno == 0:  # the file started over (a seek backwards): so does the state
-                    self._flush(sink, batch)
-                    sink(SourceUpdate(reset=True))
-                    continue
-                if not raw.strip():
-                    continue
-                frame, error = None, ""
-                try:
-                    frame = decode(raw)
-                except ProtocolError as e:
-                    error = str(e)
-                use, note = gate.admit(raw, frame)
-                if note is not None:  # a segment in another protocol version: skipped, said once
-                    batch.errors.append(f"{self.path.name}:{lineno}: {note}")
-                if not use:
-                    if frame is None and gate.foreign is None:
+                if read.note is not None:  # a segment in another protocol version: skipped, said once
+                    batch.errors.append(f"{self.path.name}:{read.lineno}: {read.note}")
+                frame = read.frame
+                if frame is None:
+                    if read.error is not None:
                         errors += 1
-                        why = "truncated last line ignored" if not raw.endswith(b"\n") else error
-                        batch.errors.append(f"{self.path.name}:{lineno}: {why}")
+                        batch.errors.append(f"{self.path.name}:{read.lineno}: {read.error}")
                     continue
                 if isinstance(frame, Snapshot):
                     if not self._pace(frame.t, sink, batch):
                         return
-                    if self._rewind:
+                    if self._rewind:  # a seek backwards: the file, the reader and the state start over
                         self._rewind = False
-                        f.seek(0)  # _rewindable yields the (0, b"") marker next
+                        f.seek(0)
+                        reader.reset()
+                        reads = read_file(f, reader)
+                        self._flush(sink, batch)
+                        sink(SourceUpdate(reset=True))
                         continue
                     self.position = frame.t
                 self.frames_read += 1
@@ -850,11 +631,11 @@ class ReplaySource:
                     last_flush = now
         self._flush(sink, batch)
         self.finished.set()
-        if self.frames_read == 0 and gate.foreign is not None:  # the whole file is another version
-            sink(SourceUpdate(state=INCOMPATIBLE, detail=f"{self.path}: {mismatch_message(gate.foreign)}"))
+        if self.frames_read == 0 and reader.foreign is not None:  # the whole file is another version
+            sink(SourceUpdate(state=Connection.INCOMPATIBLE, detail=f"{self.path}: {mismatch_message(reader.foreign)}"))
             return
-        skipped = f", {gate.skipped} frames of another protocol version skipped" if gate.skipped else ""
-        sink(SourceUpdate(state=ENDED, detail=f"replay of {self.path} finished: {self.frames_read} frames"
+        skipped = f", {reader.gate.skipped} frames of another protocol version skipped" if reader.gate.skipped else ""
+        sink(SourceUpdate(state=Connection.ENDED, detail=f"replay of {self.path} finished: {self.frames_read} frames"
                           + (f", {errors} bad lines" if errors else "") + skipped))
 
     @staticmethod

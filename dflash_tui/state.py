@@ -28,7 +28,7 @@ from dflash.telemetry.protocol import (
     Stall,
     SystemSample,
 )
-from dflash_tui.sources import CONNECTING, SourceUpdate
+from dflash_tui.sources import Connection, SourceUpdate
 
 #: points kept per series (at 2 Hz: 2.5 minutes; sparklines show the newest that fit)
 HISTORY = 300
@@ -76,7 +76,7 @@ class RunState:
         self.history = history
         self.hello: Hello | None = None
         self.snapshot: Snapshot | None = None
-        self.connection: str = CONNECTING
+        self.connection: Connection = Connection.CONNECTING
         self.connection_detail: str = ""
         self.frames = 0
         self.snapshots = 0
@@ -103,7 +103,7 @@ class RunState:
         self.cluster: Cluster | None = None
         self.cluster_t: float | None = None
         #: the state of that second connection; None while this connection is rank 0's own
-        self.cluster_connection: str | None = None
+        self.cluster_connection: Connection | None = None
         #: the rank picked with the rank keys (None: whichever rank this connection is)
         self.selected_rank: int | None = None
         #: why the selected rank's details cannot be shown here (its socket is on another machine)
@@ -370,19 +370,6 @@ class RunState:
                 continue
             for c, st in sorted(cats.items(), key=lambda kv: -kv[1].share):
                 yield w, c, st
-
-
-def step_rank(ranks: list[int], current: int | None, delta: int) -> int | None:
-    """The rank `delta` places after `current` in `ranks`, wrapping around (from nothing: the first
-    or the last); None when there are no ranks."""
-    if not ranks:
-        return None
-    if current is None or current not in ranks:
-        after = [r for r in ranks if current is None or (r > current if delta > 0 else r < current)]
-        if not after:
-            return ranks[0] if delta > 0 else ranks[-1]
-        return after[0] if delta > 0 else after[-1]
-    return ranks[(ranks.index(current) + delta) % len(ranks)]
 
 
 def _first(d: dict, *keys: str) -> float | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -128,13 +129,35 @@ def test_errors_are_one_line_and_name_the_path(dirs, tmp_path):
 def test_builtin_tiny_target_when_present():
     tiny = pytest.importorskip("dflash.model.tiny")
     try:
-        path = tiny.tiny_target_dir(build_if_missing=False)
+        path = tiny.tiny_target_dir()
     except FileNotFoundError:
         pytest.skip("the tiny target has not been built yet")
     t = load_target("tiny", num_draft_layers=3)
     assert t.path == path and t.tokenizer is not None
     mask = t.default_mask_token_id()
     assert t.tokenizer.convert_ids_to_tokens(mask) == t.tokenizer.mask_token
+
+
+def test_missing_tiny_target_says_how_to_rebuild_instead_of_building(tmp_path, monkeypatch):
+    """A tiny target whose weights are gone (a copy of the package directory without them) is one line
+    naming the rebuild command, returned at once: nothing is built or written there."""
+    tiny = pytest.importorskip("dflash.model.tiny")
+    shipped = tiny.TINY_DIR
+    broken = tmp_path / "tiny"
+    broken.mkdir()
+    for f in shipped.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy(f, broken / f.name)
+    before = sorted(p.name for p in broken.iterdir())
+    monkeypatch.setattr(tiny, "TINY_DIR", broken)
+    with pytest.raises(TargetError) as e:
+        load_target("tiny")
+    msg = str(e.value)
+    assert "\n" not in msg and "dflash target build-tiny" in msg and "model.safetensors" in msg, msg
+    assert sorted(p.name for p in broken.iterdir()) == before  # no build started in there
+    monkeypatch.setattr(tiny, "TINY_DIR", tmp_path / "absent")
+    with pytest.raises(TargetError, match="build-tiny"):
+        load_target("tiny")
 
 
 def test_frozen_head_keeps_the_targets_dtype_and_shares_its_weights(dirs):

@@ -24,8 +24,8 @@ import pytest
 
 from dflash.telemetry import ProfileStats, TelemetryServer
 from dflash.telemetry import protocol as P
+from dflash.telemetry.sockets import discover
 from dflash_tui import synthetic
-from dflash_tui.sources import discover
 
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user (CI runs as root)")
@@ -76,7 +76,7 @@ def _stop(pid: int) -> None:
 
 
 def _top(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "import sys; from dflash_tui.app import main; sys.exit(main())",
+    return subprocess.run([sys.executable, "-c", "import sys; from dflash_tui.cli import main; sys.exit(main())",
                            *args], capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from dflash.telemetry import ProfileStats, TelemetryServer
 from dflash.telemetry import protocol as P
-from dflash.telemetry.recorder import read_frames
+from dflash.telemetry.reader import read_frames
 from dflash_tui import synthetic
 
 NESTED = 1000  # ~2 KB of brackets: what made msgspec raise RecursionError
@@ -92,7 +92,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def _top_once(rec: Path) -> subprocess.CompletedProcess:
-    return _run("-c", "import sys; from dflash_tui.app import main; sys.exit(main())", "--once", "--json",
+    return _run("-c", "import sys; from dflash_tui.cli import main; sys.exit(main())", "--once", "--json",
                 "--timeout", "30", str(rec))
 
 

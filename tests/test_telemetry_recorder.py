@@ -13,7 +13,8 @@ import pytest
 
 from dflash.telemetry import ProfileStats, TelemetryServer
 from dflash.telemetry import protocol as P
-from dflash.telemetry.recorder import Recorder, read_frames
+from dflash.telemetry.reader import read_frames
+from dflash.telemetry.recorder import Recorder
 from dflash.telemetry.summary import Summary, to_snapshot
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,7 +21,8 @@ import pytest
 
 from dflash.telemetry import ProfileStats, TelemetryServer
 from dflash.telemetry import protocol as P
-from dflash.telemetry.recorder import read_frames
+from dflash.telemetry import sockets as S
+from dflash.telemetry.reader import read_frames
 
 FAST = 0.05
 REPO = Path(__file__).resolve().parents[1]
@@ -84,7 +85,7 @@ def test_location_names_and_permissions(sock_dir: Path, monkeypatch: pytest.Monk
         assert stat.S_IMODE(sock_dir.stat().st_mode) == 0o700
         assert stat.S_ISSOCK(srv.path.stat().st_mode)
         assert stat.S_IMODE(srv.path.stat().st_mode) == 0o600
-        assert P.parse_socket_filename(ranked.path.name) == ("my_run_1", os.getpid(), 1)
+        assert S.parse_socket_filename(ranked.path.name) == ("my_run_1", os.getpid(), 1)
     finally:
         srv.close()
         ranked.close()
@@ -93,17 +94,17 @@ def test_location_names_and_permissions(sock_dir: Path, monkeypatch: pytest.Monk
     xdg = tmp_path / "xdg"
     xdg.mkdir()
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
-    assert P.default_socket_dir() == xdg / "dflash"
+    assert S.default_socket_dir() == xdg / "dflash"
     assert TelemetryServer("r", stats).path.parent == xdg / "dflash"
     monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert P.default_socket_dir() == Path(f"/tmp/dflash-{os.getuid()}")
+    assert S.default_socket_dir() == Path(f"/tmp/dflash-{os.getuid()}")
 
 
 def test_long_run_names_are_shortened_to_fit_sun_path(sock_dir: Path) -> None:
     srv = TelemetryServer("x" * 300, ProfileStats(), interval_s=FAST, socket_dir=sock_dir).start()
     try:
         assert len(os.fsencode(str(srv.path))) <= 107
-        assert P.parse_socket_filename(srv.path.name).pid == os.getpid()
+        assert S.parse_socket_filename(srv.path.name).pid == os.getpid()
     finally:
         srv.close()
 

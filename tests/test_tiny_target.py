@@ -14,7 +14,7 @@ from dflash.model.tiny import greedy_distinct, split_files, stdlib_files, tiny_t
 
 
 def test_shipped_tiny_target_loads_without_building():
-    path = tiny_target_dir(build_if_missing=False)
+    path = tiny_target_dir()
     assert (path / "model.safetensors").stat().st_size <= 15 * 2**20
     t = load_target("tiny")
     assert t.config.model_type == "qwen3" and t.num_layers == 6
@@ -23,7 +23,7 @@ def test_shipped_tiny_target_loads_without_building():
 
 
 def test_build_info_meets_the_bar_for_a_real_language_model():
-    info = json.loads((tiny_target_dir(build_if_missing=False) / "build_info.json").read_text())
+    info = json.loads((tiny_target_dir() / "build_info.json").read_text())
     assert info["heldout_loss"] <= 3.0, info["heldout_loss"]
     assert info["heldout_loss"] < info["bigram_heldout_loss"] - 1.0
     assert info["greedy_distinct_per_96"] >= 30  # greedy continuations vary (a looping model gets ~16)

@@ -19,8 +19,9 @@ import torch
 from test_model_helpers import make_target_dir, make_tokenizer
 from test_train_pipeline import _write_data
 
-from dflash.telemetry.protocol import Hello, Snapshot, parse_socket_filename
-from dflash.telemetry.recorder import read_frames
+from dflash.telemetry.protocol import Hello, Snapshot
+from dflash.telemetry.reader import read_frames
+from dflash.telemetry.sockets import parse_socket_filename
 from dflash.train.checkpoint import list_checkpoints
 from dflash.train.stages import BatchSource
 

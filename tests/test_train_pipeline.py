@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_model_helpers import WORDS, make_target_dir, make_tokenizer, one_thread  # noqa: F401
 
-from dflash.telemetry.recorder import read_frames
+from dflash.telemetry.reader import read_frames
 from dflash.train.checkpoint import list_checkpoints
 from dflash.train.config import make_config
 from dflash.train.trainer import Trainer

@@ -26,7 +26,7 @@ from dflash.telemetry import ProfileStats, TelemetryServer, protocol
 from dflash_tui import synthetic
 from dflash_tui.app import DFlashTop
 from dflash_tui.pyspy import ProfileFailure, StackReport, find_pyspy
-from dflash_tui.sources import DISCONNECTED, INCOMPATIBLE, LIVE, LiveSource, ReplaySource
+from dflash_tui.sources import Connection, LiveSource, ReplaySource
 from dflash_tui.widgets.categories import CategoryTable
 from dflash_tui.widgets.cluster import STRAGGLER, ClusterPanel
 from dflash_tui.widgets.events import EventsLog
@@ -210,12 +210,12 @@ async def test_disconnect_keeps_data_and_reattaches(short_dir: Path, workloads) 
         await until(pilot, lambda: app.disconnected, "disconnected")
         await pilot.pause(0.3)
         assert "DISCONNECTED" in text_of(app, "#header")
-        assert app.state.connection == DISCONNECTED and "trainer exited (shutdown)" in app.state.connection_detail
+        assert app.state.connection == Connection.DISCONNECTED and "trainer exited (shutdown)" in app.state.connection_detail
         assert app.screen.has_class("-disconnected")
         assert app.state.workers and app.query_one(CategoryTable).row_count > 0, "last data kept"
         seen = app.state.snapshots
         workloads("flaky", short_dir / "s", short_dir / "run")
-        await until(pilot, lambda: app.state.connection == LIVE and app.state.snapshots > seen + 1, "reattached")
+        await until(pilot, lambda: app.state.connection == Connection.LIVE and app.state.snapshots > seen + 1, "reattached")
         assert not app.disconnected
 
 
@@ -338,7 +338,7 @@ async def test_malformed_frame_reports_and_continues(short_dir: Path) -> None:
             assert app.state.bad_frames == 2
             status = text_of(app, "#status")
             assert "2 bad frames" in status and "malformed frame" in status
-            assert app.state.connection == LIVE
+            assert app.state.connection == Connection.LIVE
 
 
 async def test_protocol_mismatch_is_a_clear_message(short_dir: Path) -> None:
@@ -346,7 +346,7 @@ async def test_protocol_mismatch_is_a_clear_message(short_dir: Path) -> None:
     with raw_trainer(short_dir / "new.sock", [hello]) as path:
         app = DFlashTop(path)
         async with app.run_test(size=(80, 24)) as pilot:
-            await until(pilot, lambda: app.state.connection == INCOMPATIBLE, "incompatible")
+            await until(pilot, lambda: app.state.connection == Connection.INCOMPATIBLE, "incompatible")
             await pilot.pause(0.3)
             assert "INCOMPATIBLE" in text_of(app, "#header")
             status = text_of(app, "#status")
@@ -431,7 +431,7 @@ async def test_cluster_panel_and_rank_keys_follow_each_rank(short_dir: Path, wor
         await until(pilot, lambda: app.state.workers, "rank 1's timings")
         assert app.cluster_source is not None and app.cluster_source.path == job.r0.server.path
         seen = job.views
-        await until(pilot, lambda: app.state.cluster_connection == LIVE and app.state.cluster.ranks[0].step > seen,
+        await until(pilot, lambda: app.state.cluster_connection == Connection.LIVE and app.state.cluster.ranks[0].step > seen,
                     "fresh cluster views through the second connection")
         assert "▶ r1" in panel.content.plain and "view from" not in app.query_one("#p-cluster").border_title
 
@@ -503,7 +503,7 @@ def test_live_source_requests_and_new_pid_reattach(short_dir: Path, trainers) ->
         first.send_signal(signal.SIGTERM)
         first.wait(10)
         states = []
-        while DISCONNECTED not in states:
+        while Connection.DISCONNECTED not in states:
             states.append(q.get(timeout=10).state)
         second, path2 = trainers("again", sock_dir, short_dir / "run")
         assert path2 != path

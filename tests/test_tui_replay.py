@@ -11,22 +11,16 @@ from pathlib import Path
 import pytest
 
 from dflash.telemetry import protocol
+from dflash.telemetry.sockets import SocketInfo, discover, group_jobs
 from dflash_tui import synthetic
+from dflash_tui.ranks import rank_list, rank_socket, rank_sockets
 from dflash_tui.sources import (
-    ENDED,
-    INCOMPATIBLE,
-    PAUSED,
+    AttachError,
+    Connection,
     LiveSource,
     ReplaySource,
-    SocketInfo,
     SourceUpdate,
-    TargetError,
-    discover,
-    group_jobs,
     open_source,
-    rank_list,
-    rank_socket,
-    rank_sockets,
     resolve,
 )
 
@@ -64,7 +58,7 @@ def test_replay_at_full_speed_skips_bad_lines(tmp_path: Path) -> None:
     src = ReplaySource(rec, speed=0)
     q: queue.Queue = queue.Queue()
     src.start(q.put)
-    ups = drain(q, ENDED)
+    ups = drain(q, Connection.ENDED)
     frames = frames_of(ups)
     errors = [e for u in ups for e in u.errors]
     assert isinstance(frames[0], protocol.Hello)
@@ -80,7 +74,7 @@ def test_replay_paces_by_snapshot_time(tmp_path: Path) -> None:
     q: queue.Queue = queue.Queue()
     t0 = time.monotonic()
     src.start(q.put)
-    drain(q, ENDED)
+    drain(q, Connection.ENDED)
     took = time.monotonic() - t0
     assert 0.7 < took < 4.0, took  # 10 s at 10x is ~1 s
 
@@ -91,7 +85,7 @@ def test_replay_pause_step_and_resume(tmp_path: Path) -> None:
     q: queue.Queue = queue.Queue()
     src.start(q.put)
     first = drain(q)
-    assert first[0].state == PAUSED
+    assert first[0].state == Connection.PAUSED
     assert not [f for f in frames_of(first) if isinstance(f, protocol.Snapshot)]
     src.step()
     stepped = [f for f in frames_of(drain(q)) if isinstance(f, protocol.Snapshot)]
@@ -100,7 +94,7 @@ def test_replay_pause_step_and_resume(tmp_path: Path) -> None:
     src.step()
     assert [f.seq for f in frames_of(drain(q)) if isinstance(f, protocol.Snapshot)] == [2, 3]
     src.resume()
-    rest = drain(q, ENDED)
+    rest = drain(q, Connection.ENDED)
     assert [f.seq for f in frames_of(rest) if isinstance(f, protocol.Snapshot)] == list(range(4, 11))
     src.stop()
 
@@ -111,7 +105,7 @@ def test_replay_of_another_protocol_version_says_so(tmp_path: Path) -> None:
     src = ReplaySource(rec, speed=0)
     q: queue.Queue = queue.Queue()
     src.start(q.put)
-    ups = drain(q, INCOMPATIBLE)
+    ups = drain(q, Connection.INCOMPATIBLE)
     assert "protocol v99" in ups[-1].detail and f"v{protocol.PROTO}" in ups[-1].detail
 
 
@@ -147,9 +141,9 @@ def test_resolve_run_dir_and_errors(tmp_path: Path) -> None:
     assert resolve(str(tmp_path / "run"), directory=tmp_path / "nosockets") == rec
     assert resolve(str(rec)) == rec
     assert resolve(None) is None
-    with pytest.raises(TargetError, match="no telemetry.jsonl"):
+    with pytest.raises(AttachError, match="no telemetry.jsonl"):
         resolve(str(empty), directory=tmp_path / "nosockets")
-    with pytest.raises(TargetError, match="not a socket"):
+    with pytest.raises(AttachError, match="not a socket"):
         resolve("no-such-run", directory=tmp_path / "nosockets")
 
 
@@ -232,10 +226,10 @@ def test_seeking_back_after_the_end_reads_the_recording_again(tmp_path: Path) ->
     src = ReplaySource(rec, speed=0)
     q: queue.Queue = queue.Queue()
     src.start(q.put)
-    drain(q, ENDED)
+    drain(q, Connection.ENDED)
     src.seek(to=2)
     _wait(lambda: src.finished.is_set() and src.position == src.end_t)
-    again = drain(q, ENDED)
+    again = drain(q, Connection.ENDED)
     assert again[0].reset and _snapshot_seqs(again) == list(range(1, 22))
     src.stop()
 

@@ -8,8 +8,9 @@ import math
 from dflash.telemetry import protocol
 from dflash_tui import fmt, synthetic
 from dflash_tui.headless import render_text, summarize
-from dflash_tui.sources import DISCONNECTED, LIVE, SourceUpdate
-from dflash_tui.state import MAX_EVENTS, RunState, step_rank
+from dflash_tui.ranks import step_rank
+from dflash_tui.sources import Connection, SourceUpdate
+from dflash_tui.state import MAX_EVENTS, RunState
 from dflash_tui.widgets.bottleneck import evidence_value
 from dflash_tui.widgets.cluster import STRAGGLER, cluster_summary, cluster_text, pick_ranks
 from dflash_tui.widgets.timebars import bars_text, split_width
@@ -68,11 +69,11 @@ def test_a_category_idle_in_one_window_keeps_its_row() -> None:
 def test_updates_apply_frames_then_state_and_count_errors() -> None:
     state = RunState()
     state.apply_update(SourceUpdate(frames=[synthetic.hello(), synthetic.snapshot(1)],
-                                    errors=["malformed frame (not JSON): x"], state=LIVE, detail="attached"))
-    assert state.connection == LIVE and state.bad_frames == 1 and state.last_error.startswith("malformed")
+                                    errors=["malformed frame (not JSON): x"], state=Connection.LIVE, detail="attached"))
+    assert state.connection == Connection.LIVE and state.bad_frames == 1 and state.last_error.startswith("malformed")
     # the connection note is stamped with the stream's clock, not the wall clock
     assert state.events[-1].t == synthetic.snapshot(1).t
-    state.apply_update(SourceUpdate(state=DISCONNECTED, detail="gone"))
+    state.apply_update(SourceUpdate(state=Connection.DISCONNECTED, detail="gone"))
     assert state.snapshot is not None, "the last data is kept while disconnected"
     assert state.events[-1].kind == "warning"
 
@@ -149,8 +150,8 @@ def test_the_cluster_view_outlives_a_rank_switch_but_not_a_new_run() -> None:
     assert state.cluster.ranks[0].step == synthetic.cluster(1).ranks[0].step
     # the second connection, to rank 0, refreshes the view and only the view
     state.apply_cluster_update(SourceUpdate(frames=[synthetic.hello(world_size=2), _cluster_snapshot(3)],
-                                            state=LIVE, detail="attached"))
-    assert state.cluster_t == synthetic.snapshot(3).t and state.cluster_connection == LIVE
+                                            state=Connection.LIVE, detail="attached"))
+    assert state.cluster_t == synthetic.snapshot(3).t and state.cluster_connection == Connection.LIVE
     assert state.hello.rank == 1 and state.snapshot.seq == 2
     state.apply(synthetic.hello(run="another", world_size=1))
     assert state.cluster is None and not state.multi_rank
@@ -217,10 +218,12 @@ def test_dflash_top_takes_only_the_protocol_from_dflash_and_never_torch():
     import subprocess
     import sys
 
-    code = ("import sys, dflash_tui.app, dflash_tui.headless, dflash_tui.pyspy\n"
+    code = ("import sys, dflash_tui.app, dflash_tui.cli, dflash_tui.headless, dflash_tui.pyspy, dflash_tui.ranks\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dflash', 'torch')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['dflash', 'dflash.telemetry', 'dflash.telemetry.protocol']"
+    # the protocol side only: the frames, their reader, and where the sockets are
+    assert out.strip() == ("['dflash', 'dflash.telemetry', 'dflash.telemetry.protocol', 'dflash.telemetry.reader', "
+                           "'dflash.telemetry.sockets']")
 
 
 def test_gpu_panel_shows_cuda_ordinal_gpm_activity_and_mig_instances() -> None:

@@ -16,7 +16,7 @@ import msgspec
 from dflash.cli import CliError
 from dflash.telemetry.analysis import analyze
 from dflash.telemetry.protocol import Bye, Event, Hello, Snapshot, training_shares
-from dflash.telemetry.recorder import read_frames
+from dflash.telemetry.reader import read_frames
 from dflash.telemetry.summary import (
     WorkerStats,
     format_duration,

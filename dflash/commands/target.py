@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash.cli import CliError
-    from dflash.model.tiny import TinyRecipe, build_tiny, refine_tiny
+    from dflash.model.tiny import TINY_DIR, TinyRecipe, build_tiny, refine_tiny
 
     recipe = TinyRecipe()
     if args.max_time is not None:
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         recipe.steps = args.steps
     if args.ul_steps is not None:
         recipe.ul_steps = args.ul_steps
-    out = args.out or Path(__file__).resolve().parent.parent / "model" / "tiny"
+    out = args.out or TINY_DIR
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.src is not None:
         if not (args.src / "config.json").is_file():

@@ -41,9 +41,12 @@ def resolve_target_path(spec: str | Path) -> Path:
     if str(spec) == "tiny":
         try:
             from dflash.model.tiny import tiny_target_dir
+
+            return tiny_target_dir()
         except ImportError as e:
             raise TargetError(f"target 'tiny': the built-in tiny target is unavailable ({_one_line(e)})") from e
-        return Path(tiny_target_dir())
+        except FileNotFoundError as e:
+            raise TargetError(f"target 'tiny': {e}") from None
     path = Path(spec).expanduser()
     if not path.exists():
         raise TargetError(f"target {str(spec)!r}: no such file or directory (give a local model directory or 'tiny')")

@@ -68,14 +68,22 @@ class TinyRecipe:
     ul_ngram: int = 4
 
 
-def tiny_target_dir(build_if_missing: bool = True) -> Path:
-    """Where the shipped tiny target lives; rebuilt there (minutes to an hour) only if it is missing."""
-    path = Path(__file__).with_name("tiny")
-    if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
-        if not build_if_missing:
-            raise FileNotFoundError(f"the tiny target is missing at {path}; run `dflash target build-tiny`")
-        print(f"dflash: the built-in tiny target is missing at {path}; building it now", file=sys.stderr)
-        build_tiny(path, TinyRecipe(), log=lambda s: print(s, file=sys.stderr))
+#: where the built-in target ships (package data); `dflash target build-tiny` writes it
+TINY_DIR = Path(__file__).with_name("tiny")
+
+
+class TinyTargetMissing(FileNotFoundError):
+    """The built-in target's files are not installed; the message says how to rebuild them."""
+
+
+def tiny_target_dir() -> Path:
+    """Where the shipped tiny target lives. A missing one is an error, never a silent rebuild: the build
+    takes up to 40 minutes and would write into the installed package."""
+    path = TINY_DIR
+    missing = [n for n in ("config.json", "model.safetensors") if not (path / n).is_file()]
+    if missing:
+        raise TinyTargetMissing(f"the built-in tiny target is missing {' and '.join(missing)} in {path}: "
+                                "rebuild it with `dflash target build-tiny` (up to 40 minutes on a CPU)")
     return path
 
 

@@ -8,13 +8,8 @@ breaks old readers must bump it. See docs/protocol.md.
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-import stat
-import struct
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 
@@ -408,95 +403,10 @@ def to_builtins(frame: Frame) -> dict[str, Any]:
     return msgspec.to_builtins(frame)
 
 
-# --- where the sockets live (shared so that dflash-top finds what the trainer creates) ---------------
-
-_SOCKET_RE = re.compile(r"^(?P<run>.+)-(?P<pid>\d+)(?:-r(?P<rank>\d+))?\.sock$")
-
-
-class SocketName(NamedTuple):
-    run: str
-    pid: int
-    rank: int | None
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host (EPERM: it exists but is not ours).
-    Shared because both sides judge socket files by the pid in their name."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def default_socket_dir() -> Path:
-    """`$XDG_RUNTIME_DIR/dflash` when that is set (a per-user tmpfs), else `/tmp/dflash-<uid>`."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg):
-        return Path(xdg) / "dflash"
-    return Path(f"/tmp/dflash-{os.getuid()}")
-
-
-def private_socket_dir(requested: Path) -> Path:
-    """Where sockets for a requested socket directory live.
-
-    The directory itself when it is private (ours, no access for group or others) or does not exist
-    yet (dflash then creates it 0700); otherwise a private subdirectory ``dflash-<uid>`` in it. dflash
-    never changes the mode of a directory it did not create: ``--socket-dir /tmp`` must not make /tmp
-    private. Both sides use this rule, so dflash-top looks where the trainer binds.
-    """
-    try:
-        st = os.lstat(requested)
-    except OSError:
-        return requested
-    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not stat.S_IMODE(st.st_mode) & 0o077:
-        return requested
-    return requested / f"dflash-{os.getuid()}"
-
-
-def owned_by_us(path: Path) -> bool:
-    """Whether the file itself (not what a symlink points to) belongs to our uid: a socket someone else
-    planted in a directory we read is never served, listed or trusted."""
-    try:
-        return os.lstat(path).st_uid == os.getuid()
-    except OSError:
-        return False
-
-
-_CRED = struct.Struct("3i")
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
-    return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-
-
-def trusted_uid(uid: int) -> bool:
-    """Peers we talk telemetry with, on either side: our own uid, or root."""
-    return uid in (os.getuid(), 0)
-
-
 def recording_filename(rank: int = 0) -> str:
     """The recording in a run directory: rank 0 (and single-process runs) write telemetry.jsonl,
     every other rank telemetry-r<rank>.jsonl, so ranks sharing a run directory never share a file."""
     return "telemetry.jsonl" if rank == 0 else f"telemetry-r{rank}.jsonl"
-
-
-def socket_filename(run: str, pid: int, rank: int | None = None) -> str:
-    """`<run>-<pid>[-r<rank>].sock`, with the run name reduced to safe characters."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", run).strip(".") or "run"
-    return f"{safe}-{pid}" + (f"-r{rank}" if rank is not None else "") + ".sock"
-
-
-def parse_socket_filename(name: str) -> SocketName | None:
-    """The run, pid and rank encoded in a socket file name, or None for other files."""
-    m = _SOCKET_RE.match(name)
-    if not m:
-        return None
-    rank = m.group("rank")
-    return SocketName(m.group("run"), int(m.group("pid")), int(rank) if rank is not None else None)
 
 
 # --- reading a whole run (shared so that `dflash stats` and `dflash-top --once` agree) ---------------

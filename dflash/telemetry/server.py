@@ -39,18 +39,21 @@ from dflash.telemetry.protocol import (
     Request,
     Snapshot,
     decode,
-    default_socket_dir,
     encode,
+    recording_filename,
+)
+from dflash.telemetry.reader import LineSplitter
+from dflash.telemetry.recorder import Recorder
+from dflash.telemetry.sockets import (
+    default_socket_dir,
     owned_by_us,
     parse_socket_filename,
     peer_credentials,
     pid_alive,
     private_socket_dir,
-    recording_filename,
     socket_filename,
     trusted_uid,
 )
-from dflash.telemetry.recorder import Recorder
 from dflash.telemetry.stats import ProfileStats
 from dflash.telemetry.summary import Summary, to_snapshot
 from dflash.telemetry.system import SystemSampler
@@ -81,7 +84,7 @@ class Monitor(Protocol):
 
 
 def ensure_socket_dir(requested: Path) -> Path:
-    """The private directory for our sockets (``protocol.private_socket_dir``), created 0700 when missing.
+    """The private directory for our sockets (``sockets.private_socket_dir``), created 0700 when missing.
 
     Refused, in one line: a directory (or a place to make one in) that another user controls. On a
     shared /tmp someone could pre-create /tmp/dflash-<uid> to watch or spoof our sockets, and a shared
@@ -229,18 +232,17 @@ def _encodable(value: Any) -> bool:
 
 
 class _Client:
-    __slots__ = ("sock", "fd", "pid", "uid", "inbuf", "outq", "cur", "dropped", "skipping", "writing", "last_stacks")
+    __slots__ = ("sock", "fd", "pid", "uid", "lines", "outq", "cur", "dropped", "writing", "last_stacks")
 
     def __init__(self, sock: socket.socket, pid: int, uid: int, queue_frames: int) -> None:
         self.sock = sock
         self.fd = sock.fileno()
         self.pid = pid
         self.uid = uid
-        self.inbuf = bytearray()
+        self.lines = LineSplitter(MAX_REQUEST_BYTES)  # the requests it sends, line by line
         self.outq: collections.deque[bytes] = collections.deque(maxlen=queue_frames)
         self.cur: memoryview | None = None  # the frame being written; never dropped half-sent
         self.dropped = 0
-        self.skipping = False  # discarding the rest of an oversized request line
         self.writing = False
         self.last_stacks = 0.0
 
@@ -708,22 +710,13 @@ class TelemetryServer:
         if not data:  # peer closed; a half-sent request dies with it
             self._drop(c)
             return
-        c.inbuf += data
-        while c.fd in self._clients:
-            i = c.inbuf.find(b"\n")
-            if i < 0:
-                if len(c.inbuf) > MAX_REQUEST_BYTES:
-                    c.inbuf.clear()
-                    if not c.skipping:
-                        c.skipping = True
-                        self._reply(c, 0, "", False, error=f"request line exceeds {MAX_REQUEST_BYTES} bytes; discarded")
+        for line in c.lines.feed(data):
+            if c.fd not in self._clients:
                 return
-            line = bytes(c.inbuf[:i])
-            del c.inbuf[: i + 1]
-            if c.skipping:  # the tail of an oversized line
-                c.skipping = False
-                continue
-            self._handle_line(c, line)
+            if line is None:  # said once; the rest of that line is discarded as it arrives
+                self._reply(c, 0, "", False, error=f"request line exceeds {MAX_REQUEST_BYTES} bytes; discarded")
+            else:
+                self._handle_line(c, line)
 
     def _reply(self, c: _Client, id_: int, op: str, ok: bool, data: Any = None, error: str | None = None) -> None:
         self._send(c, encode(Reply(id=id_, op=op, ok=ok, error=error, data=data)))

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import zlib
 
-from dflash_tui import sources
+from dflash_tui.sources import Connection
 
-#: the seed's categories first, in pipeline order (also the display order)
+#: the trainer's own categories first, in pipeline order (also the display order)
 KNOWN = ["batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put", "hs_queue_wait", "h2d",
          "drafter_forward", "drafter_backward", "optimizer_step", "checkpoint", "eval"]
 _COLORS = ["#e5c07b", "#61afef", "#c678dd", "#98c379", "#56b6c2", "#d19a66", "#e06c75", "#be5046",
@@ -18,14 +18,14 @@ _COLORS = ["#e5c07b", "#61afef", "#c678dd", "#98c379", "#56b6c2", "#d19a66", "#e
 UNTRACKED = "#3e4451"
 
 STATE_STYLE = {
-    sources.LIVE: "bold green",
-    sources.CONNECTING: "yellow",
-    sources.DISCONNECTED: "bold red",
-    sources.INCOMPATIBLE: "bold white on red",
-    sources.UNTRUSTED: "bold white on red",
-    sources.REPLAY: "bold cyan",
-    sources.PAUSED: "bold yellow",
-    sources.ENDED: "cyan",
+    Connection.LIVE: "bold green",
+    Connection.CONNECTING: "yellow",
+    Connection.DISCONNECTED: "bold red",
+    Connection.INCOMPATIBLE: "bold white on red",
+    Connection.UNTRUSTED: "bold white on red",
+    Connection.REPLAY: "bold cyan",
+    Connection.PAUSED: "bold yellow",
+    Connection.ENDED: "cyan",
 }
 
 

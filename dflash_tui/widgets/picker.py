@@ -14,7 +14,8 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, OptionList, Static
 from textual.widgets.option_list import Option
 
-from dflash_tui.sources import SocketInfo, job_label
+from dflash.telemetry.sockets import SocketInfo
+from dflash_tui.ranks import job_label
 
 T = TypeVar("T")
 
