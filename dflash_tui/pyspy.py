@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.telemetry.protocol import Reply
+from dflash.telemetry.protocol import ProtocolError, Reply, Stacks, stacks_of
 from dflash.telemetry.sockets import pid_alive
 
 #: ask the trainer something and get its reply; raises on failure (LiveSource.request)
@@ -221,37 +221,13 @@ def parse_dump(text: str) -> list[ThreadStack]:
     return threads
 
 
-def parse_trainer_stacks(data: Any) -> list[ThreadStack]:
-    """The trainer's own `stacks` reply: {"threads": [{tid, name, frames}]}, frames innermost first
-    as py-spy prints them (the server's python_stacks); returned innermost last like parse_dump.
-
-    Frames may be dicts (file/filename, line/lineno, function/name), [file, line, name] lists or
-    preformatted strings; a bare list of threads is accepted too.
-    """
-    if isinstance(data, dict):
-        data = data.get("threads", [])
-    threads: list[ThreadStack] = []
-    for t in data or []:
-        if not isinstance(t, dict):
-            continue
-        # the native id (what top -H and py-spy show); 0 means the server could not tell
-        tid = next((t[k] for k in ("tid", "native_id", "os_thread_id", "native_thread_id") if t.get(k)), None)
-        frames: list[StackFrame] = []
-        for f in t.get("frames") or t.get("stack") or []:
-            if isinstance(f, dict):
-                fn = str(f.get("filename") or f.get("file") or "?")
-                frames.append(StackFrame(name=str(f.get("name") or f.get("function") or "?"), filename=fn,
-                                         line=int(f.get("line") or f.get("lineno") or 0), short=Path(fn).name))
-            elif isinstance(f, (list, tuple)) and len(f) >= 3:
-                fn = str(f[0])
-                frames.append(StackFrame(name=str(f[2]), filename=fn, line=int(f[1] or 0), short=Path(fn).name))
-            else:
-                frames.append(StackFrame(name=str(f).strip(), filename="", line=0))
-        frames.reverse()
-        threads.append(ThreadStack(tid=int(tid) if tid is not None else None,
-                                   name=str(t.get("name") or t.get("thread_name") or ""), frames=frames,
-                                   active=t.get("active")))
-    return threads
+def trainer_threads(stacks: Stacks) -> list[ThreadStack]:
+    """The threads of the trainer's own `stacks` reply, frames innermost last like parse_dump."""
+    return [ThreadStack(tid=t.tid or None,  # 0: the trainer could not tell its native id
+                        name=t.name,
+                        frames=[StackFrame(name=f.function, filename=f.file, line=f.line, short=Path(f.file).name)
+                                for f in reversed(t.frames)])
+            for t in stacks.threads]
 
 
 def join_cpu(threads: list[ThreadStack], cpu: dict[int, float], names: dict[int, str]) -> list[ThreadStack]:
@@ -342,7 +318,10 @@ def trainer_stacks(pid: int, ask: Ask, cpu: dict[int, float], names: dict[int, s
         raise PySpyError(ProfileFailure(what="stacks", reason=f"the trainer did not send its stacks: {e}")) from None
     if not reply.ok:
         raise PySpyError(ProfileFailure(what="stacks", reason=f"the trainer refused `stacks`: {reply.error}"))
-    threads = parse_trainer_stacks(reply.data)
+    try:
+        threads = trainer_threads(stacks_of(reply))
+    except ProtocolError as e:
+        raise PySpyError(ProfileFailure(what="stacks", reason=f"the trainer's stacks: {e}")) from None
     return StackReport(pid=pid, source="trainer stacks", threads=join_cpu(threads, cpu, names),
                        notes=list(notes or []))
 

@@ -18,17 +18,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dflash.telemetry.protocol import Reply
+from dflash.telemetry.protocol import Reply, stacks_of
 from dflash_tui.pyspy import (
     PySpyError,
     find_pyspy,
     format_report,
     hot_thread_snapshot,
-    parse_trainer_stacks,
     pid_is_local,
     record,
     run_pyspy,
     save_report,
+    trainer_threads,
 )
 
 CHILD = """
@@ -161,7 +161,10 @@ def test_remote_pid_uses_the_trainers_own_stacks() -> None:
     assert report.source == "trainer stacks" and "not on this host" in report.notes[0]
     t = report.threads[0]
     assert t.cpu_percent == 97.0 and t.frames[-1].name == "target_forward"  # innermost last
-    assert parse_trainer_stacks(data)[1].tid is None
+    assert trainer_threads(stacks_of(Reply(id=1, op="stacks", ok=True, data=data)))[1].tid is None
+    with pytest.raises(PySpyError, match="invalid stacks reply"):  # a malformed reply is one line
+        hot_thread_snapshot(7, local=False, ask=lambda op, a: Reply(id=1, op=op, ok=True, data={"threads": 3}),
+                            cpu={}, names={}, exe=None)
 
 
 def test_record_saves_speedscope_and_ranks_functions(child: subprocess.Popen, tmp_path: Path) -> None:

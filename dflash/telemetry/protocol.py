@@ -287,6 +287,43 @@ class Reply(msgspec.Struct, tag_field="type", tag="reply", omit_defaults=True):
     data: Any = None
 
 
+class StackEntry(msgspec.Struct):
+    """One Python frame of a thread's stack."""
+
+    file: str
+    line: int
+    function: str
+
+
+class ThreadStacks(msgspec.Struct):
+    """One Python thread of the trainer and its stack."""
+
+    #: native thread id (as `top -H` and py-spy show it); 0 when the trainer could not tell
+    tid: int
+    name: str
+    ident: int = 0
+    daemon: bool = False
+    #: innermost frame first, as py-spy prints them
+    frames: list[StackEntry] = []
+
+
+class Stacks(msgspec.Struct):
+    """The ``data`` of a successful ``stacks`` reply: every Python thread of the trainer, at time ``t``."""
+
+    pid: int
+    t: float = 0.0
+    threads: list[ThreadStacks] = []
+
+
+def stacks_of(reply: Reply) -> Stacks:
+    """The typed ``data`` of a ``stacks`` reply, or ProtocolError saying what is wrong with it. The
+    envelope stays a plain ``reply`` (its ``data`` depends on ``op``), so the wire is unchanged."""
+    try:
+        return msgspec.convert(reply.data, Stacks)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"invalid stacks reply: {e}") from None
+
+
 class Bye(msgspec.Struct, tag_field="type", tag="bye", omit_defaults=True):
     t: float
     reason: str = "shutdown"

@@ -38,6 +38,9 @@ from dflash.telemetry.protocol import (
     Reply,
     Request,
     Snapshot,
+    StackEntry,
+    Stacks,
+    ThreadStacks,
     decode,
     encode,
     recording_filename,
@@ -167,7 +170,7 @@ def thread_map() -> dict[int, str]:
     return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
 
 
-def python_stacks(max_depth: int = 128) -> list[dict[str, Any]]:
+def python_stacks(max_depth: int = 128) -> list[ThreadStacks]:
     """Every Python thread's stack, innermost frame first (as py-spy dump prints it): the fallback
     view when py-spy cannot attach."""
     threads = {t.ident: t for t in threading.enumerate()}
@@ -180,20 +183,14 @@ def python_stacks(max_depth: int = 128) -> list[dict[str, Any]]:
             f = frame
             while f is not None and len(stack) < max_depth:
                 code = f.f_code
-                stack.append({"file": code.co_filename, "line": f.f_lineno or 0, "function": code.co_name})
+                stack.append(StackEntry(file=code.co_filename, line=f.f_lineno or 0, function=code.co_name))
                 f = f.f_back
-            out.append(
-                {
-                    "tid": (t.native_id if t is not None else None) or 0,
-                    "ident": ident,
-                    "name": t.name if t is not None else f"thread-{ident}",
-                    "daemon": bool(t.daemon) if t is not None else False,
-                    "frames": stack,
-                }
-            )
+            out.append(ThreadStacks(tid=(t.native_id if t is not None else None) or 0, ident=ident,
+                                    name=t.name if t is not None else f"thread-{ident}",
+                                    daemon=bool(t.daemon) if t is not None else False, frames=stack))
     finally:
         del frames  # frames keep their locals alive
-    out.sort(key=lambda d: (d["name"] != "MainThread", d["name"]))
+    out.sort(key=lambda d: (d.name != "MainThread", d.name))
     return out
 
 
@@ -741,7 +738,7 @@ class TelemetryServer:
                     self._reply(c, frame.id, op, False, error=f"stacks requested too often (at most {STACKS_PER_S:g}/s)")
                     return
                 c.last_stacks = now
-                self._reply(c, frame.id, op, True, data={"pid": self._pid, "t": time.time(), "threads": python_stacks()})
+                self._reply(c, frame.id, op, True, data=Stacks(pid=self._pid, t=time.time(), threads=python_stacks()))
             elif op == "ptrace_allow":
                 ok, data, err = ptrace_allow(c.pid, c.uid)
                 self._reply(c, frame.id, op, ok, data=data, error=err)
