@@ -3,7 +3,7 @@
 Data flows one way: a source thread (live socket or replay) posts `SourceUpdated` messages; the app
 folds them into `RunState` and, at most `MAX_REFRESH_HZ` times a second, asks the panels to redraw
 from the state inside one `batch_update()` (the dense ones at most once a second: drawing is nearly
-all of the app's CPU time). Blocking work (py-spy, requests, discovery) runs on worker
+all of the app's CPU time). Blocking work (py-spy, requests, discovery) runs on background
 threads and comes back as messages, so no key press ever waits on the trainer.
 
 A multi-rank run is shown one rank at a time: `[`/`]` and `g` point the panels at another rank by
@@ -122,7 +122,7 @@ class DFlashTop(App[None]):
         Binding("6", "panel(5)", "events", show=False),
     ]
 
-    #: memray-style: the panels dim while the trainer is away, and keep the last data
+    #: the panels dim while the trainer is away, and keep the last data
     disconnected: reactive[bool] = reactive(False)
 
     def __init__(self, target: Path | None = None, *, socket_directory: Path | None = None, speed: float = 1.0,

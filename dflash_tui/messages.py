@@ -1,8 +1,7 @@
 """Textual messages that carry work done on other threads back to the UI thread.
 
 Sources and the py-spy runner know nothing about Textual; the app wraps their results in these
-messages so that everything that touches widgets happens on the UI thread, as memray's live reporter
-does with its snapshots.
+messages so that everything that touches widgets happens on the UI thread.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ class SourceUpdated(Message):
 
 
 class ProfileDone(Message):
-    """A py-spy dump/record or a trainer `stacks` request finished on a worker thread."""
+    """A py-spy dump/record or a trainer `stacks` request finished on a background thread."""
 
     def __init__(self, result: Any) -> None:
         super().__init__()

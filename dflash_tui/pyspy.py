@@ -3,7 +3,7 @@
 This is the one-key version of what the DFlash team did by hand: `py-spy dump --native` next to
 `top -H`, matching threads by their native id to see that the hot threads were target workers in
 CUDA launches rather than Python queue code. Everything here blocks (subprocesses, a socket
-request), so the app calls it from a worker thread; every subprocess has a timeout and is killed
+request), so the app calls it from a background thread; every subprocess has a timeout and is killed
 when it passes, so a stuck py-spy can never freeze the UI. No Textual imports.
 """
 

@@ -201,7 +201,7 @@ class _Pending:
 class LiveSource:
     """Reads a trainer's socket on a thread; reconnects (to a restarted trainer of the same run) on loss.
 
-    A trainer that restarts gets a new pid and so a new socket name: when the original path stops
+    A trainer that restarts gets a new pid and so a new socket name: when the path it was given stops
     answering, the source looks in the same directory for a live socket of the same run and rank.
     """
 

@@ -117,9 +117,9 @@ def make_parts(ctx: Ctx, target, drafter_layers: int, seq_len: int, num_anchors:
 def run_pipeline(source, tstage, dstage, cfg, stats, steps: int, pipeline: bool, on_step_extra=None,
                  timeout_s: float = 120.0) -> list[float]:
     """Runs the real Pipeline for ``steps`` steps; returns the host time at the end of every step."""
-    from dflash.train.pipeline import Pipeline, RunState
+    from dflash.train.pipeline import Pipeline, TrainCounters
 
-    state, stamps = RunState(), []
+    state, stamps = TrainCounters(), []
 
     def on_step(r) -> bool:
         state.step += 1

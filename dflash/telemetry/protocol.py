@@ -150,7 +150,7 @@ class ClusterCategory(msgspec.Struct, omit_defaults=True):
 
 
 class Cluster(msgspec.Struct, omit_defaults=True):
-    """The cross-rank view rank 0 publishes in its snapshots (Megatron-style min/max across ranks)."""
+    """The cross-rank view rank 0 publishes in its snapshots (min/max of each figure across ranks)."""
 
     world_size: int
     ranks: list[ClusterRank] = []

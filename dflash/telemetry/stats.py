@@ -326,7 +326,7 @@ class Worker:
         return out
 
     def add(self, category: str, seconds: float) -> None:
-        """Record `seconds` spent in `category` (the seed's `_prof_add`)."""
+        """Record `seconds` spent in `category` (the one call every timing site makes)."""
         buf = self._buf
         buf.append((category, seconds))
         if len(buf) >= self._fold_at:
@@ -365,7 +365,7 @@ class _NullWorker:
 class ProfileStats:
     """Thread-safe per-worker/per-category timing, counters, gauges and metrics.
 
-    `enabled=False` turns every method into a no-op (the seed's profiling-off mode), so call sites
+    `enabled=False` turns every method into a no-op (profiling off), so call sites
     never need an `if profiling:` guard. `drain()` returns a Summary of the window since the previous
     drain and keeps cumulative stats inside.
     """

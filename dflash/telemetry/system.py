@@ -1,6 +1,6 @@
 """Process, per-thread and GPU sampling for the publisher (psutil + NVML via nvidia-ml-py).
 
-Every query degrades instead of raising (the nvitop habit): a field NVML cannot read is None, and a
+Every query degrades instead of raising: a field NVML cannot read is None, and a
 machine without a driver reports `gpus=[]` with the reason in `gpu_error`. The sampler runs in the
 publisher thread, never in a worker.
 

@@ -46,7 +46,7 @@ class Stopped(Exception):
 
 
 @dataclass
-class RunState:
+class TrainCounters:
     """What the drafter worker advances and the main thread reads (single writer, so no lock)."""
 
     step: int = 0
@@ -80,7 +80,7 @@ class Pipeline:
     """Runs the stages in worker threads until the drafter says it is done or something fails."""
 
     def __init__(self, source: BatchSource, targets: list[TargetStage], drafter: DrafterStage, cfg, stats,
-                 state: RunState, on_step: Callable[[StepResult], bool]):
+                 state: TrainCounters, on_step: Callable[[StepResult], bool]):
         """`on_step` is called by the drafter thread after each step; returning False ends the run."""
         self.source, self.targets, self.drafter, self.cfg, self.stats = source, targets, drafter, cfg, stats
         self.state, self.on_step = state, on_step

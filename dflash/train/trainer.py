@@ -1,7 +1,7 @@
 """`dflash train`: set up data, target(s), drafter and telemetry; run the pipeline; log; checkpoint.
 
 The main thread never does training work: it watches the workers, prints one compact line per log
-interval (torchtitan-style) followed by the telemetry table and the bottleneck verdict, and turns
+interval followed by the telemetry table and the bottleneck verdict, and turns
 SIGINT/SIGTERM into "finish this step, checkpoint, say bye, exit 0".
 """
 
@@ -35,7 +35,7 @@ from dflash.train.devices import resolve
 from dflash.train.distributed import Dist, DistError
 from dflash.train.faults import FaultPlan, FaultSpecError
 from dflash.train.metrics import StepMetrics, Totals
-from dflash.train.pipeline import Pipeline, RunState
+from dflash.train.pipeline import Pipeline, TrainCounters
 from dflash.train.progress import EvalProgress, Progress
 from dflash.train.stages import BatchSource, DrafterStage, StepResult, TargetStage
 from dflash.train.trackers import TrackerError, Trackers, check_available, eval_scalars, interval_scalars
@@ -52,7 +52,7 @@ class Trainer:
         self._print = log or (lambda s: print(s, flush=True))
         self.dist = Dist()
         self.run_dir = Path(cfg.run_dir)
-        self.state = RunState()
+        self.state = TrainCounters()
         self.server = None
         self.trackers: Trackers | None = None
         self.exporter = None
@@ -210,7 +210,7 @@ class Trainer:
             for line in notes:
                 self.log(f"--resume: {line}")
             s = ckpt["state"]
-            self.state = RunState(step=s["step"], next_batch=s["next_batch"], tokens=s["tokens"],
+            self.state = TrainCounters(step=s["step"], next_batch=s["next_batch"], tokens=s["tokens"],
                                   samples=s["samples"], train_time=s["train_time"])
             self._ckpt_step = self.state.step
             self.log(f"resumed from step {self.state.step} (batch {self.state.next_batch}, "
