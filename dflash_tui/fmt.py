@@ -1,4 +1,5 @@
 """Number formatting shared by the panels and the headless summary: short, unit-aware, N/A-safe.
+Durations are written by ``dflash.telemetry.table`` (``seconds``, ``clock``), as the trainer's log writes them.
 
 Columns are narrow at 80x24, so every formatter returns at most ~7 characters.
 """
@@ -8,36 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-NA = "-"
+from dflash.telemetry.table import NA, clock, seconds
+
+__all__ = ["NA", "age", "clock", "count", "nbytes", "number", "percent", "seconds", "sparkline"]
+
 _BLOCKS = " ▁▂▃▄▅▆▇█"
-
-
-def seconds(v: float | None) -> str:
-    """A duration with the unit that keeps 3 significant digits (ns, µs, ms, s)."""
-    if v is None or not math.isfinite(v):
-        return NA
-    a = abs(v)
-    if a == 0:
-        return "0"
-    if a < 1e-6:
-        return f"{v * 1e9:.0f}ns"
-    if a < 1e-3:
-        return f"{v * 1e6:.1f}µs" if a < 1e-4 else f"{v * 1e6:.0f}µs"
-    if a < 1:
-        return f"{v * 1e3:.1f}ms" if a < 0.1 else f"{v * 1e3:.0f}ms"
-    if a < 100:
-        return f"{v:.2f}s"
-    return duration(v)
-
-
-def duration(v: float | None, short: bool = False) -> str:
-    """Elapsed time as h:mm:ss (uptime); `short` drops the hours while there are none (1:25)."""
-    if v is None or not math.isfinite(v):
-        return NA
-    s = int(v)
-    h, rem = divmod(s, 3600)
-    m, sec = divmod(rem, 60)
-    return f"{m}:{sec:02d}" if short and not h else f"{h}:{m:02d}:{sec:02d}"
 
 
 def age(v: float | None) -> str:
@@ -48,7 +24,7 @@ def age(v: float | None) -> str:
         return f"{max(0.0, v):.1f}s"
     if v < 100:
         return f"{v:.0f}s"
-    return duration(v)
+    return clock(v)
 
 
 def percent(v: float | None, scale: float = 100.0) -> str:

@@ -15,8 +15,9 @@ from typing import Any, TextIO
 
 import msgspec
 
-from dflash.telemetry.protocol import Cluster, training_shares
+from dflash.telemetry.protocol import CategoryStats, Cluster, training_shares
 from dflash.telemetry.sockets import default_socket_dir, discover, group_jobs
+from dflash.telemetry.table import category_table
 from dflash_tui import fmt
 from dflash_tui.sources import AttachError, Connection, FrameSource, SourceUpdate, open_source, resolve
 from dflash_tui.state import RunState
@@ -95,12 +96,12 @@ def render_text(s: dict[str, Any]) -> str:
     """The summary as an 80-column report: header, bottleneck, per-category table, GPUs."""
     lines: list[str] = []
     rank = f"  rank {s['rank']}/{s['world_size']}" if s.get("world_size", 1) and s["world_size"] > 1 else ""
-    lines.append(f"run {s['run']}  pid {s['pid']}  host {s['host']}{rank}  uptime {fmt.duration(s['uptime_s'])}"
+    lines.append(f"run {s['run']}  pid {s['pid']}  host {s['host']}{rank}  uptime {fmt.clock(s['uptime_s'])}"
                  f"  step {s['step'] if s['step'] is not None else fmt.NA}")
     lines.append(f"tokens/s {fmt.count(s['tokens_per_s'])}  loss {fmt.number(s['loss'])}"
                  f"  tau {fmt.number(s['tau'])}  [{s['connection']}]")
     if s["scope"] == "whole run":
-        lines.append("whole run" + (f"; evaluation {fmt.duration(s['evaluation_s'], short=True)} (training paused, "
+        lines.append("whole run" + (f"; evaluation {fmt.clock(s['evaluation_s'], short=True)} (training paused, "
                                     "not in the shares)" if s["evaluation_s"] else ""))
     b = s["bottleneck"]
     if b:
@@ -118,21 +119,9 @@ def render_text(s: dict[str, Any]) -> str:
         lines.append("now: " + "  ".join(f"{w} {op['category']} {fmt.seconds(op['elapsed'])}"
                                          for w, op in s["inflight"].items()))
     lines.append("")
-    lines.append(f"{'worker':<12} {'category':<18} {'n':>6} {'mean':>7} {'p50':>7} {'p95':>7} {'max':>7} {'share':>6}")
-    for w, cats in s["workers"].items():
-        first = True
-        for c, st in sorted(cats.items(), key=lambda kv: -kv[1]["share"]):
-            lines.append(f"{(w if first else ''):<12.12} {c:<18.18} {st['n']:>6} {fmt.seconds(st['mean']):>7} "
-                         f"{fmt.seconds(st['p50']):>7} {fmt.seconds(st['p95']):>7} {fmt.seconds(st['max']):>7} "
-                         f"{fmt.percent(st['share']):>6}")
-            dev = st.get("device")
-            if dev:
-                lines.append(f"{'':<12} {'  ↳ device time':<18} {dev['n']:>6} {fmt.seconds(dev['mean']):>7} "
-                             f"{fmt.seconds(dev['p50']):>7} {fmt.seconds(dev['p95']):>7} {fmt.seconds(dev['max']):>7}")
-            first = False
-        if w in s["untracked"]:
-            lines.append(f"{(w if first else ''):<12.12} {'(untracked)':<18} {'':>6} {'':>7} {'':>7} {'':>7} {'':>7} "
-                         f"{fmt.percent(s['untracked'][w]):>6}")
+    workers = msgspec.convert(s["workers"], dict[str, dict[str, CategoryStats]])
+    if workers:
+        lines.append(category_table(workers, limit=sum(map(len, workers.values())), untracked=s["untracked"]))
     if not s["workers"]:
         lines.append("(no snapshot yet)")
     lines.append("")

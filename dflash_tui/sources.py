@@ -509,8 +509,8 @@ class ReplaySource:
 
         speed = "max" if math.isinf(self._speed) else f"{self._speed:g}x"
         start = self.start_t
-        pos = fmt.duration(self.position - start, short=True) if start is not None and self.position else "0:00"
-        length = fmt.duration(self.end_t - start, short=True) if start is not None and self.end_t else "?"
+        pos = fmt.clock(self.position - start, short=True) if start is not None and self.position else "0:00"
+        length = fmt.clock(self.end_t - start, short=True) if start is not None and self.end_t else "?"
         return f"{pos} / {length} at {speed}" + (", paused" if self._paused else "")
 
     @property

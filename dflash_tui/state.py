@@ -273,9 +273,9 @@ class RunState:
     def step(self) -> int | None:
         if self.snapshot is None:
             return None
-        v = _first(self.snapshot.gauges, "step")
+        v = self.snapshot.gauges.get("step")
         if v is None:
-            v = _first(self.snapshot.counters, "steps", "step")
+            v = self.snapshot.counters.get("steps")
         return int(v) if v is not None else None
 
     def nonfinite(self, name: str) -> str | None:
@@ -304,19 +304,19 @@ class RunState:
     def tokens_rate(self) -> float | None:
         if self.snapshot is None:
             return None
-        return _first(self.snapshot.rates, "tokens", "tokens_per_s")
+        return self.snapshot.rates.get("tokens")
 
     @property
     def loss_value(self) -> float | None:
         if self.snapshot is None:
             return None
-        return _first(self.snapshot.gauges, "loss")
+        return self.snapshot.gauges.get("loss")
 
     @property
     def tau_value(self) -> float | None:
         if self.snapshot is None:
             return None
-        v = _first(self.snapshot.metrics, "sim_tau", "tau", "simulated_tau")
+        v = self.snapshot.metrics.get("sim_tau")
         return v if isinstance(v, (int, float)) else None
 
     @property
@@ -370,13 +370,6 @@ class RunState:
                 continue
             for c, st in sorted(cats.items(), key=lambda kv: -kv[1].share):
                 yield w, c, st
-
-
-def _first(d: dict, *keys: str) -> float | None:
-    for k in keys:
-        if k in d:
-            return d[k]
-    return None
 
 
 def _event_data(data: dict) -> str:

@@ -14,7 +14,8 @@ import pytest
 from dflash.telemetry import ProfileStats, format_profile_stats
 from dflash.telemetry import protocol as P
 from dflash.telemetry.stats import _Acc
-from dflash.telemetry.summary import merge_category_stats, merge_windows, percentile, to_snapshot
+from dflash.telemetry.summary import merge_windows, percentile, to_snapshot
+from dflash.telemetry.table import merge_category_stats
 
 
 def test_import_does_not_pull_torch_or_tui() -> None:

@@ -120,7 +120,7 @@ def test_bars_show_every_worker_and_untracked() -> None:
 def test_formatters_are_short_and_na_safe() -> None:
     assert fmt.seconds(0.0123) == "12.3ms" and fmt.seconds(2.5e-5) == "25.0µs" and fmt.seconds(None) == "-"
     assert fmt.seconds(math.nan) == "-" and fmt.percent(0.123) == "12.3%" and fmt.count(14500) == "14.5K"
-    assert fmt.nbytes(3 * 2**30) == "3.0GiB" and fmt.duration(3725) == "1:02:05"
+    assert fmt.nbytes(3 * 2**30) == "3.0GiB" and fmt.clock(3725) == "1:02:05"
     assert len(fmt.sparkline(range(100), 12)) == 12 and fmt.sparkline([], 5) == ""
     assert evidence_value("drafter.hs_queue_wait", 0.31) == "31.0%"
     assert evidence_value("targets", 1.0) == "1"
@@ -221,9 +221,9 @@ def test_dflash_top_takes_only_the_protocol_from_dflash_and_never_torch():
     code = ("import sys, dflash_tui.app, dflash_tui.cli, dflash_tui.headless, dflash_tui.pyspy, dflash_tui.ranks\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dflash', 'torch')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    # the protocol side only: the frames, their reader, and where the sockets are
+    # the protocol side only: the frames, their reader, where the sockets are, the table's text
     assert out.strip() == ("['dflash', 'dflash.telemetry', 'dflash.telemetry.protocol', 'dflash.telemetry.reader', "
-                           "'dflash.telemetry.sockets']")
+                           "'dflash.telemetry.sockets', 'dflash.telemetry.table']")
 
 
 def test_gpu_panel_shows_cuda_ordinal_gpm_activity_and_mig_instances() -> None:

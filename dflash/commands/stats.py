@@ -19,11 +19,11 @@ from dflash.telemetry.protocol import Bye, Event, Hello, Snapshot, training_shar
 from dflash.telemetry.reader import read_frames
 from dflash.telemetry.summary import (
     WorkerStats,
-    format_duration,
     format_profile_stats,
     merge_windows,
     untracked_of,
 )
+from dflash.telemetry.table import seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,13 +139,13 @@ def run(args: argparse.Namespace) -> int:
     who = f"run {data['run']!r}" if data["run"] else "run"
     if data["host"]:
         who += f" on {data['host']} (pid {data['pid']})"
-    span = f"{data['scope']} ({format_duration(data['wall_s'])})"
+    span = f"{data['scope']} ({seconds(data['wall_s'])})"
     if data["scope"].startswith("whole run"):
-        span = f"{data['scope']}: {data['windows']} windows, {format_duration(data['wall_s'])}"
+        span = f"{data['scope']}: {data['windows']} windows, {seconds(data['wall_s'])}"
     print(f"{who}: {span}")
     print(format_profile_stats(data["workers"], limit=args.limit, by=args.by))
     if data["evaluation_s"]:
-        print(f"evaluation: {format_duration(data['evaluation_s'])} (training paused; not in the shares above)")
+        print(f"evaluation: {seconds(data['evaluation_s'])} (training paused; not in the shares above)")
     if data["untracked"]:
         print("untracked: " + ", ".join(f"{w} {u:.0%}" for w, u in sorted(data["untracked"].items())))
     if data["counters"]:

@@ -20,6 +20,7 @@ from dflash.telemetry.protocol import (
     Stall,
     SystemSample,
 )
+from dflash.telemetry.table import category_table, merge_category_stats
 
 WorkerStats = dict[str, dict[str, CategoryStats]]
 MetricValue = float | list[float]
@@ -78,40 +79,6 @@ def category_stats(
     share = min(1.0, total / wall_s) if wall_s > 0 else 0.0
     mean = total / n if n else 0.0
     return CategoryStats(n=n, total=total, mean=mean, p50=p50, p95=p95, max=maximum, share=share, device=device)
-
-
-def merge_category_stats(parts: Sequence[CategoryStats], wall_s: float | None = None) -> CategoryStats:
-    """Combine several windows (or workers) of one category.
-
-    n, total, mean and max are exact. Percentiles cannot be recovered from summaries, so p50/p95 are
-    the n-weighted mean of the parts' percentiles: an approximation, good enough for a log table and
-    documented as such in docs/telemetry.md. `share` is total/wall_s when wall_s is given.
-    """
-    n = sum(p.n for p in parts)
-    total = sum(p.total for p in parts)
-    maximum = max((p.max for p in parts), default=0.0)
-    w = n or 1
-    p50 = sum(p.p50 * p.n for p in parts) / w
-    p95 = sum(p.p95 * p.n for p in parts) / w
-    share = min(1.0, total / wall_s) if wall_s else 0.0
-    dev_parts = [p.device for p in parts if p.device is not None]
-    device = None
-    if dev_parts:
-        dn = sum(d.n for d in dev_parts)
-        dt = sum(d.total for d in dev_parts)
-        dw = dn or 1
-        device = DeviceStats(
-            n=dn,
-            total=dt,
-            mean=dt / dw,
-            p50=sum(d.p50 * d.n for d in dev_parts) / dw,
-            p95=sum(d.p95 * d.n for d in dev_parts) / dw,
-            max=max(d.max for d in dev_parts),
-            share=min(1.0, dt / wall_s) if wall_s else 0.0,
-        )
-    return CategoryStats(
-        n=n, total=total, mean=total / w if n else 0.0, p50=p50, p95=p95, max=maximum, share=share, device=device
-    )
 
 
 def merge_windows(windows: Iterable[Mapping[str, Mapping[str, CategoryStats]]], wall_s: float) -> WorkerStats:
@@ -191,23 +158,6 @@ def to_snapshot(
 # --- the log table ------------------------------------------------------------------------------------
 
 
-def format_duration(seconds: float) -> str:
-    """Short human duration: 850ns, 12.3us, 4.56ms, 1.23s, 2m03s."""
-    s = abs(seconds)
-    if s == 0:
-        return "0"
-    if s < 1e-6:
-        return f"{seconds * 1e9:.0f}ns"
-    if s < 1e-3:
-        return f"{seconds * 1e6:.3g}us"
-    if s < 1:
-        return f"{seconds * 1e3:.3g}ms"
-    if s < 120:
-        return f"{seconds:.3g}s"
-    m, sec = divmod(int(round(seconds)), 60)
-    return f"{m}m{sec:02d}s"
-
-
 def format_profile_stats(
     summary: Summary | Snapshot | Mapping[str, Mapping[str, CategoryStats]],
     limit: int = 12,
@@ -215,73 +165,11 @@ def format_profile_stats(
     cumulative: bool = False,
     by: str = "worker",
 ) -> str:
-    """The aligned per-category table for the trainer log, heaviest first.
-
-    Accepts a drained Summary, a Snapshot (live or replayed) or a bare worker -> category mapping.
-    `by="worker"` gives one row per worker/category (share is of that worker's time);
-    `by="category"` merges workers (share is then the mean over the workers that ran it).
-    `limit` keeps the top rows by total time; the footer says how many were left out.
-    """
+    """The per-category table (``table.category_table``) of a drained Summary, a Snapshot (live or
+    replayed) or a bare worker -> category mapping; `cumulative` takes the run's totals instead of
+    the window."""
     if isinstance(summary, (Summary, Snapshot)):
-        table = summary.cumulative if cumulative else summary.workers
-        window = getattr(summary, "window_s", 0.0) or getattr(summary, "interval_s", 0.0)
-        untracked = {} if cumulative else summary.untracked
-    else:
-        table, window, untracked = summary, 0.0, {}
-
-    rows: list[tuple[str, CategoryStats]] = []
-    if by == "category":
-        grouped: dict[str, list[CategoryStats]] = {}
-        for cats in table.values():
-            for cat, cs in cats.items():
-                grouped.setdefault(cat, []).append(cs)
-        for cat, lst in grouped.items():
-            merged = merge_category_stats(lst)
-            merged.share = sum(c.share for c in lst) / len(lst)
-            rows.append((cat, merged))
-    elif by == "worker":
-        for worker, cats in table.items():
-            for cat, cs in cats.items():
-                rows.append((f"{worker}/{cat}", cs))
-    else:
-        raise ValueError(f"by must be 'worker' or 'category', not {by!r}")
-
-    rows.sort(key=lambda r: r[1].total, reverse=True)
-    shown = rows[: max(0, limit)]
-    has_device = any(cs.device is not None for _, cs in shown)
-    header = ["category", "n", "total", "mean", "p50", "p95", "max", "share"]
-    if has_device:
-        header += ["dev total", "dev mean"]
-    lines = [header]
-    for name, cs in shown:
-        row = [
-            name,
-            str(cs.n),
-            format_duration(cs.total),
-            format_duration(cs.mean),
-            format_duration(cs.p50),
-            format_duration(cs.p95),
-            format_duration(cs.max),
-            f"{cs.share * 100:.1f}%",
-        ]
-        if has_device:
-            d = cs.device
-            row += [format_duration(d.total), format_duration(d.mean)] if d else ["-", "-"]
-        lines.append(row)
-    widths = [max(len(r[i]) for r in lines) for i in range(len(header))]
-    out = []
-    for r in lines:
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
-        out.append("  ".join(cells).rstrip())
-    notes = []
-    if window and not cumulative:
-        notes.append(f"window {format_duration(window)}")
-    if len(rows) > len(shown):
-        notes.append(f"{len(rows) - len(shown)} more rows not shown")
-    if untracked:
-        notes.append(
-            "untracked: " + ", ".join(f"{w} {u * 100:.0f}%" for w, u in sorted(untracked.items()))
-        )
-    if notes:
-        out.append("(" + "; ".join(notes) + ")")
-    return "\n".join(out)
+        return category_table(summary.cumulative if cumulative else summary.workers, limit, by=by,
+                              window_s=0.0 if cumulative else (summary.window_s or getattr(summary, "interval_s", 0.0)),
+                              untracked=None if cumulative else summary.untracked)
+    return category_table(summary, limit, by=by)

@@ -31,7 +31,7 @@ def header_text(state: RunState, width: int = 200) -> Text:
         t.append("  rank ", style="dim").append(f"{h.rank}/{h.world_size}")
     else:
         t.append("  waiting for the trainer's hello", style="dim")
-    t.append("  up ", style="dim").append(fmt.duration(state.uptime_s))
+    t.append("  up ", style="dim").append(fmt.clock(state.uptime_s))
     t.append("\n")
     step = state.step
     t.append("step ", style="dim").append(f"{step:,}" if step is not None else fmt.NA, style="bold")
@@ -65,15 +65,15 @@ def progress_text(state: RunState) -> tuple[Text, Text]:
         head.append(f"  EVALUATING {ev[0]}/{ev[1]} prompts", style="bold cyan")
         eta = state.gauge("eval_eta_s")
         if eta is not None:
-            head.append(f" ETA {fmt.duration(eta, short=True)}", style="cyan")
+            head.append(f" ETA {fmt.clock(eta, short=True)}", style="cyan")
         return head, tail
     frac, eta = state.gauge("progress"), state.gauge("eta_s")
     if frac is not None:
         head.append(f" {frac:.0%}", style="bold")
     if eta is not None:
-        head.append(" ETA ", style="dim").append(fmt.duration(eta, short=True), style="bold")
+        head.append(" ETA ", style="dim").append(fmt.clock(eta, short=True), style="bold")
     elapsed, limit = state.gauge("train_time_s"), state.gauge("max_time_s")
     if elapsed is not None:
         tail.append("  trained ", style="dim").append(
-            fmt.duration(elapsed, short=True) + (f"/{fmt.duration(limit, short=True)}" if limit is not None else ""))
+            fmt.clock(elapsed, short=True) + (f"/{fmt.clock(limit, short=True)}" if limit is not None else ""))
     return head, tail
