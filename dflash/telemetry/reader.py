@@ -24,8 +24,9 @@ CHUNK = 1 << 16
 class LineSplitter:
     """Splits a byte stream into lines, holding at most ``limit`` bytes of an unfinished one.
 
-    A line that grows past the limit before its newline is reported once, as None, and its remaining
-    bytes are dropped as they arrive: a peer cannot make the reader buffer without end.
+    A line longer than the limit is reported once, as None, however the bytes were cut: when it grows
+    past the limit before its newline, its remaining bytes are dropped as they arrive, so a peer
+    cannot make the reader buffer without end.
     """
 
     def __init__(self, limit: int = MAX_FRAME_BYTES) -> None:
@@ -45,7 +46,7 @@ class LineSplitter:
             if self._skipping:  # the tail of an over-long line, already reported
                 self._skipping = False
             else:
-                out.append(bytes(self._buf[start:end]))
+                out.append(bytes(self._buf[start:end]) if end - start <= self.limit else None)
             start = end + 1
         del self._buf[:start]
         if len(self._buf) > self.limit:
@@ -104,7 +105,7 @@ class FrameReader:
         for line in self.lines.feed(data):
             self.lineno += 1
             if line is None:
-                out.append(Read(self.lineno, error=f"line exceeds {self.limit} bytes"))
+                out.append(Read(self.lineno, error=f"line exceeds the {self.limit}-byte limit"))
             elif line.strip():
                 out.append(self._read(line))
         return out

@@ -711,7 +711,7 @@ class TelemetryServer:
             if c.fd not in self._clients:
                 return
             if line is None:  # said once; the rest of that line is discarded as it arrives
-                self._reply(c, 0, "", False, error=f"request line exceeds {MAX_REQUEST_BYTES} bytes; discarded")
+                self._reply(c, 0, "", False, error=f"request line exceeds the {MAX_REQUEST_BYTES}-byte limit; discarded")
             else:
                 self._handle_line(c, line)
 
