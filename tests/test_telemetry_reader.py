@@ -40,7 +40,7 @@ def test_any_split_of_the_bytes_gives_the_same_reads() -> None:
     rng = random.Random(7)
     for _ in range(5):
         cuts = sorted(rng.sample(range(1, len(data)), 40))
-        assert outcomes(FrameReader(limit=65536), [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]) == whole
+        assert outcomes(FrameReader(limit=65536), [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]) == whole
 
     used = [f["seq"] for _, f, *_ in whole if f and f["type"] == "snapshot"]
     assert used == [1, 2, 3, 4, 6]  # the v9 segment's snapshot 50 is skipped, and nothing else

@@ -113,7 +113,7 @@ def test_stats_whole_run(recording: Path) -> None:
     assert header.split()[:3] == ["category", "n", "total"]
     # cumulative of the last snapshot: target_forward 0.9 * 6 = 5.4 s, n = 60
     row = next(line for line in out.splitlines() if line.startswith("target-0/target_forward"))
-    assert row.split()[1:3] == ["60", "5.4s"]
+    assert row.split()[1:3] == ["60", "5.40s"]
     assert "counters: tokens 600" in out
     assert "ended: done" in out
 
