@@ -54,6 +54,7 @@ from dflash.telemetry.sockets import (
     peer_credentials,
     pid_alive,
     private_socket_dir,
+    probe,
     socket_filename,
     trusted_uid,
 )
@@ -151,18 +152,6 @@ def clean_stale_sockets(directory: Path) -> list[Path]:
         except OSError as e:
             log.warning("cannot remove %s telemetry socket %s: %s", "foreign" if foreign else "stale", p, e)
     return removed
-
-
-def _socket_listening(path: Path) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(0.5)
-    try:
-        s.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 def thread_map() -> dict[int, str]:
@@ -351,7 +340,7 @@ class TelemetryServer:
             self.path = self._make_path()
         clean_stale_sockets(self.socket_dir)
         if self.path.exists() or self.path.is_symlink():
-            if _socket_listening(self.path):
+            if probe(self.path):
                 raise RuntimeError(
                     f"a telemetry server for run {self.run!r} (rank {self.rank}) already listens at {self.path}"
                 )
