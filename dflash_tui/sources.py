@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from dflash.telemetry.protocol import PROTO, Bye, Frame, Hello, Reply, Request, Snapshot, encode
+from dflash.telemetry.protocol import PROTO, Bye, Frame, Hello, Reply, Request, Snapshot, encode, recording_filename
 from dflash.telemetry.reader import FrameReader, Read, read_file
 from dflash.telemetry.sockets import (
     SocketInfo,
@@ -56,7 +56,6 @@ class Connection(enum.StrEnum):
         return self in (Connection.DISCONNECTED, Connection.INCOMPATIBLE, Connection.UNTRUSTED)
 
 
-RECORDING_NAME = "telemetry.jsonl"
 #: how long to wait before reconnecting to a trainer that refused us (wrong uid, too many clients)
 REFUSED_RETRY_S = 5.0
 
@@ -152,16 +151,16 @@ def resolve(target: str | None, directory: Path | str | None = None) -> Path | N
         live = _live_socket_for_run_dir(path, directory)
         if live is not None:
             return live
-        rec = path / RECORDING_NAME
+        rec = path / recording_filename()
         if rec.exists():
             return rec
-        raise AttachError(f"{path} has no {RECORDING_NAME} and no running trainer writes to it")
+        raise AttachError(f"{path} has no {recording_filename()} and no running trainer writes to it")
     if path.is_file():
         return path
     matches = [i for i in discover(directory) if i.alive and i.run == target]
     if matches:
         return group_jobs(matches)[-1][0].path  # a multi-rank job is shown from rank 0
-    raise AttachError(f"{target}: not a socket, a run directory, a {RECORDING_NAME} or a running run's name "
+    raise AttachError(f"{target}: not a socket, a run directory, a {recording_filename()} or a running run's name "
                       f"(sockets are looked for in {Path(directory) if directory else default_socket_dir()})")
 
 
