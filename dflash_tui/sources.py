@@ -23,7 +23,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from dflash.telemetry.protocol import PROTO, Bye, Frame, Hello, Reply, Request, Snapshot, encode, recording_filename
+from dflash.telemetry.protocol import (
+    PROTO,
+    Bye,
+    Frame,
+    Hello,
+    Reply,
+    Request,
+    Snapshot,
+    encode,
+    recording_filename,
+)
 from dflash.telemetry.reader import FrameReader, Read, read_file
 from dflash.telemetry.sockets import (
     SocketInfo,

@@ -139,7 +139,7 @@ def trainer_row(seconds: float) -> dict:
         proc.wait()
         sys.path.insert(0, str(REPO))
         from dflash.telemetry.protocol import Snapshot
-        from dflash.telemetry.recorder import read_frames
+        from dflash.telemetry.reader import read_frames
 
         snaps = [f for f in read_frames(rec) if isinstance(f, Snapshot) and t0 <= f.t <= t1]
         vals = [s.gauges["gil_contention"] for s in snaps if "gil_contention" in s.gauges]

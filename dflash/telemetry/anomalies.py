@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dflash.telemetry.protocol import Anomaly
-from dflash.telemetry.summary import Summary, format_duration
+from dflash.telemetry.summary import Summary
+from dflash.telemetry.table import seconds
 from dflash.telemetry.watchdog import WAIT_SUFFIXES
 
 log = logging.getLogger("dflash.telemetry")
@@ -150,8 +151,8 @@ class AnomalyDetector:
         stat = "p95" if "p95" in track.deviating else next(iter(track.deviating))
         value, base = track.deviating[stat]
         ratio = value / base if base > 0 else float("inf")
-        msg = (f"{worker}/{cat} {stat} {ratio:.1f}x its baseline ({format_duration(value)} vs "
-               f"{format_duration(base)}) since {time.strftime('%H:%M:%S', time.localtime(since))}")
+        msg = (f"{worker}/{cat} {stat} {ratio:.1f}x its baseline ({seconds(value)} vs "
+               f"{seconds(base)}) since {time.strftime('%H:%M:%S', time.localtime(since))}")
         track.active = Anomaly(worker=worker, category=cat, stat=stat, value=value, baseline=base, ratio=ratio,
                                since=since, message=msg)
         self._say("anomaly", msg, worker=worker, category=cat, stat=stat, value=round(value, 6),
@@ -161,7 +162,7 @@ class AnomalyDetector:
         a = track.active
         assert a is not None
         track.active = None
-        self._say("anomaly_end", f"{worker}/{cat} back to its baseline ({format_duration(a.baseline)} {a.stat})",
+        self._say("anomaly_end", f"{worker}/{cat} back to its baseline ({seconds(a.baseline)} {a.stat})",
                   worker=worker, category=cat, stat=a.stat, baseline=round(a.baseline, 6))
 
     def _say(self, kind: str, message: str, **data: object) -> None:

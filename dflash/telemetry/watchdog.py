@@ -31,11 +31,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
-from dflash.telemetry.protocol import Stall
+from dflash.telemetry.protocol import StackEntry, Stall, ThreadStacks
 from dflash.telemetry.server import python_stacks
-from dflash.telemetry.summary import Summary, format_duration, percentile
+from dflash.telemetry.summary import Summary, percentile
+from dflash.telemetry.table import seconds
 
 log = logging.getLogger("dflash.telemetry")
 
@@ -54,36 +54,36 @@ NATIVE_TIMEOUT_S = 30.0
 EmitFn = Callable[..., None]
 
 
-def frame_text(frame: dict[str, Any]) -> str:
+def frame_text(frame: StackEntry) -> str:
     """`file.py:42 in function`, with the file's last two path parts (enough to find it)."""
-    path = Path(frame["file"])
+    path = Path(frame.file)
     short = "/".join(path.parts[-2:]) if len(path.parts) >= 2 else str(path)
-    return f"{short}:{frame['line']} in {frame['function']}"
+    return f"{short}:{frame.line} in {frame.function}"
 
 
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
 
-def where_stuck(frames: list[dict[str, Any]]) -> str:
+def where_stuck(frames: list[StackEntry]) -> str:
     """The innermost frame; when that is in the standard library (a lock's or a queue's wait), also
     the first frame of the code that called it, which is the one a reader can act on."""
     if not frames:
         return ""
     text = frame_text(frames[0])
-    if frames[0]["file"].startswith(_STDLIB):
-        caller = next((f for f in frames[1:] if not f["file"].startswith(_STDLIB)), None)
+    if frames[0].file.startswith(_STDLIB):
+        caller = next((f for f in frames[1:] if not f.file.startswith(_STDLIB)), None)
         if caller is not None:
             text += f" < {frame_text(caller)}"
     return text
 
 
-def format_stacks(threads: list[dict[str, Any]], first: str | None = None) -> str:
+def format_stacks(threads: list[ThreadStacks], first: str | None = None) -> str:
     """py-spy-like text: one block per thread, the stalled worker's first."""
-    ordered = sorted(threads, key=lambda d: d["name"] != first)
+    ordered = sorted(threads, key=lambda th: th.name != first)
     blocks = []
     for th in ordered:
-        lines = [f'Thread {th["tid"]} "{th["name"]}"' + (" (stalled)" if th["name"] == first else "")]
-        lines += [f"    {f['function']} ({f['file']}:{f['line']})" for f in th["frames"]]
+        lines = [f'Thread {th.tid} "{th.name}"' + (" (stalled)" if th.name == first else "")]
+        lines += [f"    {f.function} ({f.file}:{f.line})" for f in th.frames]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n"
 
@@ -232,14 +232,14 @@ class Watchdog:
 
     def _begin(self, worker: str, category: str, elapsed: float, timeout: float, basis: str, now: float) -> None:
         threads = python_stacks()
-        mine = next((th for th in threads if th["name"] == worker), None)
-        frame = where_stuck(mine["frames"]) if mine is not None else ""
+        mine = next((th for th in threads if th.name == worker), None)
+        frame = where_stuck(mine.frames) if mine is not None else ""
         where = f"in {category}" if category else "between spans"
         stack_file = self._write(worker, where, elapsed, timeout, basis, now, threads)
         st = Stall(worker=worker, category=category, elapsed=elapsed, timeout=timeout, basis=basis, since=now,
                    frame=frame, stack_file=str(stack_file) if stack_file is not None else None)
         self._active[worker] = st
-        msg = (f"{worker} stalled {where} for {format_duration(elapsed)} (timeout {format_duration(timeout)}, "
+        msg = (f"{worker} stalled {where} for {seconds(elapsed)} (timeout {seconds(timeout)}, "
                f"{basis})" + (f" at {frame}" if frame else "") + (f"; stacks in {stack_file}" if stack_file else ""))
         if self.emit is None:
             log.warning(msg)
@@ -258,14 +258,14 @@ class Watchdog:
             return
         where = f"in {st.category}" if st.category else "between spans"
         lasted = st.elapsed + max(0.0, now - st.since)
-        msg = f"{worker} recovered: {why} after about {format_duration(lasted)} stalled {where}"
+        msg = f"{worker} recovered: {why} after about {seconds(lasted)} stalled {where}"
         if self.emit is None:
             log.warning(msg)
         else:
             self.emit("recovered", msg, worker=worker, category=st.category, stalled_s=round(lasted, 3))
 
     def _write(self, worker: str, where: str, elapsed: float, timeout: float, basis: str, now: float,
-               threads: list[dict[str, Any]]) -> Path | None:
+               threads: list[ThreadStacks]) -> Path | None:
         if self.run_dir is None:
             return None
         d = self.run_dir / "stalls"
