@@ -263,6 +263,13 @@ def _verified_steps(run: Path) -> list[int]:
     return [int(p.stem.split("-")[1]) for p in list_checkpoints(run) if p.name in manifest]
 
 
+def _train_logged(target: Path, data: Path, run_dir: Path, log: Path, *flags: str) -> subprocess.Popen:
+    """A long training run in the background, its output in `log` (the tests stop it)."""
+    with log.open("w") as out:
+        return subprocess.Popen(_cli(target, data, run_dir, "--max-steps", "100000", "--no-telemetry", *flags),
+                                stdout=out, stderr=subprocess.STDOUT, text=True, env=_env())
+
+
 def _fill_leaving(fs: Path, free: int) -> Path:
     """Fill the small filesystem until only `free` bytes are left."""
     filler = fs / "filler"
@@ -276,10 +283,7 @@ def test_disk_full_costs_one_line_keeps_the_last_checkpoint_and_training_goes_on
     size = list_checkpoints(run)[-1].stat().st_size
     fs = small_fs(8 * size)
     run_dir, log = fs / "run", tmp_path / "train.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(_cli(target, data, run_dir, "--max-steps", "100000", "--checkpoint-every", "0.3",
-                                     "--no-telemetry", "--log-every", "100"),
-                                stdout=out, stderr=subprocess.STDOUT, text=True, env=_env())
+    proc = _train_logged(target, data, run_dir, log, "--checkpoint-every", "0.3", "--log-every", "100")
     try:
         _wait(lambda: _verified_steps(run_dir), 180, proc, log)
         filler = _fill_leaving(fs, size // 3)  # a third of a checkpoint stays free
@@ -306,10 +310,7 @@ def test_a_final_checkpoint_that_does_not_fit_exits_1_saying_so(setup, small_fs,
     size = list_checkpoints(run)[-1].stat().st_size
     fs = small_fs(4 * size)
     run_dir, log = fs / "run", tmp_path / "train.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(_cli(target, data, run_dir, "--max-steps", "100000", "--checkpoint-every", "1e9",
-                                     "--no-telemetry", "--log-every", "0.2"),
-                                stdout=out, stderr=subprocess.STDOUT, text=True, env=_env())
+    proc = _train_logged(target, data, run_dir, log, "--checkpoint-every", "1e9", "--log-every", "0.2")
     try:
         _wait(lambda: "step " in log.read_text(), 180, proc, log)
         _fill_leaving(fs, size // 3)
