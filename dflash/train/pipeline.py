@@ -11,6 +11,10 @@ the time each worker spends blocked on them is exactly what tells the bottleneck
 Any exception in a worker sets the shared stop flag; every blocking queue operation polls it, so the
 whole pipeline winds down within a fraction of a second and the main thread reports that worker's
 traceback. In sync mode (``pipeline = false``) one thread runs target forward and drafter step in turn.
+
+The pipeline knows its stages only by what it calls on them (a batch source ``source(index)``, target
+stages ``stage(batch)`` with ``name``/``device``/``tel``, a drafter stage ``step(hidden, progress)`` with
+``device``/``tel``), so tests drive it with plain Python stand-ins and no model.
 """
 
 from __future__ import annotations
@@ -80,13 +84,14 @@ class Pipeline:
     """Runs the stages in worker threads until the drafter says it is done or something fails."""
 
     def __init__(self, source: BatchSource, targets: list[TargetStage], drafter: DrafterStage, cfg, stats,
-                 state: TrainCounters, on_step: Callable[[StepResult], bool]):
-        """`on_step` is called by the drafter thread after each step; returning False ends the run."""
+                 state: TrainCounters, on_step: Callable[[StepResult], bool], clock: Callable[[], float] | None = None):
+        """`on_step` is called by the drafter thread after each step; returning False ends the run.
+        `clock` is what the LR schedule and max_time count: this process's `train_time` by default; a
+        multi-rank run passes the clock all ranks agreed on at the last step, so their schedules match."""
         self.source, self.targets, self.drafter, self.cfg, self.stats = source, targets, drafter, cfg, stats
         self.state, self.on_step = state, on_step
-        # What the LR schedule and max_time count: this process's clock by default; multi-rank runs
-        # substitute the clock all ranks agreed on at the last step, so their schedules match exactly.
-        self.clock: Callable[[], float] = self.train_time
+        self.clock: Callable[[], float] = clock or self.train_time
+        self._t0 = time.monotonic()  # restarted by start()
         self.stop = threading.Event()
         self.failure: tuple[str, str] | None = None  # (worker name, formatted traceback)
         self.error: BaseException | None = None  # the exception behind `failure`
@@ -162,6 +167,10 @@ class Pipeline:
         if self.cfg.max_time:
             p = max(p, self.clock() / self.cfg.max_time)
         return min(1.0, p)
+
+    def depths(self) -> tuple[int, int]:
+        """Items waiting in the batch queue and in the hidden-state queue (approximate, for the log line)."""
+        return self.batch_q.qsize(), self.hs_q.qsize()
 
     def train_time(self) -> float:
         """Seconds trained so far, this process and the ones it resumed from."""

@@ -73,6 +73,18 @@ class Trainer:
         self._guard_read = time.monotonic()
         self.metrics = StepMetrics()  # the drafter thread's device-side metric sums
         self._log_totals = Totals()  # harvested since the last log line
+        self.stop_requested = threading.Event()  # a signal asked for "checkpoint and exit"
+        # the components setup() builds and run() drives
+        self.target: Any = None  # the first target replica (its tokenizer reads the data and eval prompts)
+        self.targets: list[TargetStage] = []
+        self.drafter: DrafterStage | None = None
+        self.drafter_device: torch.device | None = None
+        self.dcfg: Any = None  # the drafter's DrafterConfig, saved in every checkpoint
+        self.source: BatchSource | None = None
+        self.generator: torch.Generator | None = None  # this rank's anchor sampling
+        self.stats: Any = None  # the ProfileStats every worker reports to
+        self.pipeline: Pipeline | None = None
+        self._step_at_start, self._clock_at_start = 0, 0.0  # where this process began, for the rate/ETA
 
     def log(self, line: str) -> None:
         """Rank 0 speaks for the job; the other ranks would only repeat it (their telemetry is their own)."""
@@ -463,7 +475,8 @@ class Trainer:
         self._logged_step = st.step
         self._harvest()
         m, self._log_totals = self._log_totals.summary(), Totals()  # means over the steps since the last line
-        q = f"q batch {self.pipeline.batch_q.qsize()}/{self.cfg.batch_queue_size} hs {self.pipeline.hs_q.qsize()}/{self.cfg.hs_queue_size}"
+        batch_q, hs_q = self.pipeline.depths()
+        q = f"q batch {batch_q}/{self.cfg.batch_queue_size} hs {hs_q}/{self.cfg.hs_queue_size}"
         self.log(f"{self._progress().text()} | loss {m['loss']:.3f} | acc {m['accuracy']:.3f} | sim_tau {m['sim_tau']:.2f} "
                  f"| {tps:,.0f} tok/s | lr {r.lr:.2e} | gnorm {m['grad_norm']:.2f} | {q}")
         summary = self.server.latest() if self.server is not None else None
@@ -486,7 +499,6 @@ class Trainer:
     # --- run ------------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        self.stop_requested = threading.Event()
         try:
             check_available(self.cfg.report_to)  # before minutes of loading, not after
         except TrackerError as e:
@@ -499,11 +511,13 @@ class Trainer:
                 raise TrainError(str(e)) from None
             self.log(f"trackers:  {', '.join(self.cfg.report_to)}")
         cfg = self.cfg
-        self.pipeline = Pipeline(self.source, self.targets, self.drafter, cfg, self.stats, self.state, self.on_step)
+        clock = None
         if self.dist.enabled:
             self.agreement = distributed.Agreement(self.dist)
             self._agreed_clock = self.state.train_time
-            self.pipeline.clock = lambda: self._agreed_clock
+            clock = lambda: self._agreed_clock  # noqa: E731 - read on the drafter thread, set by the agreement
+        self.pipeline = Pipeline(self.source, self.targets, self.drafter, cfg, self.stats, self.state, self.on_step,
+                                 clock=clock)
         old = self._install_signals()
         code = 0
         try:

@@ -1,0 +1,122 @@
+"""The pipeline on its own, driven by plain Python stand-in stages (no model, no torch work): how fast a
+failure anywhere stops every thread, and that it counts time on the clock it is given."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash.telemetry import ProfileStats
+from dflash.train.pipeline import Pipeline, TrainCounters
+
+CPU = torch.device("cpu")
+
+
+def _cfg(pipeline: bool = True, **kw) -> SimpleNamespace:
+    base = dict(pipeline=pipeline, batch_queue_size=2, hs_queue_size=2, threads_per_worker=None,
+                max_steps=None, max_time=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+class Boom(RuntimeError):
+    pass
+
+
+class StandIns:
+    """A batch source, a target stage and a drafter stage as plain callables; ``fail_in`` names the one
+    that raises (after a few calls, so the queues are busy), and the moment it raised is kept."""
+
+    def __init__(self, stats: ProfileStats, fail_in: str | None = None, after: int = 3):
+        self.fail_in, self.after, self.calls = fail_in, after, {"source": 0, "target": 0, "drafter": 0}
+        self.raised_at = 0.0
+        self.raised = threading.Event()
+        self.target_tel = stats.worker("target-0")
+        self.drafter = SimpleNamespace(device=CPU, tel=stats.worker("drafter-0"), step=self.step)
+
+    def _tick(self, who: str) -> None:
+        self.calls[who] += 1
+        if who == self.fail_in and self.calls[who] > self.after:
+            self.raised_at = time.monotonic()
+            self.raised.set()
+            raise Boom(f"boom in the {who}")
+
+    def source(self, index: int) -> SimpleNamespace:
+        self._tick("source")
+        return SimpleNamespace(index=index)
+
+    def forward(self, batch) -> SimpleNamespace:
+        self._tick("target")
+        return SimpleNamespace(batch=batch)
+
+    def step(self, hidden, progress: float) -> SimpleNamespace:
+        self._tick("drafter")
+        return SimpleNamespace(progress=progress)
+
+
+class TargetStandIn:
+    """A target stage: a callable with the name, device and telemetry handle the pipeline reads."""
+
+    def __init__(self, parts: StandIns):
+        self.name, self.device, self.tel, self._forward = "target-0", CPU, parts.target_tel, parts.forward
+
+    def __call__(self, batch):
+        return self._forward(batch)
+
+
+def _advance(state: RunState):
+    def on_step(r) -> bool:
+        state.step += 1
+        state.next_batch += 1
+        return True
+    return on_step
+
+
+@pytest.mark.parametrize("fail_in,pipelined", [("source", True), ("target", True), ("drafter", True),
+                                               ("drafter", False)])
+def test_an_exception_in_any_stage_stops_every_thread_within_half_a_second(fail_in, pipelined):
+    stats = ProfileStats()
+    parts = StandIns(stats, fail_in=fail_in)
+    state = TrainCounters()
+    p = Pipeline(parts.source, [TargetStandIn(parts)], parts.drafter, _cfg(pipelined), stats, state,
+                 _advance(state))
+    p.start()
+    assert parts.raised.wait(10), f"the {fail_in} stand-in was never called {parts.after + 1} times"
+    deadline = parts.raised_at + 5.0
+    for t in p.threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stopped = time.monotonic() - parts.raised_at
+    assert not p.running, "a worker outlived the failure"
+    assert stopped < 0.5, f"the pipeline took {stopped:.2f} s to stop after the {fail_in} raised"
+    assert p.stop.is_set() and isinstance(p.error, Boom)
+    assert p.failure is not None and f"Boom: boom in the {fail_in}" in p.failure[1]
+    assert p.shutdown(timeout=0.1) == []
+
+
+def test_progress_counts_on_the_clock_it_is_given():
+    """A multi-rank run passes the clock the ranks agreed on: the LR schedule's progress must follow
+    that clock, not the pipeline's own."""
+    stats = ProfileStats()
+    parts = StandIns(stats)
+    now = [0.0]
+    seen: list[float] = []
+    state = TrainCounters()
+    advance = _advance(state)
+
+    def on_step(r) -> bool:
+        seen.append(r.progress)
+        now[0] += 25.0  # the agreed clock moves 25 s per step whatever the wall clock does
+        advance(r)
+        return len(seen) < 4
+
+    p = Pipeline(parts.source, [TargetStandIn(parts)], parts.drafter, _cfg(max_time=100.0), stats, state,
+                 on_step, clock=lambda: now[0])
+    p.start()
+    for t in p.threads:
+        t.join(10)
+    assert p.shutdown(timeout=1) == [] and p.failure is None
+    assert seen == [0.0, 0.25, 0.5, 0.75]
+    assert p.depths()[0] <= 2 and p.depths()[1] <= 2
