@@ -31,6 +31,7 @@ from dflash.train.checkpoint import (
     save_checkpoint,
 )
 from dflash.train.config import ConfigError, TrainConfig
+from dflash.train.control import Interval, StepControl
 from dflash.train.devices import resolve
 from dflash.train.distributed import Dist, DistError
 from dflash.train.faults import FaultPlan, FaultSpecError
@@ -57,10 +58,7 @@ class Trainer:
         self.trackers: Trackers | None = None
         self.exporter = None
         self.exchange = None
-        self.agreement = None  # the per-step control exchange of a multi-rank run
-        self._agreed_clock = 0.0
-        self._last_ckpt_time = time.monotonic()
-        self._last_eval_time = time.monotonic()
+        self.control: StepControl | None = None  # the per-step decisions, made once the run starts
         self._ckpt_step = -1
         self.checkpoint_failed = False  # the last checkpoint write failed (disk full, ...)
         self._signals = 0
@@ -257,7 +255,7 @@ class Trainer:
 
     def on_step(self, r: StepResult) -> bool:
         """Runs in the drafter thread after each optimizer step; False ends the run."""
-        st, cfg = self.state, self.cfg
+        st = self.state
         st.step += 1
         st.next_batch += 1
         st.tokens += r.tokens
@@ -273,33 +271,13 @@ class Trainer:
         # Loss, accuracy, taus and the gradient norm stay on the device; the main thread reads them
         # once per interval (_harvest): reading them here would stall this thread on the GPU.
         self.metrics.add(r.out.stats, r.grad_norm, r.out.per_position_count, r.out.num_blocks)
-        now = time.monotonic()
-        # The step budget is the same number on every rank; signals and the clock are not.
-        steps_done = cfg.max_steps is not None and st.step >= cfg.max_steps
-        wants_stop = self.stop_requested.is_set() or (cfg.max_time is not None
-                                                      and self.pipeline.clock() >= cfg.max_time)
-        wants_stop = self._check_guard(now) or wants_stop
-        # Rank 0's clocks decide checkpoints and evaluations for the whole job.
-        ckpt = self.dist.is_main and now - self._last_ckpt_time >= cfg.checkpoint_every
-        ev = self.dist.is_main and bool(cfg.eval_every) and now - self._last_eval_time >= cfg.eval_every
-        if self.agreement is not None:
-            # A proposal restarts its interval at once: it takes effect a step later, and proposing it
-            # again meanwhile would fire a second checkpoint (or eval) on the step after that.
-            if ckpt:
-                self._last_ckpt_time = now
-            if ev:
-                self._last_eval_time = now
-            # Decisions proposed after step N take effect after step N+1 on every rank alike.
-            agreed = self.agreement.exchange([wants_stop, ckpt, ev], self.pipeline.train_time())
-            (wants_stop, ckpt, ev), self._agreed_clock = agreed or ((False, False, False), self._agreed_clock)
-        done = steps_done or wants_stop
-        if done and self.agreement is not None:
-            self.agreement.finish()  # every rank stops at this step, so the last exchange completes
-        if done or ckpt:
-            self.checkpoint(final=done)
-        if ev and not done:
+        too_many_bad = self._check_guard(time.monotonic())
+        d = self.control.after_step(st.step, too_many_bad or self.stop_requested.is_set(), self.pipeline.train_time())
+        if d.checkpoint:
+            self.checkpoint(final=d.stop)
+        if d.evaluate:
             self.evaluate(in_training=True)
-        return not done
+        return not d.stop
 
     def _check_guard(self, now: float) -> bool:
         """Report skipped non-finite steps; True when too many came in a row. The guard's counters live
@@ -378,7 +356,7 @@ class Trainer:
                          f"{len(digests)} ranks")
                 if not self.dist.is_main:
                     self._ckpt_step = st.step
-                    self._last_ckpt_time = time.monotonic()
+                    self.control.checkpoints.restart()
                     return None
             state = {
                 "format": "dflash-train-checkpoint/1",
@@ -398,7 +376,7 @@ class Trainer:
                 # counts as done: a second try at the end of the run would gather alone, without the
                 # other ranks.
                 self._ckpt_step = st.step
-                self._last_ckpt_time = time.monotonic()
+                self.control.checkpoints.restart()
                 newest = list_checkpoints(self.run_dir)
                 self.checkpoint_failed = True
                 then = "" if final else f"; training continues, next try in {self.cfg.checkpoint_every:g}s"
@@ -407,7 +385,7 @@ class Trainer:
                 return None
         self.checkpoint_failed = False
         self._ckpt_step = st.step
-        self._last_ckpt_time = time.monotonic()
+        self.control.checkpoints.restart()
         self._event("checkpoint", f"saved {path.name}", step=st.step, path=str(path))
         return path
 
@@ -435,7 +413,7 @@ class Trainer:
         with self.drafter.tel.span("eval"):  # evaluate() restores the drafter's train/eval mode itself
             result = evaluate(self.drafter.drafter, self.target, prompts,
                               max_new_tokens=self.cfg.eval_max_new_tokens, on_prompt=on_prompt)
-        self._last_eval_time = time.monotonic()
+        self.control.evaluations.restart()
         summary = result.to_dict()
         summary["step"] = self.state.step
         with (self.run_dir / "evals.jsonl").open("a") as f:  # tau over training, for plots and the README
@@ -511,13 +489,12 @@ class Trainer:
                 raise TrainError(str(e)) from None
             self.log(f"trackers:  {', '.join(self.cfg.report_to)}")
         cfg = self.cfg
-        clock = None
-        if self.dist.enabled:
-            self.agreement = distributed.Agreement(self.dist)
-            self._agreed_clock = self.state.train_time
-            clock = lambda: self._agreed_clock  # noqa: E731 - read on the drafter thread, set by the agreement
+        agreement = distributed.Agreement(self.dist) if self.dist.enabled else None
+        self.control = StepControl(cfg.max_steps, cfg.max_time, cfg.checkpoint_every, cfg.eval_every,
+                                   is_main=self.dist.is_main, agreement=agreement, trained=self.state.train_time)
+        # a multi-rank run's schedule follows the clock its ranks agreed on, not this process's own
         self.pipeline = Pipeline(self.source, self.targets, self.drafter, cfg, self.stats, self.state, self.on_step,
-                                 clock=clock)
+                                 clock=self.control.agreed_clock if agreement is not None else None)
         old = self._install_signals()
         code = 0
         try:
@@ -625,9 +602,9 @@ class Trainer:
     def _supervise(self) -> int:
         """Main-thread loop: log, watch for failures, and finish the run (checkpoint, final eval)."""
         cfg, code = self.cfg, 0
-        last_log, tokens_at_log = time.monotonic(), self.state.tokens
+        logs, harvests = Interval(cfg.log_every, time.monotonic), Interval(cfg.telemetry_interval, time.monotonic)
+        tokens_at_log = self.state.tokens
         self._step_at_start, self._clock_at_start = self.state.step, self.pipeline.clock()
-        last_harvest = last_log
         while self.pipeline.running:
             time.sleep(0.05)
             if self.stall_exit is not None:
@@ -635,13 +612,13 @@ class Trainer:
             if self.pipeline.failure:
                 break
             self._publish_progress()
-            now = time.monotonic()
-            if cfg.telemetry and now - last_harvest >= cfg.telemetry_interval:
+            if cfg.telemetry and harvests.due():
                 self._harvest()
-                last_harvest = now
-            if now - last_log >= cfg.log_every:
-                self._log_line(now - last_log, tokens_at_log)
-                last_log, tokens_at_log = now, self.state.tokens
+                harvests.restart()
+            if logs.due():
+                self._log_line(time.monotonic() - logs.last, tokens_at_log)
+                logs.restart()
+                tokens_at_log = self.state.tokens
         stuck = self.pipeline.shutdown()
         if self.pipeline.failure:
             name, tb = self.pipeline.failure
@@ -663,7 +640,7 @@ class Trainer:
         else:
             if self.server is not None:
                 self.server.publish_now()  # a run shorter than one interval still ends with its table
-            self._log_line(max(1e-9, time.monotonic() - last_log), tokens_at_log)
+            self._log_line(max(1e-9, time.monotonic() - logs.last), tokens_at_log)
             self.checkpoint(final=True)
             if self.checkpoint_failed:
                 print(f"dflash train: the final checkpoint was not saved (see above): --resume continues from "
