@@ -8,9 +8,7 @@ SIGINT/SIGTERM into "finish this step, checkpoint, say bye, exit 0".
 from __future__ import annotations
 
 import json
-import math
 import os
-import random
 import shlex
 import signal
 import sys
@@ -23,6 +21,7 @@ from typing import Any
 import torch
 
 from dflash.train import distributed, rng
+from dflash.train.build import TrainError, build, restore
 from dflash.train.checkpoint import (
     CheckpointError,
     clean_partial,
@@ -32,7 +31,6 @@ from dflash.train.checkpoint import (
 )
 from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.control import Interval, StepControl
-from dflash.train.devices import resolve
 from dflash.train.distributed import Dist, DistError
 from dflash.train.faults import FaultPlan, FaultSpecError
 from dflash.train.metrics import StepMetrics, Totals
@@ -41,10 +39,6 @@ from dflash.train.progress import EvalProgress, Progress
 from dflash.train.stages import BatchSource, DrafterStage, StepResult, TargetStage
 from dflash.train.trackers import TrackerError, Trackers, check_available, eval_scalars, interval_scalars
 from dflash.words import plural
-
-
-class TrainError(RuntimeError):
-    """Setup failed in a way the user can fix; the message is one line."""
 
 
 class Trainer:
@@ -95,23 +89,9 @@ class Trainer:
 
     # --- setup ----------------------------------------------------------------------------------------
 
-    def _limit_epochs(self, cfg: TrainConfig) -> None:
-        """--epochs becomes a step budget once the batches per epoch are known (the same on every rank),
-        so the LR schedule, the stop and the progress line all count steps; the saved config shows it."""
-        if cfg.epochs is None:
-            return
-        steps = max(1, math.ceil(cfg.epochs * self.source.per_epoch))
-        cfg.max_steps = min(cfg.max_steps, steps) if cfg.max_steps else steps
-        self.log(f"epochs:    {cfg.epochs:g} x {plural(self.source.per_epoch, 'step')} per pass over the data"
-                 f" -> at most {plural(cfg.max_steps, 'step')}")
-
     def setup(self) -> None:
-        from dflash.data import DataError, load_samples, resolve_data
-        from dflash.model.drafter import DFlashDrafter, DrafterConfig, init_from_target
-        from dflash.model.export import DrafterLoadError, check_shapes
-        from dflash.model.target import TargetError, load_target
-        from dflash.telemetry import ProfileStats
-
+        """Join the ranks, tidy the run directory, find the checkpoint to resume, build the run's parts
+        and restore them; save the resolved config."""
         cfg = self.cfg
         self._join_ranks()
         d = self.dist
@@ -121,122 +101,46 @@ class Trainer:
             raise TrainError(str(e)) from None
         if faults is not None:
             self.say(f"fault injection (DFLASH_FAULT): {faults.describe()}")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if d.is_main and clean_partial(self.run_dir):
-            self.log("removed a partial checkpoint left by an interrupted write")
-        distributed.barrier(d, "waiting for rank 0 to tidy the run directory")
-        existing = list_checkpoints(self.run_dir)
-        if existing and not self.resume:
-            raise TrainError(f"{self.run_dir} already holds checkpoints (newest {existing[-1].name}); "
-                             "pass --resume to continue that run, or choose another --run-dir")
-        ckpt = None
-        if self.resume:
-            try:
-                found = load_latest(self.run_dir, note=lambda s: self.log(f"--resume: {s}"))
-            except CheckpointError as e:
-                raise TrainError(f"--resume: {e}; move them away to start afresh") from None
-            if found is None:
-                self.log(f"--resume: no checkpoint in {self.run_dir}/checkpoints, starting fresh")
-            else:
-                ckpt = found[1]
-                self.log(f"--resume: using {found[0].name}")
-
-        try:
-            data_path = resolve_data(cfg.data)
-            devices = [resolve(d) for d in cfg.target_devices]
-            self.drafter_device = resolve(cfg.drafter_device)
-            n_taps = cfg.drafter_layers or None
-            targets: dict[torch.device, Any] = {}
-            for dev in dict.fromkeys(devices):  # one replica per distinct device; CPU workers share one
-                targets[dev] = load_target(cfg.target, device=dev, layer_ids=cfg.target_layer_ids,
-                                           **({"num_draft_layers": n_taps} if n_taps else {}))
-            first = targets[devices[0]]
-            if first.tokenizer is None:
-                raise TrainError(f"target {cfg.target!r} has no tokenizer: dflash needs one to read the data")
-            samples = load_samples(data_path, first.tokenizer, max_len=cfg.max_seq_len,
-                                   min_loss_tokens=cfg.block_size)
-        except (DataError, TargetError) as e:
-            raise TrainError(str(e)) from None
-        if len(samples) < d.world_size:
-            raise TrainError(f"{data_path} has {len(samples)} usable samples, fewer than the {d.world_size} ranks")
-        self.target = first
-        tok = first.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-
+        ckpt = self._checkpoint_to_resume()
+        parts = build(cfg, d, ckpt, faults, log=self.log)
+        self.target, self.targets, self.drafter, self.dcfg = parts.target, parts.targets, parts.drafter, parts.dcfg
+        self.source, self.stats, self.generator = parts.source, parts.stats, parts.generator
+        self.drafter_device = parts.drafter_device
         if ckpt is not None:
-            try:
-                dcfg = DrafterConfig.from_dict(ckpt["drafter_config"])
-                check_shapes(dcfg, {k: tuple(v.shape) for k, v in ckpt["drafter"].items()}, "the checkpoint")
-            except (DrafterLoadError, TypeError, ValueError, KeyError, AttributeError) as e:
-                raise TrainError(f"--resume: the checkpoint's drafter does not load: {e}") from None
-        else:
-            dcfg = DrafterConfig.for_target(
-                first.config, num_layers=cfg.drafter_layers or len(first.layer_ids), block_size=cfg.block_size,
-                target_layer_ids=first.layer_ids, mask_token_id=first.default_mask_token_id(), gamma=cfg.gamma,
-            )
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
-        drafter = DFlashDrafter(dcfg)
-        if cfg.init_from_target and ckpt is None:
-            copied = init_from_target(drafter, first.model)
-            self.log(f"drafter initialised from the target's top {plural(dcfg.num_layers, 'layer')} ({len(copied)} tensors)")
-        drafter = drafter.to(self.drafter_device)
-        # Same drafter init on every rank (DDP also broadcasts rank 0's), different anchors per rank.
-        self.generator = torch.Generator().manual_seed(cfg.seed + 1_000_003 * d.rank)
-
-        self.stats = ProfileStats(enabled=cfg.telemetry)
-        if cfg.pipeline:
-            self.stats.worker("batch-producer")  # registered now so every snapshot lists it
-        names = ["drafter-0"] if cfg.pipeline else ["trainer"]
-        embed, lm_head = first.frozen_head(self.drafter_device)
-        if ckpt is not None:
-            drafter.load_state_dict(ckpt["drafter"])
-        ddp = distributed.wrap_ddp(drafter, self.drafter_device, self.stats) if d.enabled else None
-        self.drafter = DrafterStage(drafter, embed, lm_head,
-                                    self.drafter_device, cfg, self.stats.worker(names[0]), self.generator, ddp,
-                                    faults=faults)
-        self.targets = []
-        for i, dev in enumerate(devices if cfg.pipeline else devices[:1]):
-            name = f"target-{i}" if cfg.pipeline else "trainer"
-            self.targets.append(TargetStage(targets[dev], self.drafter_device, self.stats.worker(name), name,
-                                            faults=faults))
-        cuda = self.drafter_device.type == "cuda" or any(t.device.type == "cuda" for t in self.targets)
-        self.source = BatchSource(samples, cfg.batch_size, cfg.seed, pad, d.rank, d.world_size,
-                                  block_size=dcfg.block_size, num_anchors=cfg.num_anchors, pin=cuda)
-        self.dcfg = dcfg
-        self._limit_epochs(cfg)
-
-        if ckpt is not None:
-            self.drafter.optimizer.load_state_dict(ckpt["optimizer"])
-            per_rank = ckpt.get("rng_per_rank")
-            if per_rank is not None and len(per_rank) == d.world_size:
-                notes = rng.restore(per_rank[d.rank], self.generator)
-            else:
-                if per_rank is not None or d.enabled:
-                    self.log(f"resuming a {len(per_rank or [0])}-rank run on {d.world_size} rank(s): every rank "
-                             "continues rank 0's anchor sampling, and batch index "
-                             f"{ckpt['state']['next_batch']} is now split {d.world_size} ways")
-                notes = rng.restore(ckpt["rng"], self.generator)
-            for line in notes:
-                self.log(f"--resume: {line}")
-            s = ckpt["state"]
-            self.state = TrainCounters(step=s["step"], next_batch=s["next_batch"], tokens=s["tokens"],
-                                  samples=s["samples"], train_time=s["train_time"])
+            self.state = restore(ckpt, parts, d, self.log)
             self._ckpt_step = self.state.step
-            self.log(f"resumed from step {self.state.step} (batch {self.state.next_batch}, "
-                     f"{self.state.train_time:.0f}s trained)")
-
         if d.is_main:
             cfg.save(self.run_dir / "config.json")
         self.log("config: " + " ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
-        self.log(f"target {cfg.target}: {plural(first.num_layers, 'layer')}, hidden {first.hidden_size}, taps {first.layer_ids}; "
-                 f"drafter {plural(dcfg.num_layers, 'layer')}, {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, "
-                 f"block {dcfg.block_size}, mask token {dcfg.mask_token_id}; data {data_path} ({len(samples)} samples)")
+        self.log(parts.describe(cfg))
         if d.enabled:
             self.log(f"distributed: {d.world_size} ranks ({'nccl' if self.drafter_device.type == 'cuda' else 'gloo'}), "
                      f"each with {len(self.targets)} target worker(s) and one drafter in DDP; "
                      f"{self.source.batch_size} samples per rank per step; collective timeout "
                      f"{cfg.collective_timeout:.0f}s")
+
+    def _checkpoint_to_resume(self) -> dict | None:
+        """Rank 0 removes a partial checkpoint; a used run directory needs --resume, which loads the
+        newest checkpoint that reads back whole."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.dist.is_main and clean_partial(self.run_dir):
+            self.log("removed a partial checkpoint left by an interrupted write")
+        distributed.barrier(self.dist, "waiting for rank 0 to tidy the run directory")
+        existing = list_checkpoints(self.run_dir)
+        if existing and not self.resume:
+            raise TrainError(f"{self.run_dir} already holds checkpoints (newest {existing[-1].name}); "
+                             "pass --resume to continue that run, or choose another --run-dir")
+        if not self.resume:
+            return None
+        try:
+            found = load_latest(self.run_dir, note=lambda s: self.log(f"--resume: {s}"))
+        except CheckpointError as e:
+            raise TrainError(f"--resume: {e}; move them away to start afresh") from None
+        if found is None:
+            self.log(f"--resume: no checkpoint in {self.run_dir}/checkpoints, starting fresh")
+            return None
+        self.log(f"--resume: using {found[0].name}")
+        return found[1]
 
     def _join_ranks(self) -> None:
         """Under torchrun: find this rank, map bare `cuda` to its GPU, join the process groups."""

@@ -1,0 +1,161 @@
+"""What a run is made of: `build` turns a config into the parts the pipeline drives, `restore` puts a
+checkpoint's optimizer, RNG and position back into them.
+
+Neither starts a thread, opens a socket or writes a file: the Trainer does that with what they return,
+so the wiring of data, targets, drafter and telemetry reads here top to bottom.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.train import distributed, rng
+from dflash.train.config import TrainConfig
+from dflash.train.devices import resolve
+from dflash.train.distributed import Dist
+from dflash.train.faults import FaultPlan
+from dflash.train.pipeline import TrainCounters
+from dflash.train.stages import BatchSource, DrafterStage, TargetStage
+from dflash.words import plural
+
+
+class TrainError(RuntimeError):
+    """Setup failed in a way the user can fix; the message is one line."""
+
+
+@dataclass
+class Components:
+    """The parts of a run, as `build` made them."""
+
+    target: Any  # the first target replica: its tokenizer reads the data and the evaluation prompts
+    targets: list[TargetStage]  # one per target worker (one "trainer" stage in sync mode)
+    drafter: DrafterStage
+    dcfg: Any  # the drafter's DrafterConfig, saved in every checkpoint
+    source: BatchSource
+    stats: Any  # the ProfileStats every worker reports to
+    generator: torch.Generator  # this rank's anchor sampling
+    data_path: Path
+    samples: int
+
+    @property
+    def drafter_device(self) -> torch.device:
+        return self.drafter.device
+
+    def describe(self, cfg: TrainConfig) -> str:
+        """The start-of-run line about the target, the drafter and the data."""
+        t, d = self.target, self.dcfg
+        params = sum(p.numel() for p in self.drafter.drafter.parameters()) / 1e6
+        return (f"target {cfg.target}: {plural(t.num_layers, 'layer')}, hidden {t.hidden_size}, taps {t.layer_ids}; "
+                f"drafter {plural(d.num_layers, 'layer')}, {params:.2f}M params, block {d.block_size}, "
+                f"mask token {d.mask_token_id}; data {self.data_path} ({self.samples} samples)")
+
+
+def build(cfg: TrainConfig, dist: Dist, ckpt: dict | None = None, faults: FaultPlan | None = None,
+          log: Callable[[str], None] = print) -> Components:
+    """Load the data and the target(s), make the drafter (from `ckpt`'s shape and weights when resuming)
+    and the stages around them. `--epochs` becomes `cfg.max_steps` here, once an epoch's length is known."""
+    from dflash.data import DataError, load_samples, resolve_data
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig, init_from_target
+    from dflash.model.export import DrafterLoadError, check_shapes
+    from dflash.model.target import TargetError, load_target
+    from dflash.telemetry import ProfileStats
+
+    try:
+        data_path = resolve_data(cfg.data)
+        devices = [resolve(d) for d in cfg.target_devices]
+        drafter_device = resolve(cfg.drafter_device)
+        n_taps = cfg.drafter_layers or None
+        replicas: dict[torch.device, Any] = {}
+        for dev in dict.fromkeys(devices):  # one replica per distinct device; CPU workers share one
+            replicas[dev] = load_target(cfg.target, device=dev, layer_ids=cfg.target_layer_ids,
+                                        **({"num_draft_layers": n_taps} if n_taps else {}))
+        first = replicas[devices[0]]
+        if first.tokenizer is None:
+            raise TrainError(f"target {cfg.target!r} has no tokenizer: dflash needs one to read the data")
+        samples = load_samples(data_path, first.tokenizer, max_len=cfg.max_seq_len, min_loss_tokens=cfg.block_size)
+    except (DataError, TargetError) as e:
+        raise TrainError(str(e)) from None
+    if len(samples) < dist.world_size:
+        raise TrainError(f"{data_path} has {len(samples)} usable samples, fewer than the {dist.world_size} ranks")
+    tok = first.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    if ckpt is not None:
+        try:
+            dcfg = DrafterConfig.from_dict(ckpt["drafter_config"])
+            check_shapes(dcfg, {k: tuple(v.shape) for k, v in ckpt["drafter"].items()}, "the checkpoint")
+        except (DrafterLoadError, TypeError, ValueError, KeyError, AttributeError) as e:
+            raise TrainError(f"--resume: the checkpoint's drafter does not load: {e}") from None
+    else:
+        dcfg = DrafterConfig.for_target(
+            first.config, num_layers=cfg.drafter_layers or len(first.layer_ids), block_size=cfg.block_size,
+            target_layer_ids=first.layer_ids, mask_token_id=first.default_mask_token_id(), gamma=cfg.gamma,
+        )
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    model = DFlashDrafter(dcfg)
+    if cfg.init_from_target and ckpt is None:
+        copied = init_from_target(model, first.model)
+        log(f"drafter initialised from the target's top {plural(dcfg.num_layers, 'layer')} ({len(copied)} tensors)")
+    model = model.to(drafter_device)
+    # Same drafter init on every rank (DDP also broadcasts rank 0's), different anchors per rank.
+    generator = torch.Generator().manual_seed(cfg.seed + 1_000_003 * dist.rank)
+
+    stats = ProfileStats(enabled=cfg.telemetry)
+    if cfg.pipeline:
+        stats.worker("batch-producer")  # registered now so every snapshot lists it
+    embed, lm_head = first.frozen_head(drafter_device)
+    if ckpt is not None:
+        model.load_state_dict(ckpt["drafter"])  # before DDP, which broadcasts rank 0's weights
+    ddp = distributed.wrap_ddp(model, drafter_device, stats) if dist.enabled else None
+    drafter = DrafterStage(model, embed, lm_head, drafter_device, cfg,
+                           stats.worker("drafter-0" if cfg.pipeline else "trainer"), generator, ddp, faults=faults)
+    targets = []
+    for i, dev in enumerate(devices if cfg.pipeline else devices[:1]):
+        name = f"target-{i}" if cfg.pipeline else "trainer"
+        targets.append(TargetStage(replicas[dev], drafter_device, stats.worker(name), name, faults=faults))
+    cuda = drafter_device.type == "cuda" or any(t.device.type == "cuda" for t in targets)
+    source = BatchSource(samples, cfg.batch_size, cfg.seed, pad, dist.rank, dist.world_size,
+                         block_size=dcfg.block_size, num_anchors=cfg.num_anchors, pin=cuda)
+    limit_epochs(cfg, source.per_epoch, log)
+    return Components(first, targets, drafter, dcfg, source, stats, generator, data_path, len(samples))
+
+
+def limit_epochs(cfg: TrainConfig, per_epoch: int, log: Callable[[str], None]) -> None:
+    """--epochs becomes a step budget once the batches per epoch are known (the same on every rank),
+    so the LR schedule, the stop and the progress line all count steps; the saved config shows it."""
+    if cfg.epochs is None:
+        return
+    steps = max(1, math.ceil(cfg.epochs * per_epoch))
+    cfg.max_steps = min(cfg.max_steps, steps) if cfg.max_steps else steps
+    log(f"epochs:    {cfg.epochs:g} x {plural(per_epoch, 'step')} per pass over the data"
+        f" -> at most {plural(cfg.max_steps, 'step')}")
+
+
+def restore(ckpt: dict, parts: Components, dist: Dist, log: Callable[[str], None]) -> TrainCounters:
+    """Put a checkpoint's optimizer and anchor RNG back and return where the run stood (the drafter's
+    weights and shape are `build`'s: they decide what is built)."""
+    parts.drafter.optimizer.load_state_dict(ckpt["optimizer"])
+    per_rank = ckpt.get("rng_per_rank")
+    if per_rank is not None and len(per_rank) == dist.world_size:
+        notes = rng.restore(per_rank[dist.rank], parts.generator)
+    else:
+        if per_rank is not None or dist.enabled:
+            log(f"resuming a {len(per_rank or [0])}-rank run on {dist.world_size} rank(s): every rank "
+                "continues rank 0's anchor sampling, and batch index "
+                f"{ckpt['state']['next_batch']} is now split {dist.world_size} ways")
+        notes = rng.restore(ckpt["rng"], parts.generator)
+    for line in notes:
+        log(f"--resume: {line}")
+    s = ckpt["state"]
+    state = TrainCounters(step=s["step"], next_batch=s["next_batch"], tokens=s["tokens"], samples=s["samples"],
+                     train_time=s["train_time"])
+    log(f"resumed from step {state.step} (batch {state.next_batch}, {state.train_time:.0f}s trained)")
+    return state
