@@ -75,3 +75,48 @@ def test_the_attach_hint_works_as_printed_without_the_venv_on_path():
     env = {**os.environ, "PATH": "/usr/bin:/bin"}
     r = subprocess.run(f"{top_command()} --help", shell=True, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "dflash-top" in r.stdout, r.stderr
+
+
+def test_an_unknown_setting_names_the_closest_valid_one():
+    with pytest.raises(ConfigError) as e:
+        make_config({"learning_rate": 1e-3, "max_steps": 1}, {})
+    assert str(e.value) == "unknown setting 'learning_rate' in config file"  # nothing close enough to guess
+    with pytest.raises(ConfigError, match=r"unknown setting 'bach_size' in config file; did you mean 'batch_size'\?"):
+        make_config({"bach_size": 4, "max_steps": 1}, {})
+    with pytest.raises(ConfigError, match=r"unknown setting 'l' in \[optim\] of config file; did you mean 'lr'\?"):
+        make_config({"optim": {"l": 1e-3}, "max_steps": 1}, {})
+    with pytest.raises(ConfigError, match=r"'batch_size' in \[optim\] of config file: it belongs in \[data\]"):
+        make_config({"optim": {"batch_size": 4}, "max_steps": 1}, {})
+
+
+def test_a_sectioned_toml_and_a_flat_one_make_the_same_config(tmp_path):
+    from dflash.train.config import load_toml
+
+    flat, sectioned = tmp_path / "flat.toml", tmp_path / "sectioned.toml"
+    flat.write_text('[train]\nlr = 3e-3\nbatch_size = 2\nmax_steps = 5\npipeline = false\ndata = "demo"\n')
+    sectioned.write_text('max_steps = 5\n[optim]\nlr = 3e-3\n[data]\nbatch_size = 2\n[pipeline]\npipeline = false\n'
+                         '[run]\ndata = "demo"\n')
+    a, b = make_config(load_toml(flat), {}), make_config(load_toml(sectioned), {})
+    assert a.to_dict() == b.to_dict() and (b.lr, b.batch_size, b.pipeline) == (3e-3, 2, False)
+
+
+def test_every_setting_with_help_has_its_flag_and_the_flags_reach_the_config():
+    """The flags are derived from TrainConfig's fields: a new setting needs no hand-written flag."""
+    import argparse
+    from dataclasses import fields
+
+    from dflash.train.config import TrainConfig, add_flags, flag_values
+
+    p = argparse.ArgumentParser()
+    add_flags(p)
+    flags = {s for a in p._actions for s in a.option_strings}
+    for f in fields(TrainConfig):
+        name = f.name.replace("_", "-")
+        assert f"--{name}" in flags or f"--no-{name}" in flags, f"no flag for {f.name}"
+    args = p.parse_args(["--pipeline", "off", "--target-layer-ids", "1,3,5", "--no-telemetry", "--lr", "0.01",
+                         "--report-to", "none", "--init-from-target", "--max-steps", "2", "--target-devices",
+                         "cpu,cpu"])
+    cfg = make_config({}, flag_values(args))
+    assert (cfg.pipeline, cfg.target_layer_ids, cfg.telemetry, cfg.lr) == (False, [1, 3, 5], False, 0.01)
+    assert (cfg.report_to, cfg.init_from_target, cfg.target_devices) == ([], True, ["cpu", "cpu"])
+    assert make_config({"gil_probe": False, "max_steps": 1}, flag_values(p.parse_args([]))).gil_probe is False

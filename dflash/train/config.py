@@ -6,11 +6,13 @@ directory, so a run can always be told apart from another and resumed with the s
 
 from __future__ import annotations
 
+import difflib
 import json
 import time
 import types
 import typing
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,67 +21,112 @@ class ConfigError(ValueError):
     """A bad setting; the message names it."""
 
 
+#: The sections the settings are grouped in: `dflash train --help` lists the flags by section, and a
+#: TOML file may give each section as a table (``[optim]`` ``lr = 3e-3``) or every key at the top level.
+SECTIONS = {
+    "run": "what to train and when to stop",
+    "model": "the drafter's shape",
+    "data": "batches",
+    "optim": "optimisation (the recipe: AdamW 6e-4, cosine, 4% warmup, clip 1.0)",
+    "pipeline": "devices, workers and queues",
+    "checkpoint": "checkpoints",
+    "eval": "in-training and final evaluation (real speculative decoding)",
+    "telemetry": "telemetry, Prometheus and experiment trackers",
+    "health": "stall watchdog and non-finite steps (docs/telemetry.md)",
+    "distributed": "multi-rank runs (torchrun)",
+}
+
+
+def setting(section: str, default: Any = None, help: str | None = None, *, factory: Callable[[], Any] | None = None,
+            choices: dict[str, Any] | list[str] | None = None, metavar: str | None = None) -> Any:
+    """A TrainConfig field with what the TOML schema and the command-line flag are derived from: its
+    section, its help line (None: no flag, set it in a TOML file) and, for a flag, the words it takes
+    (a dict maps each word to the value it sets, as ``--pipeline on|off``)."""
+    assert section in SECTIONS, section
+    meta = {"section": section, "help": help, "choices": choices, "metavar": metavar}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class TrainConfig:
-    # what to train on
-    target: str = "tiny"
-    data: str = "demo"
-    run_dir: str | None = None  # None: a fresh runs/train-<date>-<time>, so two runs never collide
-    # devices: one target worker per entry of target_devices
-    target_devices: list[str] = field(default_factory=lambda: ["cpu"])
-    drafter_device: str = "cpu"
-    pipeline: bool = True  # False: target forward then drafter step in one loop, as public trainers do
-    # drafter shape (None = derived from the target, as the reference does)
-    drafter_layers: int | None = None
-    block_size: int = 16
-    num_anchors: int = 512
-    gamma: float | None = None
-    target_layer_ids: list[int] | None = None
-    # start the drafter's layers as copies of the target's top layers (not in the reference recipe,
-    # which starts from random weights; it speeds up short runs a lot)
-    init_from_target: bool = False
+    """Every setting of a run, declared once: type, default, section, help. The flat attribute names
+    (``cfg.lr``) are the TOML keys, the ``config.json`` keys and, with dashes, the flags."""
+
+    # run
+    target: str = setting("run", "tiny", "HF model directory or 'tiny' (the built-in target)")
+    data: str = setting("run", "demo", "JSONL dataset or 'demo'")
+    run_dir: str | None = setting("run", None, "where checkpoints, config.json and telemetry.jsonl go (default: a "
+                                  "fresh runs/train-<date>-<time>, so two runs never collide)")
+    run_name: str | None = setting("run", None, "the run's name in telemetry (default: the run directory's name)")
+    max_steps: int | None = setting("run", None, "stop after this many optimizer steps")
+    max_time: float | None = setting("run", None, "stop after this many seconds of training")
+    epochs: float | None = setting("run", None, "passes over the data, fractions allowed (default 1 when no step "
+                                   "or time limit is given)")
+    log_every: float = setting("run", 10.0, "seconds between log lines (default 10)")
+    # model (None = derived from the target, as the reference does)
+    drafter_layers: int | None = setting("model", None, "drafter layers (default: one per target tap)")
+    block_size: int = setting("model", 16, "tokens per block: an anchor and the ones drafted after it (default 16)")
+    num_anchors: int = setting("model", 512, "anchors (blocks) sampled per sequence (default 512)")
+    gamma: float | None = setting("model", None, "loss weight decay over block positions (default: the recipe's)")
+    target_layer_ids: list[int] | None = setting("model", None, "comma-separated target layers whose hidden states "
+                                                 "the drafter reads (default: spread evenly)", metavar="IDS")
+    # not in the reference recipe, which starts from random weights; it speeds up short runs a lot
+    init_from_target: bool = setting("model", False, "start the drafter's layers as copies of the target's top layers")
     # data
-    max_seq_len: int = 512
-    batch_size: int = 8
-    seed: int = 0
-    # optimisation (the recipe: AdamW 6e-4, cosine, 4% warmup, clip 1.0)
-    lr: float = 6e-4
-    min_lr_ratio: float = 0.0
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    max_steps: int | None = None
-    max_time: float | None = None
-    # passes over the data (fractions allowed); with no step, time or epoch limit a run makes one pass
-    epochs: float | None = None
-    # plumbing
-    batch_queue_size: int = 4
-    hs_queue_size: int = 2
-    threads_per_worker: int | None = None  # torch intra-op threads per worker thread (None: leave torch's)
-    checkpoint_every: float = 60.0  # seconds between checkpoints
-    keep_checkpoints: int = 3
-    eval_every: float = 0.0  # seconds between in-training evaluations (0: only at the end)
-    eval_prompts: int = 8
-    eval_max_new_tokens: int = 64
-    log_every: float = 10.0
-    telemetry: bool = True
-    telemetry_interval: float = 1.0
-    socket_dir: str | None = None
-    metrics_port: int | None = None  # Prometheus exposition (0: pick a free port)
-    metrics_addr: str = "127.0.0.1"
-    metrics_linger: float = 30.0  # seconds /metrics outlives the run, until Prometheus reads its last numbers
-    run_name: str | None = None  # default: the run directory's name
-    # experiment trackers fed every log interval and evaluation (rank 0): tensorboard, wandb, mlflow
-    report_to: list[str] = field(default_factory=list)
-    # multi-rank runs (torchrun): seconds any collective may wait before the job gives up on a rank
-    collective_timeout: float = 300.0
-    # health (docs/telemetry.md): stall watchdog timeout in seconds (None: from each worker's own
-    # history; 0: no watchdog), what a stall does ("warn", or "exit": checkpoint and exit 3), and how
-    # many non-finite steps in a row stop the run (each one is skipped)
-    stall_timeout: float | None = None
-    on_stall: str = "warn"
-    nonfinite_limit: int = 3
-    gil_probe: bool = True  # the GIL contention gauge (a thread sampling the GIL every 5 ms)
+    max_seq_len: int = setting("data", 512, "longest sample in tokens (longer ones are cut)")
+    batch_size: int = setting("data", 8, "samples per step (per rank)")
+    seed: int = setting("data", 0, "seed of the data order, the anchors and the drafter's init")
+    # optimisation
+    lr: float = setting("optim", 6e-4, "peak learning rate (default 6e-4)")
+    min_lr_ratio: float = setting("optim", 0.0, "the cosine schedule's floor, as a fraction of lr")
+    warmup_ratio: float = setting("optim", 0.04, "fraction of the run spent warming up (default 0.04)")
+    weight_decay: float = setting("optim", 0.0, "AdamW weight decay")
+    grad_clip: float = setting("optim", 1.0, "gradient norm clip (default 1.0)")
+    # pipeline: one target worker per entry of target_devices
+    target_devices: list[str] = setting("pipeline", help="comma-separated, one target worker each: cpu, "
+                                        "cuda:0,cuda:1, ...", factory=lambda: ["cpu"])
+    drafter_device: str = setting("pipeline", "cpu", "cpu or cuda:N")
+    pipeline: bool = setting("pipeline", True, "off: target forward then drafter step in one loop, as public "
+                             "trainers do", choices={"on": True, "off": False})
+    batch_queue_size: int = setting("pipeline", 4, "batches the producer may build ahead (default 4)")
+    hs_queue_size: int = setting("pipeline", 2, "hidden-state batches the targets may hand ahead (default 2)")
+    threads_per_worker: int | None = setting("pipeline", None, "torch intra-op threads per worker thread "
+                                             "(default: leave torch's)")
+    # checkpoints
+    checkpoint_every: float = setting("checkpoint", 60.0, "seconds between checkpoints (default 60)")
+    keep_checkpoints: int = setting("checkpoint", 3, "newest checkpoints kept (default 3; older ones go first when "
+                                    "disk is short)")
+    # evaluation
+    eval_every: float = setting("eval", 0.0, "seconds between in-training evaluations (0: only at the end)")
+    eval_prompts: int = setting("eval", 8, "prompts in each evaluation (0: none)")
+    eval_max_new_tokens: int = setting("eval", 64, "tokens generated per evaluation prompt (default 64)")
+    # telemetry
+    telemetry: bool = setting("telemetry", True, "live telemetry: socket, telemetry.jsonl, watchdog (the flag "
+                              "turns it off entirely)")
+    telemetry_interval: float = setting("telemetry", 1.0, "seconds between telemetry snapshots (default 1)")
+    socket_dir: str | None = setting("telemetry", None, "directory for the telemetry socket")
+    metrics_port: int | None = setting("telemetry", None, "serve Prometheus metrics on this port (0: any free port)")
+    metrics_addr: str = setting("telemetry", "127.0.0.1", "address for --metrics-port (default 127.0.0.1; 0.0.0.0 "
+                                "for remote Prometheus)")
+    metrics_linger: float = setting("telemetry", 30.0, "with --metrics-port: seconds to keep serving after the "
+                                    "run, until Prometheus has scraped its last numbers (default 30; 0: exit at once)")
+    report_to: list[str] = setting("telemetry", help="experiment trackers fed every log interval and evaluation "
+                                   "(rank 0), comma-separated: tensorboard, wandb, mlflow (default none; each an "
+                                   "optional extra)", factory=list, metavar="TRACKERS")
+    gil_probe: bool = setting("telemetry", True, "the GIL contention gauge (the flag turns it off: its probe "
+                              "thread takes the GIL 200 times a second)")
+    # health
+    stall_timeout: float | None = setting("health", None, "seconds without a completed span before a worker counts "
+                                          "as stalled (default: from its own history, at least 30; 0: no watchdog)")
+    on_stall: str = setting("health", "warn", "exit: checkpoint the last completed step and exit 3 so a scheduler "
+                            "can restart the job (default warn)", choices=["warn", "exit"])
+    nonfinite_limit: int = setting("health", 3, "non-finite steps in a row (each skipped) that stop the run "
+                                   "(default 3)")
+    # distributed
+    collective_timeout: float = setting("distributed", 300.0, "multi-rank: seconds a collective may wait for a "
+                                        "rank before the job gives up on it (default 300)")
 
     def validate(self) -> None:
         if not self.target_devices:
@@ -168,8 +215,37 @@ def load_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML ({e})") from None
-    # Accept a [train] table or top-level keys.
-    return data.get("train", data)
+    # Accept a [train] table or top-level keys; either may hold section tables ([optim], [train.optim]).
+    return flatten(data.get("train", data), str(path))
+
+
+def _settings() -> dict[str, Field]:
+    return {f.name: f for f in fields(TrainConfig)}
+
+
+def _unknown(key: str, where: str, known: Any) -> ConfigError:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown setting {key!r} in {where}{hint}")
+
+
+def flatten(values: dict[str, Any], where: str = "config file") -> dict[str, Any]:
+    """Section tables (``{"optim": {"lr": 3e-3}}``) merged into the flat keys the config is made of; a
+    key in the wrong section is refused. Top-level keys pass through (checked by make_config)."""
+    settings, flat = _settings(), {}
+    for key, value in values.items():
+        if key in SECTIONS and isinstance(value, dict):  # `data = "demo"` is a setting, `[data]` a section
+            for sub, v in value.items():
+                f = settings.get(sub.replace("-", "_"))
+                if f is None or f.metadata["section"] != key:
+                    own = [n for n, g in settings.items() if g.metadata["section"] == key]
+                    if f is not None:
+                        raise ConfigError(f"{sub!r} in [{key}] of {where}: it belongs in [{f.metadata['section']}]")
+                    raise _unknown(sub, f"[{key}] of {where}", own)
+                flat[sub] = v
+        else:
+            flat[key] = value
+    return flat
 
 
 #: The published recipe (512 anchors, a drafter as deep as the taps) is sized for GPUs: on a CPU it
@@ -219,13 +295,13 @@ def make_config(file_values: dict[str, Any], overrides: dict[str, Any],
                 recipe: dict[str, Any] | None = None) -> TrainConfig:
     """Defaults <- hardware recipe <- file <- CLI; unknown keys and wrong types are errors, not silently
     ignored. With no step, time or epoch limit anywhere, the run makes one pass over the data."""
-    known = {f.name for f in fields(TrainConfig)}
+    known = _settings()
     cfg = TrainConfig()
     for source, values in (("recipe", recipe or {}), ("config file", file_values), ("command line", overrides)):
-        for key, value in values.items():
+        for key, value in flatten(values, source).items():
             key = key.replace("-", "_")
             if key not in known:
-                raise ConfigError(f"unknown setting {key!r} in {source}")
+                raise _unknown(key, source, known)
             if value is None and source == "command line":
                 continue
             setattr(cfg, key, _coerce(key, value))
@@ -244,10 +320,10 @@ def _field_types() -> dict[str, Any]:
 def _coerce(key: str, value: Any) -> Any:
     """Check `value` against the field's declared type (``int | None`` included), so that a TOML's
     ``batch_size = 8.5`` or ``metrics_port = "9400"`` fails here in one line, not inside a worker."""
-    if key in ("target_devices", "report_to") and isinstance(value, str):  # comma-separated on the command line
-        value = [v.strip() for v in value.split(",") if v.strip() and v.strip() != "none"]
     hint = _field_types()[key]
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if isinstance(value, str) and any(typing.get_origin(h) is list for h in _options(hint)):
+        value = _split(value)  # comma-separated on the command line
+    options = _options(hint)
     if value is None:
         if type(None) in options:
             return None
@@ -257,6 +333,16 @@ def _coerce(key: str, value: Any) -> Any:
         if ok:
             return converted
     raise ConfigError(f"{key} must be {_describe(hint)}, got {value!r}")
+
+
+def _options(hint: Any) -> tuple:
+    return typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+
+
+def _split(text: str) -> list[Any]:
+    """`cuda:0,cuda:1` or `1,3,5` as a list (whole numbers as ints, so list[int] checks them); `none`: empty."""
+    items = [v.strip() for v in text.split(",") if v.strip() and v.strip() != "none"]
+    return [int(v) if v.lstrip("-").isdigit() else v for v in items]
 
 
 def _matches(value: Any, hint: Any) -> tuple[bool, Any]:
@@ -289,3 +375,41 @@ def _describe(hint: Any) -> str:
     if typing.get_origin(hint) is list:
         return f"a list of {_describe(typing.get_args(hint)[0]).removeprefix('a ')}s"
     return names.get(hint, str(hint))
+
+
+# --- the command line, derived from the fields ---------------------------------------------------------
+
+def add_flags(parser: Any) -> None:
+    """One flag per setting that has a help line, grouped by section: ``--batch-size N``; a bool is
+    ``--name`` when it defaults to off and ``--no-name`` when it defaults to on (or takes its words,
+    ``--pipeline on|off``). Every flag defaults to None: only what is given overrides the file."""
+    hints = _field_types()
+    groups = {name: parser.add_argument_group(f"{name}: {what}") for name, what in SECTIONS.items()}
+    for f in fields(TrainConfig):
+        m = f.metadata
+        if m["help"] is None:
+            continue
+        flag, add = "--" + f.name.replace("_", "-"), groups[m["section"]].add_argument
+        options = [h for h in _options(hints[f.name]) if h is not type(None)]
+        choices = m["choices"]
+        if choices is not None:
+            add(flag, choices=list(choices), default=None, help=m["help"])
+        elif options == [bool]:
+            if f.default:
+                add("--no-" + flag[2:], dest=f.name, action="store_false", default=None, help=m["help"])
+            else:
+                add(flag, action="store_true", default=None, help=m["help"])
+        else:
+            scalar = options[0] if options[0] in (int, float) else None
+            add(flag, type=scalar, default=None, metavar=m["metavar"], help=m["help"])
+
+
+def flag_values(args: Any) -> dict[str, Any]:
+    """The settings given on the command line (words mapped to their values), for make_config."""
+    out = {}
+    for f in fields(TrainConfig):
+        value = getattr(args, f.name, None)
+        if value is not None and isinstance(f.metadata["choices"], dict):
+            value = f.metadata["choices"][value]
+        out[f.name] = value
+    return out
