@@ -405,43 +405,7 @@ class Trainer:
             # Threads first, so that the hello frame's thread map names every worker.
             self.pipeline.start()
             if cfg.telemetry:
-                from dflash.telemetry import TelemetryServer
-
-                d = self.dist
-                if cfg.metrics_port is not None:
-                    from dflash.telemetry.prometheus import MetricsExporter, MetricsServerError
-
-                    self.exporter = MetricsExporter(cfg.name, rank=d.rank)
-                    # One port per rank on a node: the given one plus the local rank (0 stays "any").
-                    want = cfg.metrics_port + d.local_rank if cfg.metrics_port else 0
-                    try:
-                        port = self.exporter.serve(want, addr=cfg.metrics_addr)
-                    except MetricsServerError as e:
-                        raise TrainError(str(e)) from None
-                    self.say(f"metrics:   http://{cfg.metrics_addr}:{port}/metrics")
-                if d.enabled:
-                    from dflash.telemetry.cluster import ClusterExchange
-
-                    self.exchange = ClusterExchange(
-                        d.store, d.rank, d.world_size, lambda: self.server.latest() if self.server else None,
-                        interval_s=cfg.telemetry_interval)
-                server = TelemetryServer(run=cfg.name, stats=self.stats, interval_s=cfg.telemetry_interval,
-                                         run_dir=self.run_dir.resolve(), socket_dir=cfg.socket_dir,
-                                         rank=d.rank, world_size=d.world_size,
-                                         on_publish=self.exporter.update if self.exporter else None,
-                                         cluster_view=self.exchange.view if self.exchange and d.is_main else None,
-                                         monitors=self._monitors())
-                try:
-                    server.start()
-                except (OSError, RuntimeError) as e:
-                    raise TrainError(f"telemetry socket in {server.socket_dir}: {e} (use --socket-dir, or "
-                                     "--no-telemetry)") from None
-                self.server = server
-                self.say(f"telemetry: {self.server.path}")
-                self.log(f"attach:    {top_command()} {shlex.quote(str(self.server.path))}")
-                if self.exchange is not None:
-                    self.exchange.socket_path = str(server.path)
-                    self.exchange.start()
+                self._start_telemetry()
             else:
                 self.log("telemetry: off (--no-telemetry)")
             code = self._supervise()
@@ -464,6 +428,48 @@ class Trainer:
             os._exit(code)  # a collective is hung: tearing down the process group would hang with it
         distributed.shutdown(self.dist)
         return code
+
+    def _start_telemetry(self) -> None:
+        """The socket publisher (with the recorder and the health monitors), the Prometheus exporter and,
+        in a multi-rank run, the cluster exchange; started after the workers, so that the hello frame's
+        thread map names every worker."""
+        from dflash.telemetry import TelemetryServer
+
+        cfg, d = self.cfg, self.dist
+        if cfg.metrics_port is not None:
+            from dflash.telemetry.prometheus import MetricsExporter, MetricsServerError
+
+            self.exporter = MetricsExporter(cfg.name, rank=d.rank)
+            # One port per rank on a node: the given one plus the local rank (0 stays "any").
+            want = cfg.metrics_port + d.local_rank if cfg.metrics_port else 0
+            try:
+                port = self.exporter.serve(want, addr=cfg.metrics_addr)
+            except MetricsServerError as e:
+                raise TrainError(str(e)) from None
+            self.say(f"metrics:   http://{cfg.metrics_addr}:{port}/metrics")
+        if d.enabled:
+            from dflash.telemetry.cluster import ClusterExchange
+
+            self.exchange = ClusterExchange(
+                d.store, d.rank, d.world_size, lambda: self.server.latest() if self.server else None,
+                interval_s=cfg.telemetry_interval)
+        server = TelemetryServer(run=cfg.name, stats=self.stats, interval_s=cfg.telemetry_interval,
+                                 run_dir=self.run_dir.resolve(), socket_dir=cfg.socket_dir,
+                                 rank=d.rank, world_size=d.world_size,
+                                 on_publish=self.exporter.update if self.exporter else None,
+                                 cluster_view=self.exchange.view if self.exchange and d.is_main else None,
+                                 monitors=self._monitors())
+        try:
+            server.start()
+        except (OSError, RuntimeError) as e:
+            raise TrainError(f"telemetry socket in {server.socket_dir}: {e} (use --socket-dir, or "
+                             "--no-telemetry)") from None
+        self.server = server
+        self.say(f"telemetry: {self.server.path}")
+        self.log(f"attach:    {top_command()} {shlex.quote(str(self.server.path))}")
+        if self.exchange is not None:
+            self.exchange.socket_path = str(server.path)
+            self.exchange.start()
 
     def _monitors(self) -> list:
         """The judges the telemetry server runs on each window: the anomaly detector, the GIL probe and
