@@ -67,7 +67,7 @@ class TargetStandIn:
         return self._forward(batch)
 
 
-def _advance(state: RunState):
+def _advance(state: TrainCounters):
     def on_step(r) -> bool:
         state.step += 1
         state.next_batch += 1
