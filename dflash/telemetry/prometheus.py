@@ -187,6 +187,25 @@ class _Families:
         return list(self._fams.values())
 
 
+class _AfterWrite:
+    """A WSGI response body that calls `done` after the server has written it (a WSGI server calls
+    the body's close() last, once every chunk is sent)."""
+
+    def __init__(self, body: Any, done: Any) -> None:
+        self.body, self.done = body, done
+
+    def __iter__(self) -> Any:
+        return iter(self.body)
+
+    def close(self) -> None:
+        try:
+            close = getattr(self.body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self.done()
+
+
 class MetricsExporter:
     """Serves the latest telemetry snapshot of one rank as Prometheus metrics.
 
@@ -269,8 +288,25 @@ class MetricsExporter:
             reason = e.strerror or str(e) or type(e).__name__
             raise MetricsServerError(f"cannot serve metrics on {addr}:{port}: {reason}") from None
         thread.name = "dflash-metrics"  # what dflash-top's thread list and py-spy show
+        httpd.set_app(self._counting_scrapes(httpd.get_app()))
         self._httpd, self._thread = httpd, thread
         return int(httpd.server_address[1])
+
+    def _counting_scrapes(self, inner: Any) -> Any:
+        """prometheus_client's WSGI app, wrapped so that a scrape counts as having read the latest
+        snapshot only once its response is written: the trainer exits right after `wait_for_scrape`,
+        and a response cut off mid-body is no scrape at all."""
+
+        def app(environ: Any, start_response: Any) -> Any:
+            seen = self._snapshot
+
+            def written() -> None:
+                if seen is not None and seen is self._snapshot:
+                    self._scraped.set()
+
+            return _AfterWrite(inner(environ, start_response), written)
+
+        return app
 
     def wait_for_scrape(self, timeout: float) -> bool:
         """Until a scrape has read the latest snapshot, at most `timeout` seconds; whether one did.
@@ -324,7 +360,6 @@ class MetricsExporter:
         )
         snap = self._snapshot
         if snap is not None:
-            self._scraped.set()
             for section in (_snapshot_meta, _spans, _counters, _gauges, _metrics, _system, _bottleneck, _health):
                 try:
                     section(fams, snap)
