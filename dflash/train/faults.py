@@ -10,7 +10,8 @@ be shown working on a real run.
 A spec is `kind:stage[:key=value...]`; several are separated by `;` or `,`. Stages: `drafter`,
 `target` (every target worker) or `target-N`. Keys: `step=N` (that step only) or `from_step=N` (from N
 on, default 0), `count=K` (at most K steps), `rank=R` (only on that rank), `seconds=S` (hang, required),
-`factor=F` (slow, > 1, required). Step N is the step that trains batch N (0-based; without --resume,
+`factor=F` (slow, > 1, required), `after_s=S` (only once S seconds have passed since the first step
+reached an injection point: a drill that starts after the run has settled, whatever its speed). Step N is the step that trains batch N (0-based; without --resume,
 the step counter before that step). A bad spec stops `dflash train` at start with one line.
 """
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 KINDS = ("hang", "slow", "nan")
 _INT_KEYS = ("step", "from_step", "count", "rank")
-_FLOAT_KEYS = ("seconds", "factor")
+_FLOAT_KEYS = ("seconds", "factor", "after_s")
 
 
 class FaultSpecError(ValueError):
@@ -40,6 +41,7 @@ class Fault:
     rank: int | None = None
     seconds: float = 0.0
     factor: float = 1.0
+    after_s: float = 0.0
 
     def hits(self, stage: str, step: int, rank: int) -> bool:
         if self.rank is not None and rank != self.rank:
@@ -94,7 +96,8 @@ def _parse_one(spec: str) -> Fault:
     return Fault(kind=kind, stage=stage, first=int(values.get("step", values.get("from_step", 0))), exact=exact,
                  count=int(values["count"]) if "count" in values else None,
                  rank=int(values["rank"]) if "rank" in values else None,
-                 seconds=values.get("seconds", 0.0), factor=values.get("factor", 1.0))
+                 seconds=values.get("seconds", 0.0), factor=values.get("factor", 1.0),
+                 after_s=values.get("after_s", 0.0))
 
 
 def injected_hang(seconds: float) -> None:
@@ -108,6 +111,7 @@ class FaultPlan:
 
     def __init__(self, faults: list[Fault], rank: int = 0) -> None:
         self.faults, self.rank = faults, rank
+        self._t0: float | None = None  # when the first injection point was reached (for after_s)
 
     @classmethod
     def from_env(cls, rank: int = 0) -> FaultPlan | None:
@@ -118,16 +122,23 @@ class FaultPlan:
         """At the end of a timed stage call (`elapsed` seconds so far): hang, or stretch it to
         `factor` times its length."""
         for f in self.faults:
-            if f.kind == "hang" and f.hits(stage, step, self.rank):
+            if f.kind == "hang" and self._due(f, stage, step):
                 injected_hang(f.seconds)
-            elif f.kind == "slow" and f.hits(stage, step, self.rank):
+            elif f.kind == "slow" and self._due(f, stage, step):
                 time.sleep(elapsed * (f.factor - 1.0))
 
     def poison(self, step: int) -> bool:
         """Whether the drafter's loss at `step` is to be made NaN."""
-        return any(f.kind == "nan" and f.hits("drafter", step, self.rank) for f in self.faults)
+        return any(f.kind == "nan" and self._due(f, "drafter", step) for f in self.faults)
+
+    def _due(self, f: Fault, stage: str, step: int) -> bool:
+        now = time.monotonic()
+        if self._t0 is None:
+            self._t0 = now
+        return f.hits(stage, step, self.rank) and now - self._t0 >= f.after_s
 
     def describe(self) -> str:
         return "; ".join(f"{f.kind} {f.stage} " + (f"at step {f.first}" if f.exact else f"from step {f.first}")
                          + (f" x{f.count}" if f.count else "") + (f" on rank {f.rank}" if f.rank is not None else "")
+                         + (f" after {f.after_s:g} s" if f.after_s else "")
                          for f in self.faults)
