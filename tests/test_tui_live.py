@@ -180,8 +180,10 @@ async def test_attaches_and_fills_every_panel_at_80x24(short_dir: Path, workload
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: app.state.snapshot is not None and len(app.state.workers) == 2, "2 workers")
         await until(pilot, lambda: app.state.events, "an event")
-        await pilot.pause(0.3)
-        assert app.screen.has_class("-narrow")
+        await until(pilot, lambda: app.screen.has_class("-narrow") and "LIVE" in text_of(app, "#header")
+                    and "drafter-0" in text_of(app, "#bars") and "loss" in text_of(app, "#curves")
+                    and "dflash-telemetry" in text_of(app, "#threads") and app.query_one(EventsLog).lines,
+                    "every panel drawn")
         header = text_of(app, "#header")
         assert "LIVE" in header and "run pilot" in header and f"pid {os.getpid()}" in header
         bars = text_of(app, "#bars")
@@ -208,8 +210,7 @@ async def test_disconnect_keeps_data_and_reattaches(short_dir: Path, workloads) 
         await until(pilot, lambda: app.state.snapshots >= 2, "snapshots")
         wl.close()
         await until(pilot, lambda: app.disconnected, "disconnected")
-        await pilot.pause(0.3)
-        assert "DISCONNECTED" in text_of(app, "#header")
+        await until(pilot, lambda: "DISCONNECTED" in text_of(app, "#header"), "the header to say so")
         assert app.state.connection == Connection.DISCONNECTED and "trainer exited (shutdown)" in app.state.connection_detail
         assert app.screen.has_class("-disconnected")
         assert app.state.workers and app.query_one(CategoryTable).row_count > 0, "last data kept"
@@ -334,7 +335,7 @@ async def test_malformed_frame_reports_and_continues(short_dir: Path) -> None:
         app = DFlashTop(path)
         async with app.run_test(size=(80, 24)) as pilot:
             await until(pilot, lambda: app.state.snapshot is not None, "the good snapshot")
-            await pilot.pause(0.3)
+            await until(pilot, lambda: "2 bad frames" in text_of(app, "#status"), "the status line to count them")
             assert app.state.bad_frames == 2
             status = text_of(app, "#status")
             assert "2 bad frames" in status and "malformed frame" in status
@@ -347,8 +348,8 @@ async def test_protocol_mismatch_is_a_clear_message(short_dir: Path) -> None:
         app = DFlashTop(path)
         async with app.run_test(size=(80, 24)) as pilot:
             await until(pilot, lambda: app.state.connection == Connection.INCOMPATIBLE, "incompatible")
-            await pilot.pause(0.3)
-            assert "INCOMPATIBLE" in text_of(app, "#header")
+            await until(pilot, lambda: "INCOMPATIBLE" in text_of(app, "#header")
+                        and "protocol v2" in text_of(app, "#status") and app._notifications, "the message shown")
             status = text_of(app, "#status")
             assert "protocol v2" in status and f"speaks v{protocol.PROTO}" in status
             assert any("protocol v2" in n.message for n in app._notifications)
