@@ -76,10 +76,13 @@ def test_a_span_crossing_windows_is_booked_where_it_ran() -> None:
     for _ in range(3):
         time.sleep(0.05)
         windows.append(s.drain())
+    t_drain = time.perf_counter()
     time.sleep(0.02)
     release.set()
     t.join(10)
-    time.sleep(0.05)  # idle after the span: the last window must not read 100%
+    busy = time.perf_counter() - t_drain  # at most this much of the span falls in the last window
+    while time.perf_counter() - t_drain < 2.5 * busy:  # idle after it, however late the thread woke
+        time.sleep(0.01)
     last = s.drain()
     for summ in windows[1:]:  # the first window also holds the time before the span began
         share = summ.workers["target-0"]["target_forward"].share
