@@ -490,7 +490,7 @@ def check_ddp_resume(ctx: Ctx) -> dict:
             return True
 
     class OneRankTrainer(Trainer):
-        def _join_ranks(self) -> None:
+        def join_ranks(self) -> None:
             self.dist = d = WorldOfOne()
             self.cfg.target_devices = [distributed.localize(x, d) for x in self.cfg.target_devices]
             self.cfg.drafter_device = distributed.localize(self.cfg.drafter_device, d)

@@ -11,7 +11,8 @@ import torch
 from dflash.cli import main
 from dflash.data.formats import iter_rows
 from dflash.train.config import ConfigError, make_config
-from dflash.train.trainer import top_command, train
+from dflash.train.monitoring import top_command
+from dflash.train.trainer import train
 
 
 @pytest.mark.parametrize("key, value, says", [

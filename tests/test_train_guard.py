@@ -56,3 +56,58 @@ def test_a_non_finite_step_changes_nothing_and_is_counted(fused: bool) -> None:
     assert not torch.equal(before["p.weight"], model.weight)
     r = guard.read()
     assert (r.skipped, r.new, r.in_a_row) == (3, 0, 0)
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.gauges: dict[str, float] = {}
+
+    def gauge(self, name: str, value: float) -> None:
+        self.gauges[name] = value
+
+
+def test_the_watch_reports_each_bad_step_and_stops_once_at_the_limit() -> None:
+    from dflash.train.control import Interval
+    from dflash.train.guard import NonFiniteWatch
+
+    model, opt = _model_and_opt(fused=False)
+    guard, stats, events = NonFiniteGuard(opt, torch.device("cpu"), limit=3), _Stats(), []
+    watch = NonFiniteWatch(guard, stats, lambda kind, msg, **data: events.append((kind, msg, data)),
+                           Interval(1e9, lambda: 0.0))  # host counters: read after every step regardless
+    verdicts = []
+    for batch in range(5):
+        _step(model, opt, guard, batch, poison=batch >= 1)
+        verdicts.append(watch.too_many())
+    assert verdicts == [False, False, False, True, False]  # the limit is reached at batch 3, said once
+    assert [d["step"] for _, _, d in events] == [2, 3, 4, 5] and stats.gauges["nonfinite_skipped"] == 4
+    assert watch.stop_line.startswith("3 non-finite steps in a row (steps 2-4, batches 1-3), limit 3")
+
+
+def test_device_counters_are_read_once_per_interval() -> None:
+    """On CUDA a read is a device copy: the watch reads on the log interval, not after every step."""
+    from dflash.train.control import Interval
+    from dflash.train.guard import NonFiniteWatch
+
+    class DeviceCounters:  # the guard as CUDA has it: reading costs a synchronisation
+        reads_free = False
+
+        def __init__(self, guard: NonFiniteGuard) -> None:
+            self.guard, self.limit, self.reads = guard, guard.limit, 0
+
+        def read(self):
+            self.reads += 1
+            return self.guard.read()
+
+    model, opt = _model_and_opt(fused=True)
+    now = [0.0]
+    counters, events = DeviceCounters(NonFiniteGuard(opt, torch.device("cpu"), limit=3)), []
+    watch = NonFiniteWatch(counters, _Stats(), lambda kind, msg, **data: events.append(msg),
+                           Interval(10.0, lambda: now[0]))
+    for batch in range(3):
+        _step(model, opt, counters.guard, batch, poison=True)
+        assert not watch.too_many()
+    assert counters.reads == 0 and events == []
+    now[0] = 10.0
+    assert watch.too_many() and counters.reads == 1
+    assert events == ["non-finite loss or gradient norm at step 3 (batch 2): optimizer step skipped "
+                      "(3 since the last report), 3 skipped in all"]

@@ -146,16 +146,21 @@ def test_sync_mode_trains_in_one_thread(setup, tmp_path):
 def test_worker_exception_stops_everything_promptly(setup, tmp_path, capsys):
     target, data = setup
 
+    raised: list[float] = []
+
     class Exploding(Trainer):
         def on_step(self, r):
             if self.state.step == 1:
+                raised.append(time.monotonic())
                 raise RuntimeError("boom in the drafter")
             return super().on_step(r)
 
     t = Exploding(_cfg(target, data, tmp_path / "x", max_steps=100), log=lambda s: None)
-    start = time.monotonic()
     assert t.run() == 1
-    assert time.monotonic() - start < 60
+    # From the raise to run() returning, with every worker joined: the stand-in test
+    # (test_train_pipeline_standins.py) holds the pipeline alone to 0.5 s; the whole trainer adds its
+    # wind-down (no checkpoint, no evaluation after a failure), far below the 10 s join timeout.
+    assert time.monotonic() - raised[0] < 5.0
     err = capsys.readouterr().err
     assert "worker drafter-0 failed" in err and "RuntimeError: boom in the drafter" in err
     assert not t.pipeline.running

@@ -613,5 +613,7 @@ async def test_recording_defaults_to_python_sampling_and_panels_keep_updating(sh
             assert app.state.snapshots < seen + 1000  # (bounded loop: the job ends within its time)
         assert app.state.snapshots >= seen + 2, "snapshots stopped while recording"
         assert len(headers) >= 2, "the header did not change while recording"
-        await until(pilot, lambda: isinstance(app.screen, ProfileScreen), "the summary", timeout=30)
-        assert "Python functions" in app.screen.query_one("#profile-body").render().plain
+        # the screen is pushed before its body is mounted and drawn: wait for the text itself
+        await until(pilot, lambda: isinstance(app.screen, ProfileScreen) and app.screen.query("#profile-body")
+                    and "Python functions" in app.screen.query_one("#profile-body").render().plain,
+                    "the summary", timeout=30)

@@ -31,6 +31,7 @@ _NAME = re.compile(r"^step-(\d+)\.pt$")
 MANIFEST = "manifest.json"
 #: the format tag every training checkpoint carries (what the resume code knows how to read)
 FORMAT_PREFIX = "dflash-train-checkpoint/"
+FORMAT = FORMAT_PREFIX + "1"  # what this version writes
 #: a manifest is a few hundred bytes per checkpoint; anything far larger is not one of ours
 _MAX_MANIFEST_BYTES = 1 << 20
 #: slack on top of the previous checkpoint's size when judging whether the next one fits

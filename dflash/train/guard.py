@@ -13,7 +13,9 @@ reading a tensor is not a device synchronisation, and then every bad step is rep
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -80,3 +82,35 @@ class NonFiniteGuard:
     def reads_free(self) -> bool:
         """Whether `read` costs nothing (host counters), so the trainer may read after every step."""
         return not self.on_device or self._skipped.device.type == "cpu"
+
+
+class NonFiniteWatch:
+    """The drafter thread's look at the guard after a step: skipped steps become events, and too many
+    in a row end the run. On CUDA the counters live on the device, so they are read once per `every`
+    seconds there (after every step on the CPU, where a read costs nothing)."""
+
+    def __init__(self, guard: NonFiniteGuard, stats: Any, event: Callable[..., None], every: Any):
+        """`every`: a control.Interval (the log interval)."""
+        self.guard, self.stats, self.event, self.every = guard, stats, event, every
+        self.stop_line: str | None = None  # what the run ends with, once the limit is reached
+
+    def too_many(self) -> bool:
+        """Report what is new; True when the limit of bad steps in a row is reached."""
+        g = self.guard
+        if not (g.reads_free or self.every.due()):
+            return False
+        self.every.restart()
+        r = g.read()
+        if r.new:
+            self.stats.gauge("nonfinite_skipped", r.skipped)
+            more = f" ({r.new} since the last report)" if r.new > 1 else ""
+            self.event("nonfinite", f"non-finite loss or gradient norm at step {r.last_step} (batch "
+                       f"{r.last_batch}): optimizer step skipped{more}, {r.skipped} skipped in all",
+                       step=r.last_step, batch=r.last_batch, skipped=r.skipped, in_a_row=r.in_a_row)
+        if r.in_a_row < g.limit or self.stop_line is not None:
+            return False
+        first = r.last_batch - r.in_a_row + 1
+        self.stop_line = (f"{r.in_a_row} non-finite steps in a row (steps {first + 1}-{r.last_step}, "
+                          f"batches {first}-{r.last_batch}), limit {g.limit}: stopping; the checkpoint "
+                          f"holds the last good state (step {first})")
+        return True

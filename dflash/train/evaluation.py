@@ -1,0 +1,62 @@
+"""Evaluating a run: real speculative decoding on a few held prompts, the tau that matters (the
+simulated tau of the training loss is optimistic).
+
+The evaluation after training is a phase of its own (minutes on a CPU): announced, and its progress
+logged and published per prompt, so neither the log nor dflash-top goes quiet. Each result is appended
+to `<run_dir>/evals.jsonl` (tau over training), published as the `eval_tau` metric and sent to the
+trackers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash.train.build import Components
+from dflash.train.config import TrainConfig
+from dflash.train.progress import EvalProgress
+from dflash.train.reporting import Reporter
+from dflash.train.trackers import eval_scalars
+from dflash.words import plural
+
+
+class Evaluations:
+    def __init__(self, cfg: TrainConfig, parts: Components, report: Reporter):
+        self.cfg, self.parts, self.report = cfg, parts, report
+        self.log_path = Path(cfg.run_dir) / "evals.jsonl"
+
+    def run(self, step: int, in_training: bool = False) -> dict[str, Any]:
+        """Evaluate the drafter as it is after `step`; returns the result's summary."""
+        from dflash.data import load_prompts
+        from dflash.eval.speculative import evaluate
+
+        cfg, parts, stats = self.cfg, self.parts, self.parts.stats
+        prompts = load_prompts(cfg.data, parts.target.tokenizer, limit=cfg.eval_prompts)
+        what = "evaluation" if in_training else "final evaluation"
+        self.report.event("phase", f"{what}: {plural(len(prompts), 'prompt')} x {cfg.eval_max_new_tokens} "
+                          "new tokens, speculative decoding against the target's own greedy output")
+        t0 = time.monotonic()
+
+        def on_prompt(done: int, total: int) -> None:
+            p = EvalProgress(done, total, time.monotonic() - t0)
+            for name, value in p.gauges().items():
+                stats.gauge(name, value)
+            self.report.log(f"[{what}] {p.text()}")
+
+        on_prompt(0, len(prompts))
+        with parts.drafter.tel.span("eval"):  # evaluate() restores the drafter's train/eval mode itself
+            result = evaluate(parts.drafter.drafter, parts.target, prompts,
+                              max_new_tokens=cfg.eval_max_new_tokens, on_prompt=on_prompt)
+        summary = {**result.to_dict(), "step": step}
+        with self.log_path.open("a") as f:
+            f.write(json.dumps(summary) + "\n")
+        stats.metric("eval_tau", summary["tau"])
+        if self.report.trackers is not None:
+            self.report.trackers.log(step, eval_scalars(summary))
+        lossless = summary.get("lossless", True)
+        self.report.event("eval", f"step {step}: tau {summary['tau']:.2f} over {summary['rounds']} rounds"
+                          f"{'' if lossless else ' (NOT LOSSLESS)'}",
+                          step=step, tau=summary["tau"], lossless=summary.get("lossless"))
+        return summary

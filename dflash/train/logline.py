@@ -1,0 +1,106 @@
+"""The main thread's regular work while the workers train: once per telemetry interval, read the
+drafter's device-side metric sums (the one wait on the GPU the training loop allows) and publish them
+with the progress; once per log interval, write the log line, the category table and the bottleneck
+verdict, and feed the trackers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dflash.train.config import TrainConfig
+from dflash.train.control import Interval
+from dflash.train.metrics import StepMetrics, Totals
+from dflash.train.pipeline import Pipeline, TrainCounters
+from dflash.train.progress import Progress
+from dflash.train.reporting import Reporter
+from dflash.train.trackers import interval_scalars
+
+
+class LogLines:
+    def __init__(self, cfg: TrainConfig, state: TrainCounters, stats: Any, metrics: StepMetrics, pipeline: Pipeline,
+                 latest: Callable[[], Any], verdict: Callable[[], Any], report: Reporter,
+                 devices: list, clock: Callable[[], float] = time.monotonic):
+        """`latest`: the newest telemetry snapshot (or None); `verdict`: the verdict dflash-top shows
+        (per window, with hysteresis) or None; `devices`: the run's devices, for allocator gauges."""
+        self.cfg, self.state, self.stats, self.metrics, self.pipeline = cfg, state, stats, metrics, pipeline
+        self.latest, self.verdict, self.report = latest, verdict, report
+        self.cuda = list(dict.fromkeys(d for d in devices if d.type == "cuda"))
+        self.clock = clock
+        self.logs = Interval(cfg.log_every, clock)
+        self.harvests = Interval(cfg.telemetry_interval, clock)
+        self._totals = Totals()  # harvested since the last log line
+        self._tokens_at_log = state.tokens
+        self._logged_step = -1
+        self._start = (state.step, pipeline.clock())  # where this process began, for the rate and ETA
+
+    def tick(self) -> None:
+        """Whatever is due now."""
+        for name, value in self.progress().gauges().items():
+            self.stats.gauge(name, value)
+        if self.cfg.telemetry and self.harvests.due():
+            self.harvest()
+            self.harvests.restart()
+        if self.logs.due():
+            self.write()
+
+    def progress(self) -> Progress:
+        elapsed = self.pipeline.clock()
+        ran = elapsed - self._start[1]
+        rate = (self.state.step - self._start[0]) / ran if ran > 0 else None
+        return Progress(self.state.step, elapsed, self.cfg.max_steps, self.cfg.max_time, rate)
+
+    def harvest(self) -> None:
+        """Read the device-side metric sums, publish them as gauges and metrics, and keep them for the
+        next log line; and the caching allocator's counters (read here, not per step by a worker)."""
+        totals = self.metrics.collect()
+        if totals is not None:
+            self._totals = self._totals + totals
+            t, s = totals.summary(), self.stats
+            s.gauge("loss", t["loss"])
+            s.gauge("grad_norm", t["grad_norm"])
+            for name in ("accuracy", "sim_tau", "block_tau", "per_position_acc"):
+                s.metric(name, t[name])
+        if self.cuda:
+            import torch
+
+            for d in self.cuda:
+                m = torch.cuda.memory_stats(d)
+                i = d.index if d.index is not None else torch.cuda.current_device()
+                self.stats.gauge(f"cuda{i}_allocated_bytes", m.get("allocated_bytes.all.current", 0))
+                self.stats.gauge(f"cuda{i}_reserved_bytes", m.get("reserved_bytes.all.current", 0))
+                self.stats.gauge(f"cuda{i}_alloc_retries", m.get("num_alloc_retries", 0))
+
+    def write(self) -> None:
+        """The log line for the steps since the last one (nothing when no step was made: a line per
+        interval without progress would only be noise), the table and the verdict."""
+        st, r = self.state, self.state.last
+        dt = max(1e-9, self.clock() - self.logs.last)
+        tps = (st.tokens - self._tokens_at_log) / dt
+        self.logs.restart()
+        self._tokens_at_log = st.tokens
+        if r is None or st.step == self._logged_step:
+            return
+        self._logged_step = st.step
+        self.harvest()
+        m, self._totals = self._totals.summary(), Totals()  # means over the steps since the last line
+        batch_q, hs_q = self.pipeline.depths()
+        q = f"q batch {batch_q}/{self.cfg.batch_queue_size} hs {hs_q}/{self.cfg.hs_queue_size}"
+        self.report.log(f"{self.progress().text()} | loss {m['loss']:.3f} | acc {m['accuracy']:.3f} "
+                        f"| sim_tau {m['sim_tau']:.2f} | {tps:,.0f} tok/s | lr {r.lr:.2e} "
+                        f"| gnorm {m['grad_norm']:.2f} | {q}")
+        summary, b = self.latest(), None
+        if summary is not None:
+            from dflash.telemetry import format_profile_stats
+            from dflash.telemetry.analysis import analyze
+
+            # Cumulative: a 1 s window is too noisy for a line printed every few seconds.
+            self.report.log(format_profile_stats(summary, limit=12, cumulative=True))
+            b = self.verdict() or analyze(summary.cumulative)
+            self.report.log(f"bottleneck: {b.verdict}" + (f" - {b.reason}" if b.reason else ""))
+        if self.report.trackers is not None:
+            self.report.trackers.log(st.step, interval_scalars(
+                loss=m["loss"], accuracy=m["accuracy"], sim_tau=m["sim_tau"], per_position=m["per_position_acc"],
+                tokens_per_s=tps, lr=r.lr, grad_norm=m["grad_norm"], verdict=b.verdict if b else None,
+                workers=summary.cumulative if summary is not None else None))

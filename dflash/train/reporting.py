@@ -1,0 +1,40 @@
+"""How a run speaks: log lines, events and the experiment trackers.
+
+Rank 0 speaks for the job (`log`); what belongs to one rank (its socket, its port) is said by every
+rank, marked with its rank (`say`). An event is a log line and a frame on the telemetry stream, so
+dflash-top and telemetry.jsonl hold what the log says. Problems go to stderr (`problem`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from dflash.train.distributed import Dist
+
+
+class Reporter:
+    def __init__(self, out: Callable[[str], None] | None = None):
+        self._out = out or (lambda s: print(s, flush=True))
+        self.dist = Dist()  # replaced once the ranks have joined
+        self.server: Any = None  # the telemetry publisher, once started: events go on its stream too
+        self.trackers: Any = None  # the experiment trackers (rank 0, --report-to)
+
+    def log(self, line: str) -> None:
+        """Rank 0 only: the other ranks would repeat it (their telemetry is their own)."""
+        if self.dist.is_main:
+            self._out(line)
+
+    def say(self, line: str) -> None:
+        """Every rank, marked with its rank in multi-rank runs."""
+        self._out(f"[rank {self.dist.rank}] {line}" if self.dist.enabled else line)
+
+    def event(self, kind: str, message: str, **data: Any) -> None:
+        self.log(f"[{kind}] {message}")
+        if self.server is not None:
+            self.server.publish_event(kind, message, **data)
+
+    @staticmethod
+    def problem(line: str) -> None:
+        print(f"dflash train: {line}", file=sys.stderr, flush=True)
