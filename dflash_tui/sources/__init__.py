@@ -1,0 +1,28 @@
+"""Where frames come from: a live trainer's Unix socket, a recorded telemetry.jsonl, or frames in memory.
+
+`base` is the interface (what a source can do, the batches it hands over), `live`, `replay` and
+`memory` the three sources, `resolve` finds the socket or recording a user named. Every source turns
+bytes into frames with the one telemetry reader (``dflash.telemetry.reader``). Nothing here imports
+Textual.
+"""
+
+from dflash_tui.sources.base import (
+    Connection,
+    FrameSource,
+    LiveLink,
+    Playback,
+    RequestFailed,
+    Sink,
+    SourceUpdate,
+    mismatch_message,
+)
+from dflash_tui.sources.live import REFUSED_RETRY_S, LiveSource
+from dflash_tui.sources.memory import MemorySource
+from dflash_tui.sources.replay import ReplaySource, recording_span
+from dflash_tui.sources.resolve import AttachError, open_source, resolve, serves
+
+__all__ = [
+    "REFUSED_RETRY_S", "AttachError", "Connection", "FrameSource", "LiveLink", "LiveSource", "MemorySource",
+    "Playback", "ReplaySource", "RequestFailed", "Sink", "SourceUpdate", "mismatch_message", "open_source",
+    "recording_span", "resolve", "serves",
+]
