@@ -7,20 +7,15 @@ import itertools
 import socket
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash.telemetry.protocol import Bye, Hello, Reply, Request, encode
 from dflash.telemetry.reader import FrameReader
 from dflash.telemetry.sockets import SocketInfo, discover, untrusted_server
-from dflash_tui.sources.base import (
-    Connection,
-    LiveLink,
-    Playback,
-    RequestFailed,
-    Sink,
-    SourceUpdate,
-    mismatch_message,
-)
+from dflash_tui.sources.base import Connection, RequestFailed, SourceUpdate, mismatch_message
+
+if TYPE_CHECKING:  # the interface's types, named in annotations only
+    from dflash_tui.sources.base import LiveLink, Playback, Sink
 
 #: how long to wait before reconnecting to a trainer that refused us (wrong uid, too many clients)
 REFUSED_RETRY_S = 5.0

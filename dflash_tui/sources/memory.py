@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash.telemetry.protocol import Frame, Reply
-from dflash_tui.sources.base import Connection, LiveLink, Playback, RequestFailed, Sink, SourceUpdate
+from dflash_tui.sources.base import Connection, RequestFailed, SourceUpdate
+
+if TYPE_CHECKING:  # the interface's types, named in annotations only
+    from dflash_tui.sources.base import LiveLink, Playback, Sink
 
 
 class MemorySource:

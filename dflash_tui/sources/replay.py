@@ -8,19 +8,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from dflash.telemetry.protocol import Reply, Snapshot
 from dflash.telemetry.reader import FrameReader, Read, read_file
-from dflash_tui.sources.base import (
-    Connection,
-    LiveLink,
-    Playback,
-    RequestFailed,
-    Sink,
-    SourceUpdate,
-    mismatch_message,
-)
+from dflash_tui.sources.base import Connection, RequestFailed, SourceUpdate, mismatch_message
+
+if TYPE_CHECKING:  # the interface's types, named in annotations only
+    from dflash_tui.sources.base import LiveLink, Playback, Sink
 
 
 def recording_span(f: BinaryIO) -> tuple[float | None, float | None]:

@@ -15,7 +15,7 @@ from rich.text import Text
 from dflash.telemetry.protocol import Anomaly
 from dflash_tui import fmt
 from dflash_tui.state import RunState
-from dflash_tui.widgets.base import TextPanel
+from dflash_tui.widgets.base import TextPanel, cropped
 
 STALL_STYLE = "bold white on red"
 ANOMALY_STYLE = "bold black on yellow"
@@ -45,7 +45,7 @@ def anomaly_line(a: Anomaly, compact: bool = False) -> str:
 
 
 def alerts_text(state: RunState, width: int = 200) -> Text:
-    t = Text(no_wrap=True, overflow="ellipsis")
+    t = cropped()
     rows: list[tuple[str, str, str]] = []
     stalls, anomalies = state.stalls, state.anomalies
     compact = width < 120

@@ -19,6 +19,17 @@ from dflash_tui.state import RunState
 PLAIN = Style()  # never None: filters such as opacity read every segment's style
 
 
+def cropped() -> Text:
+    """An empty Text whose lines are cut at the panel's width with an ellipsis rather than wrapped: a
+    dense panel keeps one row per item however narrow the terminal."""
+    return Text(no_wrap=True, overflow="ellipsis")
+
+
+def waiting_for_system() -> Text:
+    """What the panels drawn from the trainer's system sample (GPUs, threads) say before the first one."""
+    return cropped().append("waiting for a system sample", style="dim")
+
+
 class TextPanel(Widget):
     DEFAULT_CSS = """
     TextPanel { height: auto; }

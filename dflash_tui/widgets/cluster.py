@@ -19,7 +19,7 @@ from rich.text import Text
 from dflash.telemetry.protocol import Cluster, ClusterCategory, ClusterRank
 from dflash_tui import fmt
 from dflash_tui.state import RunState
-from dflash_tui.widgets.base import TextPanel
+from dflash_tui.widgets.base import TextPanel, cropped
 
 STRAGGLER = "bold black on yellow"
 STALE = "bold white on red"
@@ -142,19 +142,19 @@ def cluster_text(cluster: Cluster, width: int, *, selected: int | None = None, s
     else:
         lines += left + right
     if straggler is not None:
-        line = Text(no_wrap=True, overflow="ellipsis")
+        line = cropped()
         line.append(f" straggler r{straggler} ", style=STRAGGLER)
         line.append(" " + (cluster.straggler_reason or "the other ranks wait for it in the all-reduce"))
         lines.append(line)
     stale = sorted(set(cluster.stale) | {r.rank for r in cluster.ranks if r.stale})
     if stale:
-        line = Text(no_wrap=True, overflow="ellipsis")
+        line = cropped()
         line.append(f" stale {', '.join(f'r{r}' for r in stale)} ", style=STALE)
         line.append(" stopped reporting to rank 0")
         lines.append(line)
     for r in cluster.ranks:
         if r.stalled and not r.stale:
-            line = Text(no_wrap=True, overflow="ellipsis")
+            line = cropped()
             line.append(f" stalled r{r.rank} ", style=STALE)
             line.append(" " + "; ".join(r.stalled))
             lines.append(line)

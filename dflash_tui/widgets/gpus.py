@@ -11,7 +11,7 @@ from rich.text import Text
 
 from dflash_tui import fmt
 from dflash_tui.state import RunState
-from dflash_tui.widgets.base import TextPanel
+from dflash_tui.widgets.base import TextPanel, cropped, waiting_for_system
 
 SPARK_W = 16
 
@@ -24,10 +24,9 @@ class GpuPanel(TextPanel):
 
 
 def gpu_text(state: RunState, width: int) -> Text:
-    t = Text(no_wrap=True, overflow="ellipsis")
     sys_ = state.system
     if sys_ is None:
-        return t.append("waiting for a system sample", style="dim")
+        return waiting_for_system()
     if not sys_.gpus:
         t = Text()  # wraps (see WRAP)
         reason = sys_.gpu_error or "the trainer reported no GPUs"
@@ -38,6 +37,7 @@ def gpu_text(state: RunState, width: int) -> Text:
         t.append(f": {reason}\n" if reason else "\n", style="yellow")
         t.append("timings, threads and py-spy still work; this panel fills in on a CUDA machine", style="dim")
         return t
+    t = cropped()
     spark_w = SPARK_W if width >= 70 else 8
     for i, g in enumerate(sys_.gpus):
         if i:

@@ -8,7 +8,7 @@ from rich.text import Text
 
 from dflash_tui import fmt
 from dflash_tui.state import RunState
-from dflash_tui.widgets.base import TextPanel
+from dflash_tui.widgets.base import TextPanel, cropped
 from dflash_tui.widgets.palette import STATE_STYLE
 
 
@@ -23,7 +23,7 @@ class RunHeader(TextPanel):
 
 def header_text(state: RunState, width: int = 200) -> Text:
     h = state.hello
-    t = Text(no_wrap=True, overflow="ellipsis")
+    t = cropped()
     t.append(f"● {state.connection.upper()}", style=STATE_STYLE.get(state.connection, "bold"))
     if h is not None:
         t.append("  run ", style="dim").append(h.run, style="bold")

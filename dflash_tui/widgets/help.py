@@ -10,11 +10,9 @@ from __future__ import annotations
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
-from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical, VerticalScroll
-from textual.screen import ModalScreen
-from textual.widgets import Footer, Static
+
+from dflash_tui.widgets.modal import ReportScreen
 
 #: the analysis' figures, as docs/telemetry.md states them (tests/test_tui_help.py checks them)
 THRESHOLD = 0.20
@@ -87,21 +85,14 @@ def help_renderable(bindings: list[Binding]) -> Group:
     return Group(*parts)
 
 
-class HelpScreen(ModalScreen[None]):
+class HelpScreen(ReportScreen):
     BINDINGS = [Binding("escape,q,question_mark,f1", "dismiss", "close")]
-    DEFAULT_CSS = """
-    HelpScreen { align: center middle; }
-    HelpScreen > Vertical { width: 96%; height: 92%; border: round $accent; background: $surface; }
-    HelpScreen VerticalScroll { height: 1fr; padding: 0 1; }
-    """
+    BOX_TITLE = "dflash-top help"
+    BODY_ID = "help-body"
 
     def __init__(self, bindings: list[Binding]) -> None:
         super().__init__()
-        self.body = help_renderable(bindings)
+        self.help = help_renderable(bindings)
 
-    def compose(self) -> ComposeResult:
-        with Vertical() as v:
-            v.border_title = "dflash-top help"
-            with VerticalScroll():
-                yield Static(self.body, id="help-body")
-        yield Footer()
+    def body(self) -> Group:
+        return self.help

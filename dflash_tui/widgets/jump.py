@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
-from textual.screen import ModalScreen
 from textual.widgets import Input, Static
+
+from dflash_tui.widgets.modal import Dialog
 
 
 def parse_time(text: str, length: float | None = None) -> float | None:
@@ -23,22 +23,19 @@ def parse_time(text: str, length: float | None = None) -> float | None:
         return None
 
 
-class JumpDialog(ModalScreen[str | None]):
+class JumpDialog(Dialog[str | None]):
+    """Asks for a time; dismissed with what was typed (the app parses it: a bad one is said, not lost)."""
+
     BINDINGS = [Binding("escape", "dismiss(None)", "cancel")]
-    DEFAULT_CSS = """
-    JumpDialog { align: center middle; }
-    JumpDialog > Vertical { width: 60; height: auto; border: round $accent; background: $surface; padding: 0 1; }
-    """
+    BOX_TITLE = "jump to"
 
     def __init__(self, where: str) -> None:
         super().__init__()
         self.where = where
 
-    def compose(self) -> ComposeResult:
-        with Vertical() as v:
-            v.border_title = "jump to"
-            yield Static(f"now {self.where}\nm:ss, h:mm:ss, seconds, or a percentage; enter jumps, escape cancels")
-            yield Input(placeholder="e.g. 2:30 or 50%", id="jump-to")
+    def body(self) -> ComposeResult:
+        yield Static(f"now {self.where}\nm:ss, h:mm:ss, seconds, or a percentage; enter jumps, escape cancels")
+        yield Input(placeholder="e.g. 2:30 or 50%", id="jump-to")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         self.dismiss(event.value)

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.screen import ModalScreen
-from textual.widgets import Button, Checkbox, Footer, Input, Label, Static
+from textual.containers import Horizontal
+from textual.widgets import Button, Checkbox, Input, Label, Static
 
 from dflash_tui.pyspy import RecordReport
+from dflash_tui.widgets.modal import Dialog, ReportScreen
 
 
 @dataclass
@@ -23,12 +23,11 @@ class RecordSettings:
     native: bool
 
 
-class RecordDialog(ModalScreen[RecordSettings | None]):
+class RecordDialog(Dialog[RecordSettings | None]):
     BINDINGS = [Binding("escape", "dismiss(None)", "cancel"), Binding("g", "toggle_gil", "toggle --gil")]
+    BOX_TITLE = "py-spy record"
     DEFAULT_CSS = """
-    RecordDialog { align: center middle; }
-    RecordDialog > Vertical { width: 76; max-width: 100%; height: auto; border: round $accent;
-                              background: $surface; padding: 0 1; }
+    RecordDialog > Vertical { width: 76; }
     RecordDialog Horizontal { height: auto; }
     RecordDialog Input { width: 12; }
     RecordDialog Label { padding: 1 1 0 0; }
@@ -40,19 +39,15 @@ class RecordDialog(ModalScreen[RecordSettings | None]):
         super().__init__()
         self.defaults = defaults
 
-    def compose(self) -> ComposeResult:
-        with Vertical() as v:
-            v.border_title = "py-spy record"
-            with Horizontal():
-                yield Label("seconds")
-                yield Input(f"{self.defaults.seconds:g}", id="seconds", type="number")
-            yield Checkbox("--gil (only threads holding the GIL)", self.defaults.gil, id="gil")
-            yield Checkbox("--native: C/CUDA frames too, but py-spy then pauses every trainer thread at each "
-                           "sample (100 a second): training slows while it records", self.defaults.native,
-                           id="native")
-            yield Static("default: Python frames only, sampled without pausing the trainer", classes="dim")
-            yield Button("record (enter)", variant="primary", id="start")
-        yield Footer()
+    def body(self) -> ComposeResult:
+        with Horizontal():
+            yield Label("seconds")
+            yield Input(f"{self.defaults.seconds:g}", id="seconds", type="number")
+        yield Checkbox("--gil (only threads holding the GIL)", self.defaults.gil, id="gil")
+        yield Checkbox("--native: C/CUDA frames too, but py-spy then pauses every trainer thread at each "
+                       "sample (100 a second): training slows while it records", self.defaults.native, id="native")
+        yield Static("default: Python frames only, sampled without pausing the trainer", classes="dim")
+        yield Button("record (enter)", variant="primary", id="start")
 
     def action_toggle_gil(self) -> None:
         box = self.query_one("#gil", Checkbox)
@@ -97,21 +92,14 @@ def record_text(r: RecordReport, limit: int = 25) -> Text:
     return t
 
 
-class ProfileScreen(ModalScreen[None]):
+class ProfileScreen(ReportScreen):
     BINDINGS = [Binding("escape,q", "dismiss", "close"), Binding("r", "app.record", "record again")]
-    DEFAULT_CSS = """
-    ProfileScreen { align: center middle; }
-    ProfileScreen > Vertical { width: 96%; height: 92%; border: round $accent; background: $surface; }
-    ProfileScreen VerticalScroll { height: 1fr; padding: 0 1; }
-    """
+    BOX_TITLE = "top functions"
+    BODY_ID = "profile-body"
 
     def __init__(self, report: RecordReport) -> None:
         super().__init__()
         self.report = report
 
-    def compose(self) -> ComposeResult:
-        with Vertical() as v:
-            v.border_title = "top functions"
-            with VerticalScroll():
-                yield Static(record_text(self.report), id="profile-body")
-        yield Footer()
+    def body(self) -> Text:
+        return record_text(self.report)

@@ -5,14 +5,10 @@ reason py-spy could not attach with the fix and an offer of the trainer's own st
 from __future__ import annotations
 
 from rich.text import Text
-from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical, VerticalScroll
-from textual.css.query import NoMatches
-from textual.screen import ModalScreen
-from textual.widgets import Footer, Static
 
 from dflash_tui.pyspy import ProfileFailure, StackReport, thread_title
+from dflash_tui.widgets.modal import ReportScreen
 
 
 def report_text(report: StackReport, max_frames: int = 40) -> Text:
@@ -51,7 +47,7 @@ def failure_text(failure: ProfileFailure) -> Text:
     return t
 
 
-class StacksScreen(ModalScreen[None]):
+class StacksScreen(ReportScreen):
     """Shows one StackReport or ProfileFailure; the app swaps in a new result when `t`/`s` finish."""
 
     BINDINGS = [
@@ -59,31 +55,17 @@ class StacksScreen(ModalScreen[None]):
         Binding("t", "app.trainer_stacks", "trainer's stacks"),
         Binding("s", "app.snapshot", "py-spy again"),
     ]
-    DEFAULT_CSS = """
-    StacksScreen { align: center middle; }
-    StacksScreen > Vertical { width: 96%; height: 92%; border: round $accent; background: $surface; }
-    StacksScreen VerticalScroll { height: 1fr; }
-    StacksScreen #stacks-body { padding: 0 1; }
-    """
+    BOX_TITLE = "hot-thread snapshot"
+    BODY_ID = "stacks-body"
 
     def __init__(self, result: StackReport | ProfileFailure) -> None:
         super().__init__()
         self.result = result
 
-    def compose(self) -> ComposeResult:
-        with Vertical() as v:
-            v.border_title = "hot-thread snapshot"
-            with VerticalScroll():
-                yield Static(self._text(), id="stacks-body")
-        yield Footer()
-
-    def _text(self) -> Text:
+    def body(self) -> Text:
         r = self.result
         return report_text(r) if isinstance(r, StackReport) else failure_text(r)
 
     def show(self, result: StackReport | ProfileFailure) -> None:
         self.result = result
-        try:
-            self.query_one("#stacks-body", Static).update(self._text())
-        except NoMatches:  # not composed yet: compose() will draw self.result
-            pass
+        self.redraw()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from dflash_tui.state import RunState
-from dflash_tui.widgets.base import TextPanel
+from dflash_tui.widgets.base import TextPanel, cropped
 
 
 class StatusLine(TextPanel):
@@ -22,7 +22,7 @@ class StatusLine(TextPanel):
         self.replay_text: str | None = None
 
     def build(self, state: RunState, width: int) -> Text:
-        t = Text(no_wrap=True, overflow="ellipsis")
+        t = cropped()
         if self.job_text:
             t.append(self.job_text + "  ", style="bold cyan")
         if state.rank_note:

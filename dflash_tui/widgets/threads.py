@@ -9,7 +9,7 @@ from rich.text import Text
 
 from dflash_tui import fmt
 from dflash_tui.state import RunState
-from dflash_tui.widgets.base import TextPanel
+from dflash_tui.widgets.base import TextPanel, cropped, waiting_for_system
 
 BAR_W = 10
 
@@ -26,10 +26,10 @@ class ThreadsPanel(TextPanel):
 
 
 def threads_text(state: RunState, max_rows: int) -> Text:
-    t = Text(no_wrap=True, overflow="ellipsis")
     sys_ = state.system
     if sys_ is None:
-        return t.append("waiting for a system sample", style="dim")
+        return waiting_for_system()
+    t = cropped()
     names = state.thread_names()
     t.append("process ", style="dim").append(fmt.percent(sys_.cpu_percent, scale=1), style="bold")
     spark = fmt.sparkline(state.process_cpu.values, 12, lo=0)
