@@ -84,8 +84,9 @@ class RunState:
         self.last_error: str | None = None
         self.errors: deque[str] = deque(maxlen=MAX_ERRORS)
         self.events: deque[LoggedEvent] = deque(maxlen=MAX_EVENTS)
-        #: events appended since the log widget last drained them
-        self.new_events: deque[LoggedEvent] = deque(maxlen=MAX_EVENTS)
+        #: how many events were ever logged: the log widget writes the ones past the count it has shown
+        #: (it reads the state; it does not drain it)
+        self.events_logged = 0
         self.category_mean: dict[Key, Ring] = {}
         self.category_share: dict[Key, Ring] = {}
         self.untracked: dict[str, Ring] = {}
@@ -183,7 +184,7 @@ class RunState:
 
     def _log(self, ev: LoggedEvent) -> None:
         self.events.append(ev)
-        self.new_events.append(ev)
+        self.events_logged += 1
 
     def _ring(self, table: dict, key: object) -> Ring | None:
         ring = table.get(key)

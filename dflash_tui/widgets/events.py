@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import time
+from itertools import islice
 
 from rich.text import Text
 from textual.widgets import RichLog
@@ -21,10 +22,13 @@ class EventsLog(RichLog):
 
     def __init__(self, **kw) -> None:
         super().__init__(max_lines=MAX_EVENTS, wrap=False, markup=False, highlight=False, **kw)
+        #: the state's `events_logged` when this log last caught up
+        self._shown = 0
 
     def refresh_from(self, state: RunState) -> None:
-        while state.new_events:
-            ev = state.new_events.popleft()
+        fresh = min(state.events_logged - self._shown, len(state.events))  # more than the deque holds: lost
+        self._shown = state.events_logged
+        for ev in islice(state.events, len(state.events) - max(0, fresh), None):
             clock = time.strftime("%H:%M:%S", time.localtime(ev.t))
             self.write(Text.assemble((clock + " ", "dim"), (f"{ev.kind:<10} ", KIND_STYLE.get(ev.kind, "")),
                                      ev.message))
