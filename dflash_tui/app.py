@@ -13,14 +13,12 @@ another rank is shown a second, view-only connection to rank 0 keeps that panel 
 
 from __future__ import annotations
 
-import math
-import os
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -32,22 +30,14 @@ from textual.widgets import Footer
 from dflash.telemetry.protocol import Hello
 from dflash.telemetry.sockets import SocketInfo, default_socket_dir, discover, group_jobs
 from dflash_tui import sources
+from dflash_tui.jobs import RecordSettings, take_record, take_snapshot
 from dflash_tui.messages import ProfileDone, SourceUpdated, TrainersFound
-from dflash_tui.pyspy import (
-    ProfileFailure,
-    PySpyError,
-    RecordReport,
-    StackReport,
-    find_pyspy,
-    hot_thread_snapshot,
-    pid_is_local,
-    record,
-    save_report,
-)
+from dflash_tui.pyspy import RecordReport, StackReport, find_pyspy, pid_is_local
 from dflash_tui.ranks import RankFollower
 from dflash_tui.sources import Connection, FrameSource, LiveLink, Playback, SourceUpdate
 from dflash_tui.state import RunState
 from dflash_tui.widgets.alerts import AlertBanner
+from dflash_tui.widgets.base import Panel
 from dflash_tui.widgets.bottleneck import BottleneckPanel
 from dflash_tui.widgets.categories import CategoryTable
 from dflash_tui.widgets.cluster import ClusterPanel
@@ -57,25 +47,15 @@ from dflash_tui.widgets.gpus import GpuPanel
 from dflash_tui.widgets.header import RunHeader
 from dflash_tui.widgets.help import HelpScreen
 from dflash_tui.widgets.jump import JumpDialog, parse_time
-from dflash_tui.widgets.picker import ChoiceScreen, PickerScreen, WaitingScreen
-from dflash_tui.widgets.record import ProfileScreen, RecordDialog, RecordSettings
+from dflash_tui.widgets.picker import ChoiceScreen, PickerScreen, WaitingScreen, rank_label
+from dflash_tui.widgets.record import ProfileScreen, RecordDialog
 from dflash_tui.widgets.stacks import StacksScreen
 from dflash_tui.widgets.statusline import StatusLine
 from dflash_tui.widgets.threads import ThreadsPanel
 from dflash_tui.widgets.timebars import TimeBars
 
-SPEEDS = [0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0, math.inf]
+#: the panels the number keys 1-6 zoom
 PANELS = ["p-time", "p-cats", "p-gpu", "p-threads", "p-curves", "p-events"]
-
-
-class Panel(Vertical):
-    """A bordered, titled box that the number keys can maximize."""
-
-    ALLOW_MAXIMIZE = True
-
-    def __init__(self, title: str, *children, **kw) -> None:
-        super().__init__(*children, classes="panel", **kw)
-        self.border_title = title
 
 
 class DFlashTop(App[None]):
@@ -355,14 +335,9 @@ class DFlashTop(App[None]):
             self.playback.step()
 
     def _change_speed(self, direction: int) -> None:
-        playback = self.playback
-        if playback is None:
-            return
-        cur = playback.speed
-        idx = min(range(len(SPEEDS)), key=lambda i: abs(math.log(SPEEDS[i]) - math.log(cur))
-                  if math.isfinite(SPEEDS[i]) and math.isfinite(cur) else (0 if SPEEDS[i] == cur else 99))
-        self.speed = SPEEDS[max(0, min(len(SPEEDS) - 1, idx + direction))]
-        playback.set_speed(self.speed)
+        if self.playback is not None:
+            self.speed = sources.next_speed(self.playback.speed, direction)
+            self.playback.set_speed(self.speed)
 
     def action_seek(self, seconds: float) -> None:
         if self.playback is not None:
@@ -406,6 +381,14 @@ class DFlashTop(App[None]):
         chosen = table.cycle_worker(self.state)
         self.notify(f"table shows {chosen or 'all workers'}", timeout=2)
 
+    def action_panel(self, index: int) -> None:
+        panel = self.query_one(f"#{PANELS[index]}")
+        if self._main.maximized is panel:
+            self._main.minimize()
+        else:
+            self._main.maximize(panel, container=False)
+        self.refresh_panels(slow=True)
+
     # ------------------------------------------------------------------ ranks
 
     def _bindings_follow_ranks(self) -> None:
@@ -420,13 +403,7 @@ class DFlashTop(App[None]):
             self.select_rank(rank)
 
     def action_pick_rank(self) -> None:
-        choices = []
-        for c in self.ranks.choices(self.live):
-            label = Text(f"r{c.rank:<4} {(c.info.host if c.info else '') or '-':<16.16} ")
-            label.append(f"{('STALE' if c.info.stale else c.info.state) if c.info else '?':<9}",
-                         style="bold red" if c.info and c.info.stale else "")
-            label.append(f" {c.path}" if c.path is not None else f" {c.why}", style="" if c.path is not None else "dim")
-            choices.append((label, c.rank))
+        choices = [(rank_label(c), c.rank) for c in self.ranks.choices(self.live)]
         ranks = [r for _, r in choices]
         current = self.ranks.current
         highlighted = ranks.index(current) if current in ranks else None
@@ -462,14 +439,6 @@ class DFlashTop(App[None]):
             feed.stop()
             self.state.cluster_connection = None
 
-    def action_panel(self, index: int) -> None:
-        panel = self.query_one(f"#{PANELS[index]}")
-        if self._main.maximized is panel:
-            self._main.minimize()
-        else:
-            self._main.maximize(panel, container=False)
-        self.refresh_panels(slow=True)
-
     # ------------------------------------------------------------------ py-spy
 
     def _live_trainer(self, what: str) -> tuple[LiveLink, int, str, str | None] | None:
@@ -491,11 +460,10 @@ class DFlashTop(App[None]):
         local = pid_is_local(pid, host)
         what = "trainer stacks" if force_trainer or not local else "py-spy dump"
         self._start_job(f"{what} of pid {pid}", self.pyspy_timeout * 2 + self.request_timeout)
-        kwargs = dict(pid=pid, local=local, ask=partial(self._ask, src), cpu=self.state.thread_cpu(),
+        job = partial(take_snapshot, pid, local=local, ask=partial(self._ask, src), cpu=self.state.thread_cpu(),
                       names=self.state.thread_names(), exe=self.pyspy_exe, timeout=self.pyspy_timeout,
-                      force_trainer=force_trainer)
-        self.run_worker(partial(self._snapshot_job, kwargs, run_dir), thread=True, group="profile",
-                        name="snapshot")
+                      force_trainer=force_trainer, run_dir=run_dir)
+        self.run_worker(partial(self._post_result, job), thread=True, group="profile", name="snapshot")
 
     def action_trainer_stacks(self) -> None:
         self.action_snapshot(force_trainer=True)
@@ -503,19 +471,9 @@ class DFlashTop(App[None]):
     def _ask(self, src: LiveLink, op: str, args: dict) -> object:
         return src.request(op, args, timeout=self.request_timeout)
 
-    def _snapshot_job(self, kwargs: dict, run_dir: str | None) -> None:
-        result: StackReport | ProfileFailure
-        try:
-            result = hot_thread_snapshot(**kwargs)
-            try:
-                save_report(result, run_dir)
-            except OSError as e:
-                result.notes.append(f"could not save the snapshot: {e}")
-        except PySpyError as e:
-            result = e.failure
-        except Exception as e:  # noqa: BLE001 - a bug here must show up as a message, not kill the app
-            result = ProfileFailure(what="snapshot", reason=f"unexpected error: {e!r}")
-        self.post_message(ProfileDone(result))
+    def _post_result(self, job: Callable[[], object]) -> None:
+        """Run a profiling job (on a worker thread) and hand its result, never an exception, to the UI."""
+        self.post_message(ProfileDone(job()))
 
     def action_record(self) -> None:
         live = self._live_trainer("py-spy record")
@@ -532,25 +490,11 @@ class DFlashTop(App[None]):
                 return
             self.record_defaults = settings
             self._start_job(f"py-spy record of pid {pid}", settings.seconds)
-            self.run_worker(partial(self._record_job, src, pid, settings, run_dir), thread=True,
-                            group="profile", name="record")
+            job = partial(take_record, src, pid, settings, exe=self.pyspy_exe, run_dir=run_dir,
+                          request_timeout=self.request_timeout)
+            self.run_worker(partial(self._post_result, job), thread=True, group="profile", name="record")
 
         self.push_screen(RecordDialog(self.record_defaults), start)
-
-    def _record_job(self, src: LiveLink, pid: int, settings: RecordSettings, run_dir: str | None) -> None:
-        result: RecordReport | ProfileFailure
-        try:
-            try:
-                src.request("ptrace_allow", {"pid": os.getpid()}, timeout=self.request_timeout)
-            except Exception:  # noqa: BLE001 - best effort, py-spy may be allowed anyway
-                pass
-            result = record(pid, settings.seconds, gil=settings.gil, native=settings.native, exe=self.pyspy_exe,
-                            run_dir=run_dir)
-        except PySpyError as e:
-            result = e.failure
-        except Exception as e:  # noqa: BLE001
-            result = ProfileFailure(what="py-spy record", reason=f"unexpected error: {e!r}")
-        self.post_message(ProfileDone(result))
 
     def _start_job(self, what: str, expected_s: float) -> None:
         self.job = what

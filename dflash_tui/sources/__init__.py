@@ -18,11 +18,11 @@ from dflash_tui.sources.base import (
 )
 from dflash_tui.sources.live import REFUSED_RETRY_S, LiveSource
 from dflash_tui.sources.memory import MemorySource
-from dflash_tui.sources.replay import ReplaySource, recording_span
+from dflash_tui.sources.replay import SPEEDS, ReplaySource, next_speed, recording_span
 from dflash_tui.sources.resolve import AttachError, open_source, resolve, serves
 
 __all__ = [
-    "REFUSED_RETRY_S", "AttachError", "Connection", "FrameSource", "LiveLink", "LiveSource", "MemorySource",
-    "Playback", "ReplaySource", "RequestFailed", "Sink", "SourceUpdate", "mismatch_message", "open_source",
+    "REFUSED_RETRY_S", "SPEEDS", "AttachError", "Connection", "FrameSource", "LiveLink", "LiveSource", "MemorySource",
+    "Playback", "ReplaySource", "RequestFailed", "Sink", "SourceUpdate", "mismatch_message", "next_speed", "open_source",
     "recording_span", "resolve", "serves",
 ]

@@ -17,6 +17,20 @@ from dflash_tui.sources.base import Connection, RequestFailed, SourceUpdate, mis
 if TYPE_CHECKING:  # the interface's types, named in annotations only
     from dflash_tui.sources.base import LiveLink, Playback, Sink
 
+#: the paces `+` and `-` step through (inf: as fast as the file reads)
+SPEEDS = [0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0, math.inf]
+
+
+def next_speed(current: float, direction: int) -> float:
+    """The pace `direction` steps (+1 faster, -1 slower) from the ladder's nearest to `current`."""
+    def distance(speed: float) -> float:
+        if math.isfinite(speed) and math.isfinite(current):
+            return abs(math.log(speed) - math.log(current))
+        return 0 if speed == current else 99
+
+    idx = min(range(len(SPEEDS)), key=lambda i: distance(SPEEDS[i]))
+    return SPEEDS[max(0, min(len(SPEEDS) - 1, idx + direction))]
+
 
 def recording_span(f: BinaryIO) -> tuple[float | None, float | None]:
     """The first and last snapshot times of an open recording: the first from its head, the last

@@ -11,12 +11,23 @@ from __future__ import annotations
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
+from textual.containers import Vertical
 from textual.strip import Strip
 from textual.widget import Widget
 
 from dflash_tui.state import RunState
 
 PLAIN = Style()  # never None: filters such as opacity read every segment's style
+
+
+class Panel(Vertical):
+    """A bordered, titled box around one panel of the dashboard, which the number keys can maximize."""
+
+    ALLOW_MAXIMIZE = True
+
+    def __init__(self, title: str, *children: Widget, **kw) -> None:
+        super().__init__(*children, classes="panel", **kw)
+        self.border_title = title
 
 
 def cropped() -> Text:

@@ -15,7 +15,7 @@ from textual.widgets import Footer, OptionList, Static
 from textual.widgets.option_list import Option
 
 from dflash.telemetry.sockets import SocketInfo
-from dflash_tui.ranks import job_label
+from dflash_tui.ranks import RankChoice, job_label
 
 T = TypeVar("T")
 
@@ -48,6 +48,15 @@ class ChoiceScreen(ModalScreen[T | None], Generic[T]):
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(self.choices[int(event.option.id)][1])
+
+
+def rank_label(c: RankChoice) -> Text:
+    """A rank picker line: rank, host, what rank 0 last said of it (STALE in red), its socket or why none."""
+    label = Text(f"r{c.rank:<4} {(c.info.host if c.info else '') or '-':<16.16} ")
+    label.append(f"{('STALE' if c.info.stale else c.info.state) if c.info else '?':<9}",
+                 style="bold red" if c.info and c.info.stale else "")
+    label.append(f" {c.path}" if c.path is not None else f" {c.why}", style="" if c.path is not None else "dim")
+    return label
 
 
 class PickerScreen(ChoiceScreen[Path]):

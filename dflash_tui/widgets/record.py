@@ -4,23 +4,15 @@ of the resulting speedscope profile.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Button, Checkbox, Input, Label, Static
 
+from dflash_tui.jobs import RecordSettings
 from dflash_tui.pyspy import RecordReport
 from dflash_tui.widgets.modal import Dialog, ReportScreen
-
-
-@dataclass
-class RecordSettings:
-    seconds: float
-    gil: bool
-    native: bool
 
 
 class RecordDialog(Dialog[RecordSettings | None]):
