@@ -214,7 +214,7 @@ def _straggler_views(run: Path, since: float) -> list:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to slow one rank down")
 def test_a_rank_slowed_by_a_cpu_hog_is_named_the_straggler(setup, tmp_path):
-    """A real straggler: each rank gets its own CPU, then a busy loop shares rank 1's. Rank 0 now waits
+    """A real straggler: each rank gets its own CPU, then busy loops share rank 1's. Rank 0 now waits
     for rank 1 in every all-reduce, and rank 0's cluster view must say so, steadily.
 
     The run is long and ends once the views show it (or a deadline passes): how soon a smoothing
@@ -228,9 +228,12 @@ def test_a_rank_slowed_by_a_cpu_hog_is_named_the_straggler(setup, tmp_path):
         pids = _wait_for_training(proc, socks)
         _pin(pids[0], cpus[0])
         _pin(pids[1], cpus[1])
-        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        # Two busy loops, so that rank 1 keeps a third of its CPU against rank 0's whole one even
+        # when other jobs on the machine float onto both CPUs (one hog lost to them under load).
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
         try:
-            os.sched_setaffinity(hog.pid, {cpus[1]})
+            for hog in hogs:
+                os.sched_setaffinity(hog.pid, {cpus[1]})
             since, deadline = time.time(), time.monotonic() + 180
             while time.monotonic() < deadline and proc.poll() is None:
                 views = _straggler_views(run, since)
@@ -238,8 +241,9 @@ def test_a_rank_slowed_by_a_cpu_hog_is_named_the_straggler(setup, tmp_path):
                     break
                 time.sleep(0.5)
         finally:
-            hog.kill()
-            hog.wait()
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
     finally:
         proc.send_signal(signal.SIGTERM)  # torchrun forwards it: each rank checkpoints and exits
         out = _finish(proc)
