@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
-    from dflash.telemetry.protocol import Snapshot
+    from dflash.telemetry.protocol import Snapshot, SpanStats
     from dflash.telemetry.summary import Summary
 
 log = logging.getLogger("dflash.telemetry")
@@ -149,16 +149,20 @@ class _Families:
         return fam
 
     def gauge(self, name: str, doc: str, value: object, labels: Mapping[str, str] | None = None) -> None:
-        v = _num(value)
-        if v is not None:
-            labels = labels or {}
-            self._family("gauge", name, doc, labels).add_metric([*self._base_values, *labels.values()], v)
+        self._sample("gauge", name, doc, value, labels or {})
 
     def counter(self, name: str, doc: str, value: object, labels: Mapping[str, str] | None = None) -> None:
+        self._sample("counter", name, doc, value, labels or {})
+
+    def gauge_each(self, name: str, doc: str, values: Mapping[Any, object], label: str = "name") -> None:
+        """One gauge series per key of `values`, labelled `label`=key (the "any other X, by name" families)."""
+        for key, value in values.items():
+            self._sample("gauge", name, doc, value, {label: str(key)})
+
+    def _sample(self, kind: str, name: str, doc: str, value: object, labels: Mapping[str, str]) -> None:
         v = _num(value)
         if v is not None:
-            labels = labels or {}
-            self._family("counter", name, doc, labels).add_metric([*self._base_values, *labels.values()], v)
+            self._family(kind, name, doc, labels).add_metric([*self._base_values, *labels.values()], v)
 
     def summary(
         self,
@@ -377,13 +381,9 @@ def _snapshot_meta(f: _Families, snap: Snapshot) -> None:
     f.gauge("dflash_snapshot_timestamp_seconds", "Unix time of the latest telemetry snapshot.", snap.t)
     # "<map>.<name>" of counters, rates, gauges and metrics that were NaN/inf: a NaN loss must stay
     # alertable even though its own series is left out
-    for name in snap.nonfinite or {}:
-        f.gauge(
-            "dflash_nonfinite",
-            "1 for a value the trainer produced as NaN or inf (left out of its own series).",
-            1,
-            {"name": str(name)},
-        )
+    f.gauge_each("dflash_nonfinite",
+                 "1 for a value the trainer produced as NaN or inf (left out of its own series).",
+                 dict.fromkeys(snap.nonfinite or {}, 1))
 
 
 def _spans(f: _Families, snap: Snapshot) -> None:
@@ -396,40 +396,26 @@ def _spans(f: _Families, snap: Snapshot) -> None:
             labels = {"worker": str(worker), "category": str(cat)}
             c = cum_cats.get(cat)
             w = win_cats.get(cat) if win_cats is not None else None
-            f.summary(
-                "dflash_span_seconds",
-                _SPAN_HELP,
-                c.n if c is not None else None,
-                c.total if c is not None else None,
-                {"0.5": w.p50, "0.95": w.p95} if w is not None and w.n else {},
-                labels,
-            )
-            cd = c.device if c is not None else None
-            wd = w.device if w is not None else None
-            if cd is not None or wd is not None:
-                f.summary(
-                    "dflash_span_device_seconds",
-                    _DEVICE_HELP,
-                    cd.n if cd is not None else None,
-                    cd.total if cd is not None else None,
-                    {"0.5": wd.p50, "0.95": wd.p95} if wd is not None and wd.n else {},
-                    labels,
-                )
+            _span_summary(f, "dflash_span_seconds", _SPAN_HELP, c, w, labels)
+            _span_summary(f, "dflash_span_device_seconds", _DEVICE_HELP, c.device if c is not None else None,
+                          w.device if w is not None else None, labels)
             if win_cats is not None:
                 # a worker that reported this window and spent nothing in `cat` really has share 0
-                f.gauge(
-                    "dflash_span_share",
-                    "Fraction of the worker's wall time spent in the category over the last window.",
-                    w.share if w is not None else 0.0,
-                    labels,
-                )
-    for worker, share in (snap.untracked or {}).items():
-        f.gauge(
-            "dflash_untracked_share",
-            "Fraction of the worker's wall time covered by no category over the last window.",
-            share,
-            {"worker": str(worker)},
-        )
+                f.gauge("dflash_span_share",
+                        "Fraction of the worker's wall time spent in the category over the last window.",
+                        w.share if w is not None else 0.0, labels)
+    f.gauge_each("dflash_untracked_share",
+                 "Fraction of the worker's wall time covered by no category over the last window.",
+                 snap.untracked or {}, label="worker")
+
+
+def _span_summary(f: _Families, name: str, doc: str, cum: SpanStats | None, win: SpanStats | None,
+                  labels: Mapping[str, str]) -> None:
+    """One worker/category as a summary: _sum/_count since start from `cum`, quantiles of the window
+    `win` when it had spans. Neither: no series (a category without CUDA spans has no device time)."""
+    quantiles = {"0.5": win.p50, "0.95": win.p95} if win is not None and win.n else {}
+    n, total = (cum.n, cum.total) if cum is not None else (None, None)
+    f.summary(name, doc, n, total, quantiles, labels)
 
 
 def _counters(f: _Families, snap: Snapshot) -> None:
@@ -438,11 +424,8 @@ def _counters(f: _Families, snap: Snapshot) -> None:
             f.counter(f"dflash_{name}", f"{name.capitalize()} processed since the trainer started.", value)
         else:
             f.counter("dflash_counter", "Other trainer counters, by name.", value, {"name": str(name)})
-    f.gauge(
-        "dflash_tokens_per_second",
-        "Tokens per second over the last telemetry window.",
-        (snap.rates or {}).get("tokens"),
-    )
+    f.gauge("dflash_tokens_per_second", "Tokens per second over the last telemetry window.",
+            (snap.rates or {}).get("tokens"))
 
 
 def _gauges(f: _Families, snap: Snapshot) -> None:
@@ -451,24 +434,15 @@ def _gauges(f: _Families, snap: Snapshot) -> None:
         if metric is not None:
             f.gauge(metric, f"Latest training {name}.", value)
         else:
-            f.gauge(
-                "dflash_gauge",
-                "Other trainer gauges (grad_norm, queue depths, CUDA allocator).",
-                value,
-                {"name": str(name)},
-            )
+            f.gauge("dflash_gauge", "Other trainer gauges (grad_norm, queue depths, CUDA allocator).", value,
+                    {"name": str(name)})
 
 
 def _metrics(f: _Families, snap: Snapshot) -> None:
     for name, value in (snap.metrics or {}).items():
         if name == POSITION_METRIC and isinstance(value, list):
-            for i, acc in enumerate(value):
-                f.gauge(
-                    "dflash_position_accuracy",
-                    "Top-1 accuracy of block slot k (teacher-forced).",
-                    acc,
-                    {"position": str(i + 1)},
-                )
+            f.gauge_each("dflash_position_accuracy", "Top-1 accuracy of block slot k (teacher-forced).",
+                         {i + 1: acc for i, acc in enumerate(value)}, label="position")
         elif isinstance(value, list):
             continue  # no generic shape for other list metrics
         elif name in NAMED_METRICS:
@@ -481,9 +455,7 @@ def _system(f: _Families, snap: Snapshot) -> None:
     sys_ = snap.system
     if sys_ is None:
         return
-    f.gauge(
-        "dflash_process_cpu_percent", "CPU use of the trainer process (100 = one core).", sys_.cpu_percent
-    )
+    f.gauge("dflash_process_cpu_percent", "CPU use of the trainer process (100 = one core).", sys_.cpu_percent)
     if sys_.rss_bytes:  # 0 is the field's default, not a real RSS
         f.gauge("dflash_process_rss_bytes", "Resident memory of the trainer process, bytes.", sys_.rss_bytes)
     if sys_.threads:
@@ -499,20 +471,11 @@ def _bottleneck(f: _Families, snap: Snapshot) -> None:
     b = snap.bottleneck
     if b is None:
         return
-    for verdict in dict.fromkeys([*VERDICTS, str(b.verdict)]):
-        f.gauge(
-            "dflash_bottleneck",
-            "1 for the pipeline stage that bounds throughput now (see docs/telemetry.md).",
-            1 if verdict == b.verdict else 0,
-            {"verdict": verdict},
-        )
-    for name, value in (b.evidence or {}).items():
-        f.gauge(
-            "dflash_bottleneck_evidence",
-            "Waits and busy shares the bottleneck verdict was decided from.",
-            value,
-            {"name": str(name)},
-        )
+    f.gauge_each("dflash_bottleneck",
+                 "1 for the pipeline stage that bounds throughput now (see docs/telemetry.md).",
+                 {v: int(v == b.verdict) for v in dict.fromkeys([*VERDICTS, str(b.verdict)])}, label="verdict")
+    f.gauge_each("dflash_bottleneck_evidence", "Waits and busy shares the bottleneck verdict was decided from.",
+                 b.evidence or {})
 
 
 def _health(f: _Families, snap: Snapshot) -> None:

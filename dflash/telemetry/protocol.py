@@ -25,8 +25,8 @@ class ProtocolError(ValueError):
     """A frame that is not valid telemetry; the message says what was wrong."""
 
 
-class CategoryStats(msgspec.Struct, omit_defaults=True):
-    """Timing of one category in one worker over a window (seconds)."""
+class SpanStats(msgspec.Struct, omit_defaults=True):
+    """Timing of a set of spans over a window (seconds): what host and device time have in common."""
 
     n: int
     total: float
@@ -34,22 +34,21 @@ class CategoryStats(msgspec.Struct, omit_defaults=True):
     p50: float
     p95: float
     max: float
-    #: fraction of the window's wall time this worker spent in this category
+    #: fraction of the worker's wall time over the window spent inside these spans
     share: float = 0.0
+
+
+class DeviceStats(SpanStats, omit_defaults=True):
+    """Device-side (CUDA event) time of one category's spans. Its `share` is how long the worker's CUDA
+    stream spent inside them (the bottleneck verdict's measure of how busy a GPU stage is; absent from
+    recordings made before it existed)."""
+
+
+class CategoryStats(SpanStats, omit_defaults=True):
+    """Timing of one category in one worker over a window (host clock)."""
+
     #: device-side (CUDA event) time for the same spans, when resolved
     device: DeviceStats | None = None
-
-
-class DeviceStats(msgspec.Struct, omit_defaults=True):
-    n: int
-    total: float
-    mean: float
-    p50: float
-    p95: float
-    max: float
-    #: fraction of the worker's wall time its CUDA stream spent inside these spans (the bottleneck
-    #: verdict's measure of how busy a GPU stage is; absent from recordings made before it existed)
-    share: float = 0.0
 
 
 class ThreadSample(msgspec.Struct):
