@@ -1,17 +1,36 @@
-"""Shared fixtures. Telemetry: a short socket directory and a line-oriented Unix-socket client."""
+"""Shared fixtures: code run in a fresh interpreter; for telemetry, a short socket directory and a
+line-oriented Unix-socket client."""
 
 from __future__ import annotations
 
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from dflash.telemetry import protocol
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def run_python() -> Callable[..., str]:
+    """`run_python(code, timeout=60)`: run `code` in a fresh interpreter from the repository root and
+    return its stdout; a non-zero exit fails the test with the child's stderr. For what a process
+    imports, which this one cannot show once it has imported anything itself."""
+
+    def run(code: str, timeout: float = 60) -> str:
+        r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    return run
 
 
 @pytest.fixture

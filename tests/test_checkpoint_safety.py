@@ -19,6 +19,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -226,6 +228,12 @@ def test_cuda_rng_states_for_more_gpus_than_present_are_dropped_with_a_note():
 # --- disk full, on a real small filesystem -------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def ckpt_size(setup) -> int:
+    """Bytes of one checkpoint of the setup's run: the unit the small filesystems are sized in."""
+    return list_checkpoints(setup[2])[-1].stat().st_size
+
+
 @pytest.fixture
 def small_fs(tmp_path):
     """Mount a tmpfs of the requested size (root only; CI runs as root)."""
@@ -263,11 +271,19 @@ def _verified_steps(run: Path) -> list[int]:
     return [int(p.stem.split("-")[1]) for p in list_checkpoints(run) if p.name in manifest]
 
 
-def _train_logged(target: Path, data: Path, run_dir: Path, log: Path, *flags: str) -> subprocess.Popen:
-    """A long training run in the background, its output in `log` (the tests stop it)."""
+@contextmanager
+def _training(target: Path, data: Path, run_dir: Path, log: Path, *flags: str) -> Iterator[subprocess.Popen]:
+    """A long training run in the background, its output in `log`. The block's end stops it as a user
+    would (SIGTERM, then up to 60 s to save and exit); a block that fails kills it."""
     with log.open("w") as out:
-        return subprocess.Popen(_cli(target, data, run_dir, "--max-steps", "100000", "--no-telemetry", *flags),
+        proc = subprocess.Popen(_cli(target, data, run_dir, "--max-steps", "100000", "--no-telemetry", *flags),
                                 stdout=out, stderr=subprocess.STDOUT, text=True, env=_env())
+    try:
+        yield proc
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
 
 
 def _fill_leaving(fs: Path, free: int) -> Path:
@@ -278,15 +294,14 @@ def _fill_leaving(fs: Path, free: int) -> Path:
     return filler
 
 
-def test_disk_full_costs_one_line_keeps_the_last_checkpoint_and_training_goes_on(setup, small_fs, tmp_path):
-    target, data, run = setup
-    size = list_checkpoints(run)[-1].stat().st_size
-    fs = small_fs(8 * size)
+def test_disk_full_costs_one_line_keeps_the_last_checkpoint_and_training_goes_on(setup, ckpt_size, small_fs,
+                                                                                  tmp_path):
+    target, data, _ = setup
+    fs = small_fs(8 * ckpt_size)
     run_dir, log = fs / "run", tmp_path / "train.log"
-    proc = _train_logged(target, data, run_dir, log, "--checkpoint-every", "0.3", "--log-every", "100")
-    try:
+    with _training(target, data, run_dir, log, "--checkpoint-every", "0.3", "--log-every", "100") as proc:
         _wait(lambda: _verified_steps(run_dir), 180, proc, log)
-        filler = _fill_leaving(fs, size // 3)  # a third of a checkpoint stays free
+        filler = _fill_leaving(fs, ckpt_size // 3)  # a third of a checkpoint stays free
         _wait(lambda: "no space left on device" in log.read_text(), 60, proc, log)
         good = _verified_steps(run_dir)[-1]
         lines = [x for x in log.read_text().splitlines() if "no space left" in x]
@@ -296,28 +311,18 @@ def test_disk_full_costs_one_line_keeps_the_last_checkpoint_and_training_goes_on
         load_checkpoint(list_checkpoints(run_dir)[-1], read_manifest(run_dir)[0][f"step-{good:08d}.pt"])
         filler.unlink()  # space comes back: the next interval saves again, further on
         _wait(lambda: _verified_steps(run_dir)[-1] > good, 60, proc, log)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
     text = log.read_text()
     assert proc.returncode == 0, text[-3000:]
     assert "Traceback" not in text and "unexpected pos" not in text, text[-3000:]
 
 
-def test_a_final_checkpoint_that_does_not_fit_exits_1_saying_so(setup, small_fs, tmp_path):
-    target, data, run = setup
-    size = list_checkpoints(run)[-1].stat().st_size
-    fs = small_fs(4 * size)
+def test_a_final_checkpoint_that_does_not_fit_exits_1_saying_so(setup, ckpt_size, small_fs, tmp_path):
+    target, data, _ = setup
+    fs = small_fs(4 * ckpt_size)
     run_dir, log = fs / "run", tmp_path / "train.log"
-    proc = _train_logged(target, data, run_dir, log, "--checkpoint-every", "1e9", "--log-every", "0.2")
-    try:
+    with _training(target, data, run_dir, log, "--checkpoint-every", "1e9", "--log-every", "0.2") as proc:
         _wait(lambda: "step " in log.read_text(), 180, proc, log)
-        _fill_leaving(fs, size // 3)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
+        _fill_leaving(fs, ckpt_size // 3)
     text = log.read_text()
     assert proc.returncode == 1, text[-3000:]
     assert "not saved: no space left on device" in text and "newest good checkpoint: none" in text, text[-3000:]
@@ -325,11 +330,10 @@ def test_a_final_checkpoint_that_does_not_fit_exits_1_saying_so(setup, small_fs,
     assert not list((run_dir / "checkpoints").iterdir())  # no partial file left behind
 
 
-def test_keep_checkpoints_makes_room_for_the_next_write(setup, small_fs, tmp_path):
+def test_keep_checkpoints_makes_room_for_the_next_write(setup, ckpt_size, small_fs):
     """Room for three and a half checkpoints, keep=3: the fourth write only fits if the oldest goes first."""
-    target, data, run = setup
-    size = list_checkpoints(run)[-1].stat().st_size
-    fs = small_fs((7 * size // 2 + 4095) // 4096 * 4096)
+    target, data, _ = setup
+    fs = small_fs((7 * ckpt_size // 2 + 4095) // 4096 * 4096)
     run_dir = fs / "run"
     proc = subprocess.run(_cli(target, data, run_dir, "--max-steps", "8", "--checkpoint-every", "0",
                                "--keep-checkpoints", "3", "--no-telemetry", "--log-every", "100"),
@@ -340,18 +344,16 @@ def test_keep_checkpoints_makes_room_for_the_next_write(setup, small_fs, tmp_pat
     assert _verified_steps(run_dir) == [6, 7, 8]
 
 
-def test_making_room_never_deletes_the_newest_intact_checkpoint(setup, small_fs):
+def test_making_room_never_deletes_the_newest_intact_checkpoint(setup, ckpt_size, small_fs):
     """keep=1, the newest file damaged, too little space even after pruning: the write fails, and the
     newest checkpoint that matches its manifest is still there to resume from."""
     _target, _data, run = setup
-    size = list_checkpoints(run)[-1].stat().st_size
-    fs = small_fs(6 * size)
+    fs = small_fs(6 * ckpt_size)
     run_dir = _copy_run(run, fs / "run")
     _truncate(list_checkpoints(run_dir)[-1])  # step 3: no longer what the manifest recorded
-    with (fs / "filler").open("wb") as f:
-        f.write(b"\0" * max(0, shutil.disk_usage(fs).free - size // 3))
+    _fill_leaving(fs, ckpt_size // 3)
     state = load_checkpoint(list_checkpoints(run_dir)[1])
-    state["padding"] = torch.zeros(size // 2, dtype=torch.uint8)  # needs more than pruning step 1 frees
+    state["padding"] = torch.zeros(ckpt_size // 2, dtype=torch.uint8)  # needs more than pruning step 1 frees
     with pytest.raises(CheckpointError, match="no space left on device"):
         save_checkpoint(run_dir, 4, state, keep=1)
     names = [p.name for p in list_checkpoints(run_dir)]

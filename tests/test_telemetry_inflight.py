@@ -12,14 +12,6 @@ from dflash.telemetry import protocol as P
 from dflash.telemetry.summary import to_snapshot
 
 
-def _wait(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.005)
-
-
 def _hold(stats: ProfileStats, worker: str, category: str, cuda: bool = False):
     """A real thread that opens a span and keeps it open until released."""
     entered, release = threading.Event(), threading.Event()

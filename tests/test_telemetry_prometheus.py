@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import math
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -27,7 +25,6 @@ from dflash.telemetry import protocol as P  # noqa: E402
 from dflash.telemetry.prometheus import MetricsExporter, MetricsServerError  # noqa: E402
 
 FAST = 0.05
-REPO = Path(__file__).resolve().parents[1]
 #: fake span durations, powers of two so that sums of them are exact in binary floating point
 DT_TARGET = 2.0**-9
 DT_WAIT = 2.0**-8
@@ -485,7 +482,7 @@ def test_update_is_cheap_when_never_scraped() -> None:
         e.close()
 
 
-def test_importing_telemetry_stays_light() -> None:
+def test_importing_telemetry_stays_light(run_python) -> None:
     code = (
         "import sys\n"
         "import dflash.telemetry\n"
@@ -495,5 +492,4 @@ def test_importing_telemetry_stays_light() -> None:
         "bad = [m for m in ('torch', 'textual', 'dflash_tui') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
+    run_python(code)

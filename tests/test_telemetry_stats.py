@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 import threading
 import time
@@ -18,7 +17,7 @@ from dflash.telemetry.summary import merge_windows, percentile, to_snapshot
 from dflash.telemetry.table import merge_category_stats
 
 
-def test_import_does_not_pull_torch_or_tui() -> None:
+def test_import_does_not_pull_torch_or_tui(run_python) -> None:
     code = (
         "import sys, dflash.telemetry, dflash.telemetry.server, dflash.telemetry.recorder, "
         "dflash.telemetry.analysis, dflash.telemetry.system, dflash.commands.stats\n"
@@ -27,8 +26,7 @@ def test_import_does_not_pull_torch_or_tui() -> None:
         "from dflash.telemetry import TelemetryServer\n"
         "assert 'torch' not in sys.modules\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
+    run_python(code)
 
 
 def test_disabled_is_a_noop() -> None:
@@ -412,7 +410,7 @@ def test_unfinished_cuda_events_stay_bounded(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.slow
-def test_cuda_span_with_real_cpu_torch() -> None:
+def test_cuda_span_with_real_cpu_torch(run_python) -> None:
     """With the real (CPU) torch imported, a CUDA span is host-timed, and the torch APIs the CUDA
     path relies on exist under the names it uses."""
     code = (
@@ -428,8 +426,7 @@ def test_cuda_span_with_real_cpu_torch() -> None:
         "summ = s.drain(); cs = summ.workers['target-0']['target_forward']\n"
         "assert cs.n == 1 and cs.total > 0 and cs.device is None and s.pending_cuda() == 0\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    run_python(code, timeout=120)
 
 
 def test_cumulative_percentiles_stay_uniform_over_a_long_run() -> None:
