@@ -233,6 +233,16 @@ def lm_loss(model, train_ids, seq_len: int, batch: int, gen):
     return torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
 
 
+def _update(model, opt, loss) -> None:
+    """One optimiser step on `loss`, gradients clipped to norm 1 (both build phases)."""
+    import torch
+
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
 def repeated_ngram_mask(seq: list[int], start: int, n: int) -> list[bool]:
     """For positions start.. of seq: True where the token belongs to an n-gram that already occurred
     earlier in seq (the candidates sequence-level unlikelihood penalises)."""
@@ -275,10 +285,7 @@ def unlikelihood_finetune(model, train_ids, recipe: TinyRecipe, gen, log: Callab
             logp = F.log_softmax(model(input_ids=seq[:, :-1]).logits[:, P - 1 :], dim=-1)
             p = logp.gather(-1, seq[:, P:].unsqueeze(-1)).squeeze(-1).exp()
             loss = -(torch.log1p(-p.clamp(max=1 - 1e-5)) * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        _update(model, opt, loss)
         if (step + 1) % 50 == 0:
             recent = rep_frac[-25:]
             log(f"unlikelihood step {step + 1}/{recipe.ul_steps}: repeated-token share of greedy "
@@ -325,10 +332,7 @@ def build_tiny(out_dir: Path, recipe: TinyRecipe, log: Callable[[str], None] = p
             g["lr"] = lr
         # fp32: on these CPUs bf16 autocast measured slower than plain fp32 for a model this small.
         loss = lm_loss(model, train_ids, T, B, gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        _update(model, opt, loss)
         step += 1
         tokens += B * T
         if step % 100 == 0:

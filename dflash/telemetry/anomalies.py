@@ -27,9 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dflash.telemetry.protocol import Anomaly
-from dflash.telemetry.summary import Summary
+from dflash.telemetry.summary import WAIT_SUFFIXES, Summary
 from dflash.telemetry.table import seconds
-from dflash.telemetry.watchdog import WAIT_SUFFIXES
 
 log = logging.getLogger("dflash.telemetry")
 

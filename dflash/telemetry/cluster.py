@@ -27,7 +27,7 @@ from typing import Protocol
 import msgspec
 
 from dflash.telemetry.protocol import Cluster, ClusterCategory, ClusterRank, RankFigures
-from dflash.telemetry.summary import Summary
+from dflash.telemetry.summary import WAIT_SUFFIXES, Summary
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,6 @@ MAX_CATEGORIES = 24
 STRAGGLER_MIN_GAP = 0.05
 #: reports are averaged over this many seconds of cumulative totals (1 s windows are too noisy to rank)
 SMOOTH_S = 5.0
-_WAITS = ("_wait", "_put")
 
 
 class Store(Protocol):
@@ -166,7 +165,7 @@ def _straggler(live: Mapping[int, RankReport]) -> tuple[int | None, str]:
     own = live[slow].shares
     # Where its extra time goes: the non-waiting category it spends most more time in than the others.
     extra = {k: v - sum(o.shares.get(k, 0.0) for o in others) / len(others)
-             for k, v in own.items() if not k.endswith(_WAITS)}
+             for k, v in own.items() if not k.endswith(WAIT_SUFFIXES)}
     if extra:
         k = max(extra, key=extra.__getitem__)
         if extra[k] > 0.01:

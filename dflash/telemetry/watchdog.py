@@ -34,7 +34,7 @@ from pathlib import Path
 
 from dflash.telemetry.protocol import StackEntry, Stall, ThreadStacks
 from dflash.telemetry.server import python_stacks
-from dflash.telemetry.summary import Summary, percentile
+from dflash.telemetry.summary import WAIT_SUFFIXES, Summary, percentile
 from dflash.telemetry.table import seconds
 
 log = logging.getLogger("dflash.telemetry")
@@ -47,8 +47,6 @@ FACTOR = 10.0
 FIRST_GRACE_S = 300.0
 #: window maxima kept per (worker, category)
 HISTORY = 512
-#: categories in which a worker waits for another worker: never stalled by itself
-WAIT_SUFFIXES = ("_wait", "_put")
 #: how long a native dump may take before it is abandoned
 NATIVE_TIMEOUT_S = 30.0
 EmitFn = Callable[..., None]
