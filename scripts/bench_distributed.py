@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from bench_pipeline import _busy_seconds, _children_cpu, print_report
+from _bench import ForeignLoad, bench_parser, print_report
 
 
 def _worker(args) -> None:
@@ -55,8 +55,7 @@ def _worker(args) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", action="store_true")
+    p = bench_parser(__doc__)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--work-ms", type=float, default=5.0, help="simulated compute per step")
     p.add_argument("--rounds", type=int, default=3)
@@ -68,10 +67,8 @@ def main() -> None:
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
            "--worker", "--steps", str(args.steps), "--work-ms", str(args.work_ms), "--rounds", str(args.rounds)]
-    busy0, ours0, t0 = _busy_seconds(), _children_cpu(), time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    wall = time.monotonic() - t0
-    foreign = max(0.0, (_busy_seconds() - busy0 - (_children_cpu() - ours0)) / wall)
+    with ForeignLoad() as load:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         raise SystemExit(f"bench ranks failed:\n{proc.stderr[-3000:]}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -81,8 +78,8 @@ def main() -> None:
         "step_compute_ms": args.work_ms,
         "steps": args.steps,
         "rounds": args.rounds,
-        "foreign_load_cores": round(foreign, 2),
-        "busy_machine": foreign > 0.2,
+        "foreign_load_cores": round(load.cores, 2),
+        "busy_machine": load.cores > 0.2,
         "cpu_count": os.cpu_count(),
     }
     print_report(report, args.json)

@@ -28,21 +28,7 @@ import subprocess
 import sys
 import time
 
-CLK = os.sysconf("SC_CLK_TCK")
-
-
-def _busy_seconds() -> float:
-    """CPU seconds spent non-idle by the whole machine since boot (from /proc/stat)."""
-    with open("/proc/stat") as f:
-        parts = [int(x) for x in f.readline().split()[1:]]
-    idle = parts[3] + (parts[4] if len(parts) > 4 else 0)
-    return (sum(parts[:8]) - idle) / CLK
-
-
-def _children_cpu() -> float:
-    r = os.times()
-    return r.children_user + r.children_system + r.user + r.system
-
+from _bench import ForeignLoad, bench_parser, print_report
 
 # --- measurement processes ---------------------------------------------------------------------------
 
@@ -127,8 +113,7 @@ def _ceiling(args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", action="store_true")
+    p = bench_parser(__doc__)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=16, help="measured steps per configuration")
     p.add_argument("--warmup", type=int, default=3)
@@ -162,15 +147,13 @@ def main() -> None:
 
     modes = ["sync", "pipelined", "pipe-notel", "target", "drafter", "ceiling"]
     results: dict[str, list[dict]] = {m: [] for m in modes}
-    busy0, ours0, t0 = _busy_seconds(), _children_cpu(), time.monotonic()
-    for r in range(args.rounds):
-        order = modes if r % 2 == 0 else modes[::-1]  # interleave so drift hits every mode alike
-        for m in order:
-            results[m].append(_ceiling(args) if m == "ceiling" else _child(args, m))
-            if not args.json:
-                print(f"round {r + 1} {m:<10} {results[m][-1]['steps_per_s']:.3f} steps/s", file=sys.stderr)
-    wall = time.monotonic() - t0
-    foreign = max(0.0, (_busy_seconds() - busy0 - (_children_cpu() - ours0)) / wall)
+    with ForeignLoad() as load:
+        for r in range(args.rounds):
+            order = modes if r % 2 == 0 else modes[::-1]  # interleave so drift hits every mode alike
+            for m in order:
+                results[m].append(_ceiling(args) if m == "ceiling" else _child(args, m))
+                if not args.json:
+                    print(f"round {r + 1} {m:<10} {results[m][-1]['steps_per_s']:.3f} steps/s", file=sys.stderr)
 
     rate = {m: statistics.median(x["steps_per_s"] for x in results[m]) for m in modes}
     report = {
@@ -180,27 +163,14 @@ def main() -> None:
         "pipelined_vs_slowest_stage": round(rate["pipelined"] / min(rate["target"], rate["drafter"]), 3),
         "telemetry_on_vs_off": round(rate["pipelined"] / rate["pipe-notel"], 3),
         "ceiling_vs_sync": round(rate["ceiling"] / rate["sync"], 3),
-        "foreign_load_cores": round(foreign, 2),
-        "busy_machine": foreign > 0.2,
+        "foreign_load_cores": round(load.cores, 2),
+        "busy_machine": load.cores > 0.2,
         "where_time_goes": {m: results[m][-1].get("shares") for m in ("sync", "pipelined")},
         "rounds": args.rounds,
         "steps_per_config": args.steps,
         "cpu_count": os.cpu_count(),
     }
     print_report(report, args.json)
-
-
-def print_report(report: dict, as_json: bool) -> None:
-    """JSON, or one aligned line per figure plus a warning when other processes loaded the machine."""
-    if as_json:
-        print(json.dumps(report, indent=2))
-        return
-    width = max(len(k) for k in report)
-    for k, v in report.items():
-        print(f"{k:>{width}}: {v}")
-    if report["busy_machine"]:
-        print(f"WARNING: other processes used {report['foreign_load_cores']:.2f} cores during the run; "
-              "figures are unreliable")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -32,9 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _bench import ForeignLoad, bench_parser  # noqa: E402
 
 from dflash.telemetry import ProfileStats, TelemetryServer  # noqa: E402
 from dflash.telemetry.analysis import analyze  # noqa: E402
@@ -239,33 +238,8 @@ def bench_throughput(seconds: float, pairs: int) -> tuple[float, float, float]:
     return statistics.median(ratios), statistics.median(cpu_ratios), 1e6 / statistics.median(offs)
 
 
-class ForeignLoad:
-    """System-wide busy CPU minus this process tree's, in cores, over the bench."""
-
-    def __enter__(self) -> ForeignLoad:
-        self.proc = psutil.Process()
-        self.t0 = time.monotonic()
-        self.sys0 = self._busy()
-        self.own0 = self._own()
-        return self
-
-    @staticmethod
-    def _busy() -> float:
-        t = psutil.cpu_times()
-        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
-
-    def _own(self) -> float:
-        c = self.proc.cpu_times()
-        return c.user + c.system + c.children_user + c.children_system
-
-    def __exit__(self, *exc: object) -> None:
-        wall = time.monotonic() - self.t0
-        self.cores = max(0.0, ((self._busy() - self.sys0) - (self._own() - self.own0)) / wall)
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap = bench_parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="tiny iteration counts (a smoke run, numbers are noisy)")
     args = ap.parse_args()
     n, repeats = (20_000, 3) if args.quick else (100_000, 9)

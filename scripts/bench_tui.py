@@ -14,7 +14,6 @@ so numbers from a busy machine can be read for what they are.
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import json
 import os
@@ -32,6 +31,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from _bench import ForeignLoad, bench_parser, process_seconds  # noqa: E402
 
 from dflash_tui import synthetic  # noqa: E402
 
@@ -123,19 +124,6 @@ class PtyApp:
         os.close(self.master)
 
 
-def busy_seconds() -> float:
-    t = psutil.cpu_times()
-    return t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
-
-
-def proc_seconds(p: psutil.Process) -> float:
-    try:
-        c = p.cpu_times()
-        return c.user + c.system + c.children_user + c.children_system
-    except psutil.Error:
-        return 0.0
-
-
 def bench_attached(work: Path, seconds: float, workers: int) -> dict:
     sock_dir = Path(tempfile.mkdtemp(prefix="dftb-"))
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(sock_dir), str(work / "live"), str(workers), "0.5"],
@@ -150,19 +138,17 @@ def bench_attached(work: Path, seconds: float, workers: int) -> dict:
             if first is None:
                 raise RuntimeError("dflash-top drew no snapshot within 15 s")
             time.sleep(2.0)  # start-up work (imports, first layout) is not the steady state
-            tui, tr, me = psutil.Process(app.proc.pid), psutil.Process(trainer.pid), psutil.Process()
-            w0, b0 = time.monotonic(), busy_seconds()
-            t0, r0, m0 = proc_seconds(tui), proc_seconds(tr), proc_seconds(me)
-            time.sleep(seconds)
-            w1, b1 = time.monotonic(), busy_seconds()
-            t1, r1, m1 = proc_seconds(tui), proc_seconds(tr), proc_seconds(me)
+            tui, tr = psutil.Process(app.proc.pid), psutil.Process(trainer.pid)
+            with ForeignLoad(tui, tr) as load:
+                w0, t0, r0 = time.monotonic(), process_seconds(tui), process_seconds(tr)
+                time.sleep(seconds)
+                w1, t1, r1 = time.monotonic(), process_seconds(tui), process_seconds(tr)
             wall = w1 - w0
-            ours = (t1 - t0) + (r1 - r0) + (m1 - m0)
             return {
                 "first_frame_s": round(first, 3),
                 "cpu_percent_of_core": round(100 * (t1 - t0) / wall, 2),
                 "trainer_cpu_percent": round(100 * (r1 - r0) / wall, 1),
-                "foreign_load_cores": round(max(0.0, (b1 - b0) - ours) / wall, 2),
+                "foreign_load_cores": round(load.cores, 2),
                 "attached_window_s": round(wall, 1),
             }
         finally:
@@ -216,8 +202,7 @@ def bench_replay(work: Path, hours: float, speed: float, workers: int) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p = bench_parser(__doc__)
     p.add_argument("--seconds", type=float, default=20.0, help="steady-state CPU window while attached")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--replay-hours", type=float, default=1.0)
