@@ -27,7 +27,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -94,6 +94,7 @@ def make_parts(ctx: Ctx, target, drafter_layers: int, seq_len: int, num_anchors:
     from dflash.model.drafter import DFlashDrafter, DrafterConfig
     from dflash.telemetry import ProfileStats
     from dflash.train.config import TrainConfig
+    from dflash.train.schema import updated
     from dflash.train.stages import BatchSource, DrafterStage, TargetStage
 
     dev = torch.device(ctx.device)
@@ -101,7 +102,8 @@ def make_parts(ctx: Ctx, target, drafter_layers: int, seq_len: int, num_anchors:
     g = torch.Generator().manual_seed(1)
     rows = [Sample(torch.randint(0, vocab - 1, (seq_len,), generator=g).tolist(),
                    [0] * (seq_len // 2) + [1] * (seq_len - seq_len // 2)) for _ in range(samples)]
-    cfg = TrainConfig(num_anchors=num_anchors, batch_size=batch_size, max_steps=10**6, drafter_layers=drafter_layers)
+    cfg = updated(TrainConfig(), num_anchors=num_anchors, batch_size=batch_size, max_steps=10**6,
+                  drafter_layers=drafter_layers)
     dcfg = DrafterConfig.for_target(target.config, num_layers=drafter_layers, target_layer_ids=target.layer_ids,
                                     mask_token_id=vocab - 1)
     torch.manual_seed(0)
@@ -118,6 +120,7 @@ def run_pipeline(source, tstage, dstage, cfg, stats, steps: int, pipeline: bool,
                  timeout_s: float = 120.0) -> list[float]:
     """Runs the real Pipeline for ``steps`` steps; returns the host time at the end of every step."""
     from dflash.train.pipeline import Pipeline, TrainCounters
+    from dflash.train.schema import updated
 
     state, stamps = TrainCounters(), []
 
@@ -129,7 +132,7 @@ def run_pipeline(source, tstage, dstage, cfg, stats, steps: int, pipeline: bool,
             on_step_extra(state.step)
         return state.step < steps
 
-    p = Pipeline(source, [tstage], dstage, replace(cfg, pipeline=pipeline), stats, state, on_step)
+    p = Pipeline(source, [tstage], dstage, updated(cfg, pipeline=pipeline), stats, state, on_step)
     p.start()
     deadline = time.monotonic() + timeout_s
     while p.running and time.monotonic() < deadline:
@@ -195,7 +198,7 @@ def _steady_trainer(ctx: Ctx, warm: int, steady: int) -> str:
         from dflash.train.steady import cuda_sync_errors, run_steady
     except ImportError:
         return "unavailable"
-    from dflash.train.config import make_config
+    from dflash.train.schema import make_config
 
     dev = "cuda" if ctx.cuda else "cpu"
     cfg = make_config({}, dict(target="tiny", data="demo", run_dir=str(ctx.tmp / "steady"), batch_size=4,
@@ -481,7 +484,7 @@ def check_ddp_resume(ctx: Ctx) -> dict:
     import torch
 
     from dflash.train import distributed
-    from dflash.train.config import make_config
+    from dflash.train.schema import make_config
     from dflash.train.trainer import Trainer
 
     class WorldOfOne(distributed.Dist):
@@ -492,9 +495,9 @@ def check_ddp_resume(ctx: Ctx) -> dict:
     class OneRankTrainer(Trainer):
         def join_ranks(self) -> None:
             self.dist = d = WorldOfOne()
-            self.cfg.target_devices = [distributed.localize(x, d) for x in self.cfg.target_devices]
-            self.cfg.drafter_device = distributed.localize(self.cfg.drafter_device, d)
-            distributed.init(d, torch.device(self.cfg.drafter_device).type == "cuda", 120.0)
+            self.cfg.pipeline.target_devices = [distributed.localize(x, d) for x in self.cfg.pipeline.target_devices]
+            self.cfg.pipeline.drafter_device = distributed.localize(self.cfg.pipeline.drafter_device, d)
+            distributed.init(d, torch.device(self.cfg.pipeline.drafter_device).type == "cuda", 120.0)
 
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}

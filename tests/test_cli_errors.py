@@ -10,8 +10,9 @@ import torch
 
 from dflash.cli import main
 from dflash.data.formats import iter_rows
-from dflash.train.config import ConfigError, make_config
+from dflash.train.config import ConfigError
 from dflash.train.monitoring import top_command
+from dflash.train.schema import make_config
 from dflash.train.trainer import train
 
 
@@ -32,8 +33,8 @@ def test_every_config_field_is_type_checked_at_load(key, value, says):
 
 def test_config_keeps_what_is_right():
     cfg = make_config({"gamma": 7, "metrics_port": 9400, "target_layer_ids": [1, 3], "max_steps": 2}, {})
-    assert cfg.gamma == 7.0 and isinstance(cfg.gamma, float) and cfg.metrics_port == 9400
-    assert cfg.target_layer_ids == [1, 3]
+    assert cfg.model.gamma == 7.0 and isinstance(cfg.model.gamma, float) and cfg.telemetry.metrics_port == 9400
+    assert cfg.model.target_layer_ids == [1, 3]
 
 
 def test_an_unknown_flag_prints_the_commands_usage(capsys):
@@ -91,14 +92,14 @@ def test_an_unknown_setting_names_the_closest_valid_one():
 
 
 def test_a_sectioned_toml_and_a_flat_one_make_the_same_config(tmp_path):
-    from dflash.train.config import load_toml
+    from dflash.train.schema import load_toml
 
     flat, sectioned = tmp_path / "flat.toml", tmp_path / "sectioned.toml"
     flat.write_text('[train]\nlr = 3e-3\nbatch_size = 2\nmax_steps = 5\npipeline = false\ndata = "demo"\n')
     sectioned.write_text('max_steps = 5\n[optim]\nlr = 3e-3\n[data]\nbatch_size = 2\n[pipeline]\npipeline = false\n'
                          '[run]\ndata = "demo"\n')
     a, b = make_config(load_toml(flat), {}), make_config(load_toml(sectioned), {})
-    assert a.to_dict() == b.to_dict() and (b.lr, b.batch_size, b.pipeline) == (3e-3, 2, False)
+    assert a.to_dict() == b.to_dict() and (b.optim.lr, b.data.batch_size, b.pipeline.enabled) == (3e-3, 2, False)
 
 
 def test_every_setting_with_help_has_its_flag_and_the_flags_reach_the_config():
@@ -118,6 +119,6 @@ def test_every_setting_with_help_has_its_flag_and_the_flags_reach_the_config():
                          "--report-to", "none", "--init-from-target", "--max-steps", "2", "--target-devices",
                          "cpu,cpu"])
     cfg = make_config({}, flag_values(args))
-    assert (cfg.pipeline, cfg.target_layer_ids, cfg.telemetry, cfg.lr) == (False, [1, 3, 5], False, 0.01)
-    assert (cfg.report_to, cfg.init_from_target, cfg.target_devices) == ([], True, ["cpu", "cpu"])
-    assert make_config({"gil_probe": False, "max_steps": 1}, flag_values(p.parse_args([]))).gil_probe is False
+    assert (cfg.pipeline.enabled, cfg.model.target_layer_ids, cfg.telemetry.enabled, cfg.optim.lr) == (False, [1, 3, 5], False, 0.01)
+    assert (cfg.telemetry.report_to, cfg.model.init_from_target, cfg.pipeline.target_devices) == ([], True, ["cpu", "cpu"])
+    assert make_config({"gil_probe": False, "max_steps": 1}, flag_values(p.parse_args([]))).telemetry.gil_probe is False

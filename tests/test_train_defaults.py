@@ -13,7 +13,8 @@ import torch
 from test_model_helpers import make_target_dir, make_tokenizer
 from test_train_pipeline import _write_data
 
-from dflash.train.config import CPU_RECIPE, TINY_CPU_TAPS, hardware_recipe, load_toml, make_config
+from dflash.train.recipes import CPU_RECIPE, TINY_CPU_TAPS, hardware_recipe
+from dflash.train.schema import load_toml, make_config
 from dflash.train.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,12 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_no_limit_means_one_epoch_in_a_fresh_run_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     first = make_config({}, {})
-    assert (first.epochs, first.max_steps, first.max_time) == (1.0, None, None)
-    assert re.fullmatch(r"runs/train-\d{8}-\d{6}", first.run_dir), first.run_dir
-    Path(first.run_dir).mkdir(parents=True)
+    assert (first.run.epochs, first.run.max_steps, first.run.max_time) == (1.0, None, None)
+    assert re.fullmatch(r"runs/train-\d{8}-\d{6}", first.run.run_dir), first.run.run_dir
+    Path(first.run.run_dir).mkdir(parents=True)
     second = make_config({}, {})  # even within the same second
-    assert second.run_dir != first.run_dir and not Path(second.run_dir).exists()
-    assert make_config({}, {"max_time": 5}).epochs is None  # a given limit is the only one
+    assert second.run.run_dir != first.run.run_dir and not Path(second.run.run_dir).exists()
+    assert make_config({}, {"max_time": 5}).run.epochs is None  # a given limit is the only one
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU recipe is chosen only without CUDA")
@@ -38,7 +39,7 @@ def test_without_cuda_the_cpu_recipe_is_chosen_and_said():
     other, _ = hardware_recipe("/models/some-hf-model")  # the tiny target's taps fit only the tiny target
     assert "target_layer_ids" not in other
     cfg = make_config({}, {"batch_size": 4}, recipe)  # flags still win over the recipe
-    assert (cfg.batch_size, cfg.num_anchors, cfg.drafter_layers) == (4, 24, 1)
+    assert (cfg.data.batch_size, cfg.model.num_anchors, cfg.model.drafter_layers) == (4, 24, 1)
 
 
 def test_the_cpu_recipe_is_what_configs_tiny_cpu_holds():
@@ -56,8 +57,8 @@ def test_epochs_bound_the_run_by_steps(tmp_path, capsys):
     assert train(cfg) == 0
     out = capsys.readouterr().out
     per_epoch = int(re.search(r"epochs: +1\.5 x (\d+) steps per pass", out).group(1))
-    assert cfg.max_steps == -(-3 * per_epoch // 2)  # ceil(1.5 * per_epoch)
-    assert f"done: {cfg.max_steps} steps" in out
+    assert cfg.run.max_steps == -(-3 * per_epoch // 2)  # ceil(1.5 * per_epoch)
+    assert f"done: {cfg.run.max_steps} steps" in out
 
 
 def test_make_demo_twice_gets_two_run_dirs(tmp_path):

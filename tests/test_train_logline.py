@@ -12,6 +12,7 @@ from dflash.train.logline import LogLines
 from dflash.train.metrics import StepMetrics
 from dflash.train.pipeline import TrainCounters
 from dflash.train.reporting import Reporter
+from dflash.train.schema import updated
 
 
 class _Stats:
@@ -46,7 +47,7 @@ def _step(state: TrainCounters, metrics: StepMetrics, loss: float, tokens: int) 
 def test_a_line_per_interval_only_when_steps_were_made() -> None:
     now, out = [0.0], []
     state, metrics, stats = TrainCounters(), StepMetrics(), _Stats()
-    lines = LogLines(TrainConfig(log_every=10.0, telemetry_interval=1.0), state, stats, metrics, _Pipeline(now),
+    lines = LogLines(updated(TrainConfig(), log_every=10.0, telemetry_interval=1.0), state, stats, metrics, _Pipeline(now),
                      latest=lambda: None, verdict=lambda: None, report=Reporter(out.append),
                      devices=[torch.device("cpu")], clock=lambda: now[0])
     now[0] = 10.0

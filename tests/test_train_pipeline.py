@@ -20,8 +20,8 @@ import torch
 from test_model_helpers import WORDS, make_target_dir, make_tokenizer, one_thread  # noqa: F401
 
 from dflash.telemetry.reader import read_frames
-from dflash.train.checkpoint import list_checkpoints
-from dflash.train.config import make_config
+from dflash.train.checkpoint import list_checkpoints, load_checkpoint
+from dflash.train.schema import make_config, read_saved
 from dflash.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,8 +86,11 @@ def test_pipelined_run_streams_telemetry_and_checkpoints(setup, tmp_path):
     assert "bottleneck:" in out and "drafter-0/drafter_forward" in out
     assert "[eval] step 6: tau" in out
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000006.pt"]
-    saved = json.loads((run_dir / "config.json").read_text())
-    assert saved["max_steps"] == 6 and saved["pipeline"] is True
+    saved = json.loads((run_dir / "config.json").read_text())  # nested by section, as a human reads it
+    assert saved["run"]["max_steps"] == 6 and saved["pipeline"]["enabled"] is True
+    assert saved["telemetry"]["telemetry_interval"] == 0.1 and "lr" not in saved
+    stored = load_checkpoint(list_checkpoints(run_dir)[-1])["config"]
+    assert stored == saved and read_saved(stored).to_dict() == saved
     frames = list(read_frames(run_dir / "telemetry.jsonl"))
     kinds = [type(f).__name__ for f in frames]
     assert kinds[0] == "Hello" and kinds[-1] == "Bye" and "Snapshot" in kinds
@@ -259,10 +262,11 @@ def test_bad_arguments_fail_at_once_with_one_line(setup, tmp_path, extra, messag
 def test_config_file_and_overrides(tmp_path):
     cfg_file = tmp_path / "c.toml"
     cfg_file.write_text('[train]\nlr = 1e-3\nbatch_size = 2\nmax_steps = 5\ntarget_devices = ["cpu", "cpu"]\n')
-    from dflash.train.config import ConfigError, load_toml
+    from dflash.train.config import ConfigError
+    from dflash.train.schema import load_toml
 
     cfg = make_config(load_toml(cfg_file), {"batch_size": 3})
-    assert (cfg.lr, cfg.batch_size, cfg.max_steps, cfg.target_devices) == (1e-3, 3, 5, ["cpu", "cpu"])
+    assert (cfg.optim.lr, cfg.data.batch_size, cfg.run.max_steps, cfg.pipeline.target_devices) == (1e-3, 3, 5, ["cpu", "cpu"])
     bad = tmp_path / "bad.toml"
     bad.write_text("lr = [\n")
     with pytest.raises(ConfigError, match="invalid TOML"):

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from dflash.telemetry import ProfileStats
+from dflash.train.config import TrainConfig
 from dflash.train.pipeline import Pipeline, TrainCounters
+from dflash.train.schema import updated
 
 CPU = torch.device("cpu")
 
 
-def _cfg(pipeline: bool = True, **kw) -> SimpleNamespace:
-    base = dict(pipeline=pipeline, batch_queue_size=2, hs_queue_size=2, threads_per_worker=None,
-                max_steps=None, max_time=None)
-    return SimpleNamespace(**{**base, **kw})
+def _cfg(pipeline: bool = True, **kw) -> TrainConfig:
+    return updated(TrainConfig(), **{"pipeline": pipeline, "batch_queue_size": 2, "hs_queue_size": 2, **kw})
 
 
 class Boom(RuntimeError):

@@ -52,7 +52,7 @@ class Components:
         """The start-of-run line about the target, the drafter and the data."""
         t, d = self.target, self.dcfg
         params = sum(p.numel() for p in self.drafter.drafter.parameters()) / 1e6
-        return (f"target {cfg.target}: {plural(t.num_layers, 'layer')}, hidden {t.hidden_size}, taps {t.layer_ids}; "
+        return (f"target {cfg.run.target}: {plural(t.num_layers, 'layer')}, hidden {t.hidden_size}, taps {t.layer_ids}; "
                 f"drafter {plural(d.num_layers, 'layer')}, {params:.2f}M params, block {d.block_size}, "
                 f"mask token {d.mask_token_id}; data {self.data_path} ({self.samples} samples)")
 
@@ -60,7 +60,7 @@ class Components:
 def build(cfg: TrainConfig, dist: Dist, ckpt: dict | None = None, faults: FaultPlan | None = None,
           log: Callable[[str], None] = print) -> Components:
     """Load the data and the target(s), make the drafter (from `ckpt`'s shape and weights when resuming)
-    and the stages around them. `--epochs` becomes `cfg.max_steps` here, once an epoch's length is known."""
+    and the stages around them. `--epochs` becomes `cfg.run.max_steps` here, once an epoch's length is known."""
     from dflash.data import DataError, load_samples, resolve_data
     from dflash.model.drafter import DFlashDrafter, DrafterConfig, init_from_target
     from dflash.model.export import DrafterLoadError, check_shapes
@@ -68,18 +68,18 @@ def build(cfg: TrainConfig, dist: Dist, ckpt: dict | None = None, faults: FaultP
     from dflash.telemetry import ProfileStats
 
     try:
-        data_path = resolve_data(cfg.data)
-        devices = [resolve(d) for d in cfg.target_devices]
-        drafter_device = resolve(cfg.drafter_device)
-        n_taps = cfg.drafter_layers or None
+        data_path = resolve_data(cfg.run.data)
+        devices = [resolve(d) for d in cfg.pipeline.target_devices]
+        drafter_device = resolve(cfg.pipeline.drafter_device)
+        n_taps = cfg.model.drafter_layers or None
         replicas: dict[torch.device, Any] = {}
         for dev in dict.fromkeys(devices):  # one replica per distinct device; CPU workers share one
-            replicas[dev] = load_target(cfg.target, device=dev, layer_ids=cfg.target_layer_ids,
+            replicas[dev] = load_target(cfg.run.target, device=dev, layer_ids=cfg.model.target_layer_ids,
                                         **({"num_draft_layers": n_taps} if n_taps else {}))
         first = replicas[devices[0]]
         if first.tokenizer is None:
-            raise TrainError(f"target {cfg.target!r} has no tokenizer: dflash needs one to read the data")
-        samples = load_samples(data_path, first.tokenizer, max_len=cfg.max_seq_len, min_loss_tokens=cfg.block_size)
+            raise TrainError(f"target {cfg.run.target!r} has no tokenizer: dflash needs one to read the data")
+        samples = load_samples(data_path, first.tokenizer, max_len=cfg.data.max_seq_len, min_loss_tokens=cfg.model.block_size)
     except (DataError, TargetError) as e:
         raise TrainError(str(e)) from None
     if len(samples) < dist.world_size:
@@ -95,35 +95,35 @@ def build(cfg: TrainConfig, dist: Dist, ckpt: dict | None = None, faults: FaultP
             raise TrainError(f"--resume: the checkpoint's drafter does not load: {e}") from None
     else:
         dcfg = DrafterConfig.for_target(
-            first.config, num_layers=cfg.drafter_layers or len(first.layer_ids), block_size=cfg.block_size,
-            target_layer_ids=first.layer_ids, mask_token_id=first.default_mask_token_id(), gamma=cfg.gamma,
+            first.config, num_layers=cfg.model.drafter_layers or len(first.layer_ids), block_size=cfg.model.block_size,
+            target_layer_ids=first.layer_ids, mask_token_id=first.default_mask_token_id(), gamma=cfg.model.gamma,
         )
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
+    torch.manual_seed(cfg.data.seed)
+    random.seed(cfg.data.seed)
     model = DFlashDrafter(dcfg)
-    if cfg.init_from_target and ckpt is None:
+    if cfg.model.init_from_target and ckpt is None:
         copied = init_from_target(model, first.model)
         log(f"drafter initialised from the target's top {plural(dcfg.num_layers, 'layer')} ({len(copied)} tensors)")
     model = model.to(drafter_device)
     # Same drafter init on every rank (DDP also broadcasts rank 0's), different anchors per rank.
-    generator = torch.Generator().manual_seed(cfg.seed + 1_000_003 * dist.rank)
+    generator = torch.Generator().manual_seed(cfg.data.seed + 1_000_003 * dist.rank)
 
-    stats = ProfileStats(enabled=cfg.telemetry)
-    if cfg.pipeline:
+    stats = ProfileStats(enabled=cfg.telemetry.enabled)
+    if cfg.pipeline.enabled:
         stats.worker("batch-producer")  # registered now so every snapshot lists it
     embed, lm_head = first.frozen_head(drafter_device)
     if ckpt is not None:
         model.load_state_dict(ckpt["drafter"])  # before DDP, which broadcasts rank 0's weights
     ddp = distributed.wrap_ddp(model, drafter_device, stats) if dist.enabled else None
     drafter = DrafterStage(model, embed, lm_head, drafter_device, cfg,
-                           stats.worker("drafter-0" if cfg.pipeline else "trainer"), generator, ddp, faults=faults)
+                           stats.worker("drafter-0" if cfg.pipeline.enabled else "trainer"), generator, ddp, faults=faults)
     targets = []
-    for i, dev in enumerate(devices if cfg.pipeline else devices[:1]):
-        name = f"target-{i}" if cfg.pipeline else "trainer"
+    for i, dev in enumerate(devices if cfg.pipeline.enabled else devices[:1]):
+        name = f"target-{i}" if cfg.pipeline.enabled else "trainer"
         targets.append(TargetStage(replicas[dev], drafter_device, stats.worker(name), name, faults=faults))
     cuda = drafter_device.type == "cuda" or any(t.device.type == "cuda" for t in targets)
-    source = BatchSource(samples, cfg.batch_size, cfg.seed, pad, dist.rank, dist.world_size,
-                         block_size=dcfg.block_size, num_anchors=cfg.num_anchors, pin=cuda)
+    source = BatchSource(samples, cfg.data.batch_size, cfg.data.seed, pad, dist.rank, dist.world_size,
+                         block_size=dcfg.block_size, num_anchors=cfg.model.num_anchors, pin=cuda)
     limit_epochs(cfg, source.per_epoch, log)
     return Components(first, targets, drafter, dcfg, source, stats, generator, data_path, len(samples))
 
@@ -131,12 +131,12 @@ def build(cfg: TrainConfig, dist: Dist, ckpt: dict | None = None, faults: FaultP
 def limit_epochs(cfg: TrainConfig, per_epoch: int, log: Callable[[str], None]) -> None:
     """--epochs becomes a step budget once the batches per epoch are known (the same on every rank),
     so the LR schedule, the stop and the progress line all count steps; the saved config shows it."""
-    if cfg.epochs is None:
+    if cfg.run.epochs is None:
         return
-    steps = max(1, math.ceil(cfg.epochs * per_epoch))
-    cfg.max_steps = min(cfg.max_steps, steps) if cfg.max_steps else steps
-    log(f"epochs:    {cfg.epochs:g} x {plural(per_epoch, 'step')} per pass over the data"
-        f" -> at most {plural(cfg.max_steps, 'step')}")
+    steps = max(1, math.ceil(cfg.run.epochs * per_epoch))
+    cfg.run.max_steps = min(cfg.run.max_steps, steps) if cfg.run.max_steps else steps
+    log(f"epochs:    {cfg.run.epochs:g} x {plural(per_epoch, 'step')} per pass over the data"
+        f" -> at most {plural(cfg.run.max_steps, 'step')}")
 
 
 def restore(ckpt: dict, parts: Components, dist: Dist, log: Callable[[str], None]) -> TrainCounters:

@@ -60,7 +60,7 @@ class Checkpointer:
         restarted by every save (or failed try)."""
         self.cfg, self.dist, self.parts, self.state = cfg, dist, parts, state
         self.clock, self.interval, self.report = clock, interval, report
-        self.run_dir = Path(cfg.run_dir)
+        self.run_dir = Path(cfg.run.run_dir)
         self.saved_step = state.step if state.step else -1  # a resumed run's step is on disk already
         self.failed = False
 
@@ -99,13 +99,13 @@ class Checkpointer:
                 "config": self.cfg.to_dict(),
             }
             try:
-                path = save_checkpoint(self.run_dir, st.step, state, self.cfg.keep_checkpoints, note=self.report.log)
+                path = save_checkpoint(self.run_dir, st.step, state, self.cfg.checkpoint.keep_checkpoints, note=self.report.log)
             except CheckpointError as e:
                 # What is on disk is intact and the next interval tries again. This step counts as
                 # done: a second try at the end of the run would gather alone, without the other ranks.
                 self._done(failed=True)
                 newest = list_checkpoints(self.run_dir)
-                then = "" if final else f"; training continues, next try in {self.cfg.checkpoint_every:g}s"
+                then = "" if final else f"; training continues, next try in {self.cfg.checkpoint.checkpoint_every:g}s"
                 self.report.event("warning", f"checkpoint {e}; newest good checkpoint: "
                                   f"{newest[-1].name if newest else 'none'}{then}", step=st.step)
                 return None

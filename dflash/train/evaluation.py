@@ -25,7 +25,7 @@ from dflash.words import plural
 class Evaluations:
     def __init__(self, cfg: TrainConfig, parts: Components, report: Reporter):
         self.cfg, self.parts, self.report = cfg, parts, report
-        self.log_path = Path(cfg.run_dir) / "evals.jsonl"
+        self.log_path = Path(cfg.run.run_dir) / "evals.jsonl"
 
     def run(self, step: int, in_training: bool = False) -> dict[str, Any]:
         """Evaluate the drafter as it is after `step`; returns the result's summary."""
@@ -33,9 +33,9 @@ class Evaluations:
         from dflash.eval.speculative import evaluate
 
         cfg, parts, stats = self.cfg, self.parts, self.parts.stats
-        prompts = load_prompts(cfg.data, parts.target.tokenizer, limit=cfg.eval_prompts)
+        prompts = load_prompts(cfg.run.data, parts.target.tokenizer, limit=cfg.eval.eval_prompts)
         what = "evaluation" if in_training else "final evaluation"
-        self.report.event("phase", f"{what}: {plural(len(prompts), 'prompt')} x {cfg.eval_max_new_tokens} "
+        self.report.event("phase", f"{what}: {plural(len(prompts), 'prompt')} x {cfg.eval.eval_max_new_tokens} "
                           "new tokens, speculative decoding against the target's own greedy output")
         t0 = time.monotonic()
 
@@ -48,7 +48,7 @@ class Evaluations:
         on_prompt(0, len(prompts))
         with parts.drafter.tel.span("eval"):  # evaluate() restores the drafter's train/eval mode itself
             result = evaluate(parts.drafter.drafter, parts.target, prompts,
-                              max_new_tokens=cfg.eval_max_new_tokens, on_prompt=on_prompt)
+                              max_new_tokens=cfg.eval.eval_max_new_tokens, on_prompt=on_prompt)
         summary = {**result.to_dict(), "step": step}
         with self.log_path.open("a") as f:
             f.write(json.dumps(summary) + "\n")

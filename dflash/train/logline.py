@@ -28,8 +28,8 @@ class LogLines:
         self.latest, self.verdict, self.report = latest, verdict, report
         self.cuda = list(dict.fromkeys(d for d in devices if d.type == "cuda"))
         self.clock = clock
-        self.logs = Interval(cfg.log_every, clock)
-        self.harvests = Interval(cfg.telemetry_interval, clock)
+        self.logs = Interval(cfg.run.log_every, clock)
+        self.harvests = Interval(cfg.telemetry.telemetry_interval, clock)
         self._totals = Totals()  # harvested since the last log line
         self._tokens_at_log = state.tokens
         self._logged_step = -1
@@ -39,7 +39,7 @@ class LogLines:
         """Whatever is due now."""
         for name, value in self.progress().gauges().items():
             self.stats.gauge(name, value)
-        if self.cfg.telemetry and self.harvests.due():
+        if self.cfg.telemetry.enabled and self.harvests.due():
             self.harvest()
             self.harvests.restart()
         if self.logs.due():
@@ -49,7 +49,7 @@ class LogLines:
         elapsed = self.pipeline.clock()
         ran = elapsed - self._start[1]
         rate = (self.state.step - self._start[0]) / ran if ran > 0 else None
-        return Progress(self.state.step, elapsed, self.cfg.max_steps, self.cfg.max_time, rate)
+        return Progress(self.state.step, elapsed, self.cfg.run.max_steps, self.cfg.run.max_time, rate)
 
     def harvest(self) -> None:
         """Read the device-side metric sums, publish them as gauges and metrics, and keep them for the
@@ -86,7 +86,7 @@ class LogLines:
         self.harvest()
         m, self._totals = self._totals.summary(), Totals()  # means over the steps since the last line
         batch_q, hs_q = self.pipeline.depths()
-        q = f"q batch {batch_q}/{self.cfg.batch_queue_size} hs {hs_q}/{self.cfg.hs_queue_size}"
+        q = f"q batch {batch_q}/{self.cfg.pipeline.batch_queue_size} hs {hs_q}/{self.cfg.pipeline.hs_queue_size}"
         self.report.log(f"{self.progress().text()} | loss {m['loss']:.3f} | acc {m['accuracy']:.3f} "
                         f"| sim_tau {m['sim_tau']:.2f} | {tps:,.0f} tok/s | lr {r.lr:.2e} "
                         f"| gnorm {m['grad_norm']:.2f} | {q}")

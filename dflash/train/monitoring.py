@@ -32,15 +32,15 @@ class Monitoring:
         from dflash.telemetry import TelemetryServer
 
         cfg, d = self.cfg, self.dist
-        if cfg.metrics_port is not None:
+        if cfg.telemetry.metrics_port is not None:
             self._serve_metrics()
         if d.enabled:
             from dflash.telemetry.cluster import ClusterExchange
 
             self.exchange = ClusterExchange(d.store, d.rank, d.world_size, self.latest,
-                                            interval_s=cfg.telemetry_interval)
-        server = TelemetryServer(run=cfg.name, stats=self.stats, interval_s=cfg.telemetry_interval,
-                                 run_dir=Path(cfg.run_dir).resolve(), socket_dir=cfg.socket_dir,
+                                            interval_s=cfg.telemetry.telemetry_interval)
+        server = TelemetryServer(run=cfg.name, stats=self.stats, interval_s=cfg.telemetry.telemetry_interval,
+                                 run_dir=Path(cfg.run.run_dir).resolve(), socket_dir=cfg.telemetry.socket_dir,
                                  rank=d.rank, world_size=d.world_size,
                                  on_publish=self.exporter.update if self.exporter else None,
                                  cluster_view=self.exchange.view if self.exchange and d.is_main else None,
@@ -62,12 +62,12 @@ class Monitoring:
 
         cfg, d = self.cfg, self.dist
         self.exporter = MetricsExporter(cfg.name, rank=d.rank)
-        want = cfg.metrics_port + d.local_rank if cfg.metrics_port else 0  # one port per rank on a node; 0: any
+        want = cfg.telemetry.metrics_port + d.local_rank if cfg.telemetry.metrics_port else 0  # one port per rank on a node; 0: any
         try:
-            port = self.exporter.serve(want, addr=cfg.metrics_addr)
+            port = self.exporter.serve(want, addr=cfg.telemetry.metrics_addr)
         except MetricsServerError as e:
             raise TrainError(str(e)) from None
-        self.report.say(f"metrics:   http://{cfg.metrics_addr}:{port}/metrics")
+        self.report.say(f"metrics:   http://{cfg.telemetry.metrics_addr}:{port}/metrics")
 
     def _monitors(self) -> list:
         """The judges the telemetry server runs on each window (the watchdog unless --stall-timeout 0)."""
@@ -77,16 +77,16 @@ class Monitoring:
 
         cfg = self.cfg
         monitors: list = [AnomalyDetector(emit=self.report.event)]
-        if cfg.gil_probe:
+        if cfg.telemetry.gil_probe:
             monitors.append(GilProbe())
-        if cfg.stall_timeout == 0:
+        if cfg.health.stall_timeout == 0:
             return monitors
 
         def on_stall(st: Any) -> None:  # publisher thread: only hand the stall to the main thread
             self.stall = st
 
-        self.watchdog = Watchdog(Path(cfg.run_dir).resolve(), cfg.stall_timeout or None, emit=self.report.event,
-                                 on_stall=on_stall if cfg.on_stall == "exit" else None)
+        self.watchdog = Watchdog(Path(cfg.run.run_dir).resolve(), cfg.health.stall_timeout or None, emit=self.report.event,
+                                 on_stall=on_stall if cfg.health.on_stall == "exit" else None)
         return [*monitors, self.watchdog]
 
     def latest(self) -> Any:
@@ -121,7 +121,7 @@ class Monitoring:
     def _linger_for_scrape(self) -> None:
         """Keep /metrics up until Prometheus has read the run's last snapshot (with the final
         evaluation's tau), at most --metrics-linger seconds: closing at once lost it every time."""
-        wait = self.cfg.metrics_linger
+        wait = self.cfg.telemetry.metrics_linger
         if wait > 0 and self.exporter.port is not None:
             self.report.say(f"metrics:   serving the final numbers until the next scrape (at most {wait:g} s; "
                             "--metrics-linger 0 skips this)")

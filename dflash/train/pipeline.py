@@ -95,8 +95,8 @@ class Pipeline:
         self.stop = threading.Event()
         self.failure: tuple[str, str] | None = None  # (worker name, formatted traceback)
         self.error: BaseException | None = None  # the exception behind `failure`
-        self.batch_q: queue.Queue = queue.Queue(maxsize=cfg.batch_queue_size)
-        self.hs_q: queue.Queue = queue.Queue(maxsize=cfg.hs_queue_size)
+        self.batch_q: queue.Queue = queue.Queue(maxsize=cfg.pipeline.batch_queue_size)
+        self.hs_q: queue.Queue = queue.Queue(maxsize=cfg.pipeline.hs_queue_size)
         self.threads: list[threading.Thread] = []
 
     # --- workers --------------------------------------------------------------------------------------
@@ -106,10 +106,10 @@ class Pipeline:
         def run() -> None:
             _name_os_thread(name)
             bind_thread(thread_device(*devices))
-            if self.cfg.threads_per_worker:
+            if self.cfg.pipeline.threads_per_worker:
                 # Per thread on purpose: OpenMP/MKL thread counts are thread-local, so setting it in the
                 # main thread does not reach matmuls issued from this one.
-                torch.set_num_threads(self.cfg.threads_per_worker)
+                torch.set_num_threads(self.cfg.pipeline.threads_per_worker)
             try:
                 body()
             except Stopped:
@@ -162,10 +162,10 @@ class Pipeline:
     def progress(self) -> float:
         """Fraction of the run done, by steps or by time, whichever is further along."""
         p = 0.0
-        if self.cfg.max_steps:
-            p = self.state.step / self.cfg.max_steps
-        if self.cfg.max_time:
-            p = max(p, self.clock() / self.cfg.max_time)
+        if self.cfg.run.max_steps:
+            p = self.state.step / self.cfg.run.max_steps
+        if self.cfg.run.max_time:
+            p = max(p, self.clock() / self.cfg.run.max_time)
         return min(1.0, p)
 
     def depths(self) -> tuple[int, int]:
@@ -193,7 +193,7 @@ class Pipeline:
         self._t0 = time.monotonic()
         drafter = self.drafter.device
         targets = [stage.device for stage in self.targets]
-        if self.cfg.pipeline:
+        if self.cfg.pipeline.enabled:
             # The producer pins batches, which needs the CUDA context of the GPU they will go to.
             self._thread("batch-producer", self._producer, *targets, drafter)
             for stage in self.targets:

@@ -194,13 +194,13 @@ class DrafterStage:
         # Fused AdamW keeps its step counters on the parameters' device and never reads them back;
         # the foreach/for-loop versions call `.item()` on them every step.
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95), fused=device.type in ("cuda", "cpu"),
+            [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": other, "weight_decay": 0.0}],
+            lr=cfg.optim.lr, betas=(0.9, 0.95), fused=device.type in ("cuda", "cpu"),
         )
         # bf16 activations on CUDA with fp32 master weights; plain fp32 on CPU (bf16 matmuls are
         # slower than fp32 on the CPUs we measured).
         self.autocast = device.type == "cuda"
-        self.guard = NonFiniteGuard(self.optimizer, device, getattr(cfg, "nonfinite_limit", 3))
+        self.guard = NonFiniteGuard(self.optimizer, device, cfg.health.nonfinite_limit)
         self.faults = faults
         self.span = device_span(telemetry, device)
 
@@ -216,7 +216,7 @@ class DrafterStage:
             ids = b.input_ids.to(self.device, non_blocking=True)
             attn = b.attention_mask.to(self.device, non_blocking=True)
             plan = b.plan if b.plan is not None else plan_blocks(
-                b.input_ids, b.loss_mask, self.drafter.config.block_size, self.cfg.num_anchors, self.generator)
+                b.input_ids, b.loss_mask, self.drafter.config.block_size, self.cfg.model.num_anchors, self.generator)
             plan = plan.to(self.device)
         with self.span("drafter_forward"), torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
             t0 = time.perf_counter()
@@ -234,10 +234,10 @@ class DrafterStage:
                     raise
                 raise explain_backward_error(self.forward_module, e, torch.distributed.get_rank()) from None
         with self.span("optimizer_step"):
-            lr = lr_at(progress, self.cfg.lr, self.cfg.warmup_ratio, self.cfg.min_lr_ratio)
+            lr = lr_at(progress, self.cfg.optim.lr, self.cfg.optim.warmup_ratio, self.cfg.optim.min_lr_ratio)
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.optim.grad_clip)
             self.guard.step(out.loss, grad_norm, b.index)  # skips a non-finite step, on the device
             self.optimizer.zero_grad(set_to_none=True)
         return StepResult(out=out, grad_norm=grad_norm.detach(), lr=lr, tokens=b.num_tokens,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import replace
 
 from dflash.train.config import TrainConfig
+from dflash.train.schema import updated
 from dflash.train.stages import StepResult
 from dflash.train.trainer import Trainer
 
@@ -24,7 +24,7 @@ def run_steady(cfg: TrainConfig, warmup: int, steps: int,
     Returns the finished Trainer; a worker that raised (e.g. a CUDA sync error) makes it fail the
     usual way, with that worker's traceback.
     """
-    cfg = replace(cfg, max_steps=warmup + steps, max_time=None, telemetry=False, metrics_port=None,
+    cfg = updated(cfg, max_steps=warmup + steps, max_time=None, telemetry=False, metrics_port=None,
                   log_every=1e9, eval_every=0, eval_prompts=0, checkpoint_every=1e9)
     active: list[AbstractContextManager] = []
 

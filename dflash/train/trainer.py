@@ -34,6 +34,7 @@ from dflash.train.metrics import StepMetrics
 from dflash.train.monitoring import Monitoring
 from dflash.train.pipeline import Pipeline, TrainCounters
 from dflash.train.reporting import Reporter
+from dflash.train.schema import flat_values
 from dflash.train.signals import stop_on_signals
 from dflash.train.stages import StepResult
 from dflash.train.trackers import TrackerError, Trackers, check_available
@@ -77,19 +78,19 @@ class Trainer:
             raise TrainError(str(e)) from None
         if faults is not None:
             report.say(f"fault injection (DFLASH_FAULT): {faults.describe()}")
-        ckpt = checkpoint_to_resume(Path(cfg.run_dir), d, self.resume, report)
+        ckpt = checkpoint_to_resume(Path(cfg.run.run_dir), d, self.resume, report)
         self.parts = parts = build(cfg, d, ckpt, faults, log=report.log)
         if ckpt is not None:
             self.state = restore(ckpt, parts, d, report.log)
         if d.is_main:
-            cfg.save(Path(cfg.run_dir) / "config.json")
-        report.log("config: " + " ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
+            cfg.save(Path(cfg.run.run_dir) / "config.json")
+        report.log("config: " + " ".join(f"{k}={v}" for k, v in flat_values(cfg).items()))
         report.log(parts.describe(cfg))
         if d.enabled:
             report.log(f"distributed: {d.world_size} ranks ({'nccl' if parts.drafter_device.type == 'cuda' else 'gloo'}), "
                        f"each with {len(parts.targets)} target worker(s) and one drafter in DDP; "
                        f"{parts.source.batch_size} samples per rank per step; collective timeout "
-                       f"{cfg.collective_timeout:.0f}s")
+                       f"{cfg.distributed.collective_timeout:.0f}s")
 
     def join_ranks(self) -> None:
         """Under torchrun: find this rank, map bare `cuda` to its GPU, join the process groups."""
@@ -98,9 +99,9 @@ class Trainer:
             self.dist = d = distributed.from_env()
             if not d.enabled:
                 return
-            cfg.target_devices = [distributed.localize(x, d) for x in cfg.target_devices]
-            cfg.drafter_device = distributed.localize(cfg.drafter_device, d)
-            distributed.init(d, torch.device(cfg.drafter_device).type == "cuda", cfg.collective_timeout)
+            cfg.pipeline.target_devices = [distributed.localize(x, d) for x in cfg.pipeline.target_devices]
+            cfg.pipeline.drafter_device = distributed.localize(cfg.pipeline.drafter_device, d)
+            distributed.init(d, torch.device(cfg.pipeline.drafter_device).type == "cuda", cfg.distributed.collective_timeout)
         except DistError as e:
             raise TrainError(str(e)) from None
 
@@ -110,7 +111,7 @@ class Trainer:
         monitoring."""
         cfg, d, parts, report = self.cfg, self.dist, self.parts, self.report
         agreement = distributed.Agreement(d) if d.enabled else None
-        self.control = StepControl(cfg.max_steps, cfg.max_time, cfg.checkpoint_every, cfg.eval_every,
+        self.control = StepControl(cfg.run.max_steps, cfg.run.max_time, cfg.checkpoint.checkpoint_every, cfg.eval.eval_every,
                                    is_main=d.is_main, agreement=agreement, trained=self.state.train_time)
         self.pipeline = Pipeline(parts.source, parts.targets, parts.drafter, cfg, parts.stats, self.state,
                                  self.on_step, clock=self.control.agreed_clock if agreement is not None else None)
@@ -118,7 +119,7 @@ class Trainer:
                                         report)
         self.evaluations = Evaluations(cfg, parts, report)
         self.nonfinite = NonFiniteWatch(parts.drafter.guard, parts.stats, report.event,
-                                        Interval(cfg.log_every, time.monotonic))
+                                        Interval(cfg.run.log_every, time.monotonic))
         self.monitoring = Monitoring(cfg, d, parts.stats, report)
 
     # --- the drafter thread's per-step hook -----------------------------------------------------------
@@ -160,22 +161,22 @@ class Trainer:
     def run(self) -> int:
         cfg, report = self.cfg, self.report
         try:
-            check_available(cfg.report_to)  # before minutes of loading, not after
+            check_available(cfg.telemetry.report_to)  # before minutes of loading, not after
         except TrackerError as e:
             raise TrainError(str(e)) from None
         self.setup()
-        if cfg.report_to and self.dist.is_main:
+        if cfg.telemetry.report_to and self.dist.is_main:
             try:
-                report.trackers = Trackers(cfg.report_to, Path(cfg.run_dir), cfg.name, cfg.to_dict())
+                report.trackers = Trackers(cfg.telemetry.report_to, Path(cfg.run.run_dir), cfg.name, flat_values(cfg))
             except TrackerError as e:
                 raise TrainError(str(e)) from None
-            report.log(f"trackers:  {', '.join(cfg.report_to)}")
+            report.log(f"trackers:  {', '.join(cfg.telemetry.report_to)}")
         self._wire()
         code = 0
         try:
             with stop_on_signals(self.stop_requested, report.log):
                 self.pipeline.start()  # threads first, so that the hello frame's thread map names every worker
-                if cfg.telemetry:
+                if cfg.telemetry.enabled:
                     self.monitoring.start()
                 else:
                     report.log("telemetry: off (--no-telemetry)")
@@ -187,7 +188,7 @@ class Trainer:
             self.monitoring.close(failed=code != 0, linger=not self.stop_requested.is_set())
             if report.trackers is not None:
                 report.trackers.close()
-        report.log(f"done: {self.state.step} steps, {self.state.tokens:,} tokens, run dir {cfg.run_dir}")
+        report.log(f"done: {self.state.step} steps, {self.state.tokens:,} tokens, run dir {cfg.run.run_dir}")
         if stalled and self.dist.enabled:
             sys.stdout.flush()
             os._exit(code)  # a collective is hung: tearing down the process group would hang with it
@@ -224,13 +225,13 @@ class Trainer:
         code = 0
         if self.checkpoints.failed:
             self.report.problem(f"the final checkpoint was not saved (see above): --resume continues from the "
-                                f"newest one in {self.cfg.run_dir}/checkpoints")
+                                f"newest one in {self.cfg.run.run_dir}/checkpoints")
             code = 1
         if self.nonfinite.stop_line is not None:
             self.report.problem(self.nonfinite.stop_line)
             self.report.event("error", self.nonfinite.stop_line)
             return 1
-        if not self.stop_requested.is_set() and self.cfg.eval_prompts > 0 and self.dist.is_main:
+        if not self.stop_requested.is_set() and self.cfg.eval.eval_prompts > 0 and self.dist.is_main:
             self.evaluate()
         return code
 
@@ -269,7 +270,7 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> int:
-    created = _missing_dirs(Path(cfg.run_dir))
+    created = _missing_dirs(Path(cfg.run.run_dir))
     try:
         return Trainer(cfg, resume=resume).run()
     except (TrainError, ConfigError, DistError) as e:

@@ -1,0 +1,191 @@
+"""What the section classes of `dflash/train/config.py` are turned into: a table of settings by flat
+name, the TOML file's keys, the command line's flags, and the merge of defaults <- hardware recipe <-
+file <- flags into a checked TrainConfig. Nothing here names a setting: a new field in a section class
+is a new flag and a new TOML key."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from dflash.train.config import ConfigError, TrainConfig
+from dflash.train.typecheck import coerce, is_bool, number_type
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One field of one section, under its flat name: the flag (with dashes), the top-level TOML key
+    and the key in a ``config.json`` saved before the sections existed."""
+
+    name: str
+    section: str
+    attr: str  # the field's name in its section class
+    hint: Any
+    default: Any
+    meta: Mapping[str, Any]
+
+    def get(self, cfg: TrainConfig) -> Any:
+        return getattr(getattr(cfg, self.section), self.attr)
+
+    def put(self, cfg: TrainConfig, value: Any) -> None:
+        setattr(getattr(cfg, self.section), self.attr, coerce(self.name, self.hint, value))
+
+
+def _collect() -> tuple[dict[str, str], dict[str, Setting]]:
+    sections, settings = {}, {}
+    for section, cls in typing.get_type_hints(TrainConfig).items():
+        sections[section] = cls.__doc__
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            name = f.metadata["flat"] or f.name
+            assert name not in settings, f"two settings are called {name!r}: flat names must stay unique"
+            settings[name] = Setting(name, section, f.name, hints[f.name], f.default, f.metadata)
+    return sections, settings
+
+
+#: section name -> the line heading its flags; flat name -> setting (in declaration order)
+SECTIONS, SETTINGS = _collect()
+
+
+def make_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any],
+                recipe: Mapping[str, Any] | None = None) -> TrainConfig:
+    """Defaults <- hardware recipe <- file <- CLI; unknown keys and wrong types are errors, not silently
+    ignored. With no step, time or epoch limit anywhere, the run makes one pass over the data."""
+    from dflash.train.recipes import fresh_run_dir
+
+    cfg = TrainConfig()
+    for where, values in (("recipe", recipe or {}), ("config file", file_values), ("command line", overrides)):
+        for name, value in flatten(values, where).items():
+            if value is not None or where != "command line":  # an absent flag is None
+                _setting(name, where).put(cfg, value)
+    run = cfg.run
+    if run.max_steps is None and run.max_time is None and run.epochs is None:
+        run.epochs = 1.0
+    if run.run_dir is None:
+        run.run_dir = fresh_run_dir()
+    cfg.validate()
+    return cfg
+
+
+def read_saved(values: Mapping[str, Any], where: str = "saved config") -> TrainConfig:
+    """A run's ``config.json`` or a checkpoint's "config" as the TrainConfig it was: nested by section,
+    or flat as releases before the sections wrote it. Type-checked, not validated (its devices need
+    not exist on this machine)."""
+    cfg = TrainConfig()
+    for name, value in flatten(values, where).items():
+        _setting(name, where).put(cfg, value)
+    return cfg
+
+
+def updated(cfg: TrainConfig, **values: Any) -> TrainConfig:
+    """A copy of `cfg` with some settings changed by flat name (``updated(cfg, max_steps=5)``)."""
+    new = copy.deepcopy(cfg)
+    for name, value in values.items():
+        _setting(name, "updated()").put(new, value)
+    return new
+
+
+def flat_values(cfg: TrainConfig) -> dict[str, Any]:
+    """Every setting by flat name: the start-up log line and the trackers' hyperparameters."""
+    return {s.name: s.get(cfg) for s in SETTINGS.values()}
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    """A TOML file's settings by flat name. Keys may sit at the top level or under ``[train]``, each
+    either flat (``lr = 3e-3``) or in its section's table (``[optim]`` / ``[train.optim]``)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML ({e})") from None
+    return flatten(data, str(path))
+
+
+def flatten(values: Mapping[str, Any], where: str = "config file") -> dict[str, Any]:
+    """Section tables (``{"optim": {"lr": 3e-3}}``) and a ``[train]`` table around them merged into
+    flat names; a key in the wrong section is refused, as is one set twice. Top-level keys pass
+    through (`_setting` checks them)."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if key == "train" and isinstance(value, dict):
+            pairs = list(flatten(value, where).items())
+        elif key in SECTIONS and isinstance(value, dict):  # `data = "demo"` is a setting, `[data]` a section
+            pairs = [(_in_section(key, sub, where).name, v) for sub, v in value.items()]
+        else:
+            pairs = [(key.replace("-", "_"), value)]
+        for name, v in pairs:
+            if name in flat:
+                raise ConfigError(f"{name} is set twice in {where}")
+            flat[name] = v
+    return flat
+
+
+def _setting(name: str, where: str) -> Setting:
+    if name not in SETTINGS:
+        raise _unknown(name, where, SETTINGS)
+    return SETTINGS[name]
+
+
+def _in_section(section: str, key: str, where: str) -> Setting:
+    """The setting `key` names in `section`'s table: its field name there or its flat name."""
+    own = {k: s for s in SETTINGS.values() if s.section == section for k in (s.attr, s.name)}
+    found = own.get(key.replace("-", "_"))
+    if found is not None:
+        return found
+    elsewhere = SETTINGS.get(key.replace("-", "_"))
+    if elsewhere is not None:
+        raise ConfigError(f"{key!r} in [{section}] of {where}: it belongs in [{elsewhere.section}]")
+    raise _unknown(key, f"[{section}] of {where}", own)
+
+
+def _unknown(key: str, where: str, known: Any) -> ConfigError:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown setting {key!r} in {where}{hint}")
+
+
+# --- the command line ------------------------------------------------------------------------------------
+
+def add_flags(parser: Any) -> None:
+    """One flag per setting that has a help line, grouped by section: ``--batch-size N``; a bool is
+    ``--name`` when it defaults to off and ``--no-name`` when it defaults to on (or takes its words,
+    ``--pipeline on|off``). Every flag defaults to None: only what is given overrides the file."""
+    groups = {name: parser.add_argument_group(f"{name}: {what}") for name, what in SECTIONS.items()}
+    for s in SETTINGS.values():
+        help, choices = s.meta["help"], s.meta["choices"]
+        if help is None:
+            continue
+        flag, add = "--" + s.name.replace("_", "-"), groups[s.section].add_argument
+        if choices is not None:
+            add(flag, dest=s.name, choices=list(choices), default=None, help=help)
+        elif is_bool(s.hint):
+            if s.default:
+                add("--no-" + flag[2:], dest=s.name, action="store_false", default=None, help=help)
+            else:
+                add(flag, dest=s.name, action="store_true", default=None, help=help)
+        else:
+            add(flag, dest=s.name, type=number_type(s.hint), default=None, metavar=s.meta["metavar"], help=help)
+
+
+def flag_values(args: Any) -> dict[str, Any]:
+    """The settings given on the command line (words mapped to their values), for make_config."""
+    out = {}
+    for s in SETTINGS.values():
+        value = getattr(args, s.name, None)
+        if value is not None and isinstance(s.meta["choices"], dict):
+            value = s.meta["choices"][value]
+        out[s.name] = value
+    return out
