@@ -100,25 +100,3 @@ def test_a_sectioned_toml_and_a_flat_one_make_the_same_config(tmp_path):
                          '[run]\ndata = "demo"\n')
     a, b = make_config(load_toml(flat), {}), make_config(load_toml(sectioned), {})
     assert a.to_dict() == b.to_dict() and (b.optim.lr, b.data.batch_size, b.pipeline.enabled) == (3e-3, 2, False)
-
-
-def test_every_setting_with_help_has_its_flag_and_the_flags_reach_the_config():
-    """The flags are derived from TrainConfig's fields: a new setting needs no hand-written flag."""
-    import argparse
-    from dataclasses import fields
-
-    from dflash.train.config import TrainConfig, add_flags, flag_values
-
-    p = argparse.ArgumentParser()
-    add_flags(p)
-    flags = {s for a in p._actions for s in a.option_strings}
-    for f in fields(TrainConfig):
-        name = f.name.replace("_", "-")
-        assert f"--{name}" in flags or f"--no-{name}" in flags, f"no flag for {f.name}"
-    args = p.parse_args(["--pipeline", "off", "--target-layer-ids", "1,3,5", "--no-telemetry", "--lr", "0.01",
-                         "--report-to", "none", "--init-from-target", "--max-steps", "2", "--target-devices",
-                         "cpu,cpu"])
-    cfg = make_config({}, flag_values(args))
-    assert (cfg.pipeline.enabled, cfg.model.target_layer_ids, cfg.telemetry.enabled, cfg.optim.lr) == (False, [1, 3, 5], False, 0.01)
-    assert (cfg.telemetry.report_to, cfg.model.init_from_target, cfg.pipeline.target_devices) == ([], True, ["cpu", "cpu"])
-    assert make_config({"gil_probe": False, "max_steps": 1}, flag_values(p.parse_args([]))).telemetry.gil_probe is False
