@@ -59,10 +59,9 @@ def make_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any],
     from dflash.train.recipes import fresh_run_dir
 
     cfg = TrainConfig()
-    for where, values in (("recipe", recipe or {}), ("config file", file_values), ("command line", overrides)):
-        for name, value in flatten(values, where).items():
-            if value is not None or where != "command line":  # an absent flag is None
-                _setting(name, where).put(cfg, value)
+    for where, values in (("recipe", recipe or {}), ("config file", file_values)):
+        _apply(cfg, values, where)
+    _apply(cfg, {k: v for k, v in overrides.items() if v is not None}, "command line")  # absent flags are None
     run = cfg.run
     if run.max_steps is None and run.max_time is None and run.epochs is None:
         run.epochs = 1.0
@@ -76,18 +75,12 @@ def read_saved(values: Mapping[str, Any], where: str = "saved config") -> TrainC
     """A run's ``config.json`` or a checkpoint's "config" as the TrainConfig it was: nested by section,
     or flat as releases before the sections wrote it. Type-checked, not validated (its devices need
     not exist on this machine)."""
-    cfg = TrainConfig()
-    for name, value in flatten(values, where).items():
-        _setting(name, where).put(cfg, value)
-    return cfg
+    return _apply(TrainConfig(), values, where)
 
 
 def updated(cfg: TrainConfig, **values: Any) -> TrainConfig:
     """A copy of `cfg` with some settings changed by flat name (``updated(cfg, max_steps=5)``)."""
-    new = copy.deepcopy(cfg)
-    for name, value in values.items():
-        _setting(name, "updated()").put(new, value)
-    return new
+    return _apply(copy.deepcopy(cfg), values, "updated()")
 
 
 def flat_values(cfg: TrainConfig) -> dict[str, Any]:
@@ -131,6 +124,12 @@ def flatten(values: Mapping[str, Any], where: str = "config file") -> dict[str, 
                 raise ConfigError(f"{name} is set twice in {where}")
             flat[name] = v
     return flat
+
+
+def _apply(cfg: TrainConfig, values: Mapping[str, Any], where: str) -> TrainConfig:
+    for name, value in flatten(values, where).items():
+        _setting(name, where).put(cfg, value)
+    return cfg
 
 
 def _setting(name: str, where: str) -> Setting:
