@@ -98,7 +98,8 @@ def main() -> int:
             ("loss (interval mean of the recorded gauge)", lambda c: f"{c['loss']:.2f}"),
             ("simulated tau (interval mean, training batches)", lambda c: f"{c['sim_tau']:.2f}"),
             ("**real tau** (held-out prompts)", lambda c: f"**{c['tau']:.2f}**"),
-            ("acceptance of draft slots 1 / 2 / 3", lambda c: "/".join(f"{a:.2f}".lstrip("0") for a in c["acceptance"])),
+            ("acceptance of draft slots 1 / 2 / 3",
+             lambda c: "/".join(f"{a:.2f}".lstrip("0") for a in c["acceptance"])),
             ("lossless (output == the target's own greedy decode)", lambda c: "yes" if c["lossless"] else "NO")]
     for name, cell in rows:
         print(f"| {name} | " + " | ".join(cell(c) for c in columns) + " |")

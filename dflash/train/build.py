@@ -52,7 +52,8 @@ class Components:
         """The start-of-run line about the target, the drafter and the data."""
         t, d = self.target, self.dcfg
         params = sum(p.numel() for p in self.drafter.drafter.parameters()) / 1e6
-        return (f"target {cfg.run.target}: {plural(t.num_layers, 'layer')}, hidden {t.hidden_size}, taps {t.layer_ids}; "
+        return (f"target {cfg.run.target}: {plural(t.num_layers, 'layer')}, hidden {t.hidden_size}, "
+                f"taps {t.layer_ids}; "
                 f"drafter {plural(d.num_layers, 'layer')}, {params:.2f}M params, block {d.block_size}, "
                 f"mask token {d.mask_token_id}; data {self.data_path} ({self.samples} samples)")
 
@@ -79,7 +80,8 @@ def build(cfg: TrainConfig, dist: Dist, ckpt: dict | None = None, faults: FaultP
         first = replicas[devices[0]]
         if first.tokenizer is None:
             raise TrainError(f"target {cfg.run.target!r} has no tokenizer: dflash needs one to read the data")
-        samples = load_samples(data_path, first.tokenizer, max_len=cfg.data.max_seq_len, min_loss_tokens=cfg.model.block_size)
+        samples = load_samples(data_path, first.tokenizer, max_len=cfg.data.max_seq_len,
+                               min_loss_tokens=cfg.model.block_size)
     except (DataError, TargetError) as e:
         raise TrainError(str(e)) from None
     if len(samples) < dist.world_size:
@@ -116,7 +118,8 @@ def build(cfg: TrainConfig, dist: Dist, ckpt: dict | None = None, faults: FaultP
         model.load_state_dict(ckpt["drafter"])  # before DDP, which broadcasts rank 0's weights
     ddp = distributed.wrap_ddp(model, drafter_device, stats) if dist.enabled else None
     drafter = DrafterStage(model, embed, lm_head, drafter_device, cfg,
-                           stats.worker("drafter-0" if cfg.pipeline.enabled else "trainer"), generator, ddp, faults=faults)
+                           stats.worker("drafter-0" if cfg.pipeline.enabled else "trainer"), generator, ddp,
+                           faults=faults)
     targets = []
     for i, dev in enumerate(devices if cfg.pipeline.enabled else devices[:1]):
         name = f"target-{i}" if cfg.pipeline.enabled else "trainer"

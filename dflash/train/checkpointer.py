@@ -99,7 +99,8 @@ class Checkpointer:
                 "config": self.cfg.to_dict(),
             }
             try:
-                path = save_checkpoint(self.run_dir, st.step, state, self.cfg.checkpoint.keep_checkpoints, note=self.report.log)
+                path = save_checkpoint(self.run_dir, st.step, state, self.cfg.checkpoint.keep_checkpoints,
+                                       note=self.report.log)
             except CheckpointError as e:
                 # What is on disk is intact and the next interval tries again. This step counts as
                 # done: a second try at the end of the run would gather alone, without the other ranks.

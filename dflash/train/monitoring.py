@@ -62,7 +62,8 @@ class Monitoring:
 
         cfg, d = self.cfg, self.dist
         self.exporter = MetricsExporter(cfg.name, rank=d.rank)
-        want = cfg.telemetry.metrics_port + d.local_rank if cfg.telemetry.metrics_port else 0  # one port per rank on a node; 0: any
+        given = cfg.telemetry.metrics_port
+        want = given + d.local_rank if given else 0  # one port per rank on a node; 0: any free one
         try:
             port = self.exporter.serve(want, addr=cfg.telemetry.metrics_addr)
         except MetricsServerError as e:
@@ -85,8 +86,8 @@ class Monitoring:
         def on_stall(st: Any) -> None:  # publisher thread: only hand the stall to the main thread
             self.stall = st
 
-        self.watchdog = Watchdog(Path(cfg.run.run_dir).resolve(), cfg.health.stall_timeout or None, emit=self.report.event,
-                                 on_stall=on_stall if cfg.health.on_stall == "exit" else None)
+        self.watchdog = Watchdog(Path(cfg.run.run_dir).resolve(), cfg.health.stall_timeout or None,
+                                 emit=self.report.event, on_stall=on_stall if cfg.health.on_stall == "exit" else None)
         return [*monitors, self.watchdog]
 
     def latest(self) -> Any:

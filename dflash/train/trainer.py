@@ -87,7 +87,8 @@ class Trainer:
         report.log("config: " + " ".join(f"{k}={v}" for k, v in flat_values(cfg).items()))
         report.log(parts.describe(cfg))
         if d.enabled:
-            report.log(f"distributed: {d.world_size} ranks ({'nccl' if parts.drafter_device.type == 'cuda' else 'gloo'}), "
+            backend = "nccl" if parts.drafter_device.type == "cuda" else "gloo"
+            report.log(f"distributed: {d.world_size} ranks ({backend}), "
                        f"each with {len(parts.targets)} target worker(s) and one drafter in DDP; "
                        f"{parts.source.batch_size} samples per rank per step; collective timeout "
                        f"{cfg.distributed.collective_timeout:.0f}s")
@@ -101,7 +102,8 @@ class Trainer:
                 return
             cfg.pipeline.target_devices = [distributed.localize(x, d) for x in cfg.pipeline.target_devices]
             cfg.pipeline.drafter_device = distributed.localize(cfg.pipeline.drafter_device, d)
-            distributed.init(d, torch.device(cfg.pipeline.drafter_device).type == "cuda", cfg.distributed.collective_timeout)
+            cuda = torch.device(cfg.pipeline.drafter_device).type == "cuda"
+            distributed.init(d, cuda, cfg.distributed.collective_timeout)
         except DistError as e:
             raise TrainError(str(e)) from None
 
@@ -111,7 +113,8 @@ class Trainer:
         monitoring."""
         cfg, d, parts, report = self.cfg, self.dist, self.parts, self.report
         agreement = distributed.Agreement(d) if d.enabled else None
-        self.control = StepControl(cfg.run.max_steps, cfg.run.max_time, cfg.checkpoint.checkpoint_every, cfg.eval.eval_every,
+        self.control = StepControl(cfg.run.max_steps, cfg.run.max_time, cfg.checkpoint.checkpoint_every,
+                                   cfg.eval.eval_every,
                                    is_main=d.is_main, agreement=agreement, trained=self.state.train_time)
         self.pipeline = Pipeline(parts.source, parts.targets, parts.drafter, cfg, parts.stats, self.state,
                                  self.on_step, clock=self.control.agreed_clock if agreement is not None else None)
