@@ -110,7 +110,9 @@ def make_parts(ctx: Ctx, target, drafter_layers: int, seq_len: int, num_anchors:
     drafter = DFlashDrafter(dcfg).to(dev)
     embed, head = target.frozen_head(dev)  # as the trainer does: the target's dtype, shared weights
     stats = ProfileStats()
-    source = BatchSource(rows, batch_size, seed=0, pad_id=0)
+    # as build() makes it: anchors planned by the batch producer, batches pinned for a CUDA copy
+    source = BatchSource(rows, batch_size, seed=0, pad_id=0, block_size=dcfg.block_size, num_anchors=num_anchors,
+                         pin=dev.type == "cuda")
     tstage = TargetStage(target, dev, stats.worker("target-0"), "target-0")
     dstage = DrafterStage(drafter, embed, head, dev, cfg, stats.worker("drafter-0"), torch.Generator().manual_seed(2))
     return source, tstage, dstage, cfg, stats
