@@ -19,6 +19,20 @@ from dflash.telemetry import protocol
 REPO = Path(__file__).resolve().parents[1]
 
 
+def wait_until(cond: Callable[[], object], timeout: float = 10.0, what: str = "the condition",
+               proc: subprocess.Popen | None = None, output: Callable[[], str] | None = None) -> None:
+    """Poll `cond` until it holds: tests wait on conditions, never on fixed pauses. With `proc`, a
+    process that exits first fails at once; `output()` (a log's tail, say) goes into either failure."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        tail = f":\n{output()}" if output is not None else ""
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the process exited (code {proc.returncode}) before {what}{tail}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}{tail}")
+        time.sleep(0.02)
+
+
 @pytest.fixture
 def run_python() -> Callable[..., str]:
     """`run_python(code, timeout=60)`: run `code` in a fresh interpreter from the repository root and

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_until
 from test_model_helpers import make_target_dir, make_tokenizer
 from test_train_pipeline import _cfg, _cli, _env, _write_data
 
@@ -257,13 +258,7 @@ def small_fs(tmp_path):
 
 
 def _wait(cond, timeout: float, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if proc.poll() is not None:
-            raise AssertionError(f"trainer exited early:\n{log.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out:\n{log.read_text()[-3000:]}")
-        time.sleep(0.05)
+    wait_until(cond, timeout, "the trainer", proc=proc, output=lambda: log.read_text()[-3000:])
 
 
 def _verified_steps(run: Path) -> list[int]:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
 from dflash.telemetry import ProfileStats
 from dflash.telemetry.cluster import _Smoother, build_cluster, make_report
@@ -17,14 +18,6 @@ from dflash.telemetry.reader import read_frames
 from dflash.telemetry.server import TelemetryServer, thread_map
 from dflash.telemetry.summary import Summary
 from dflash.telemetry.watchdog import FIRST_GRACE_S, Watchdog
-
-
-def _wait(cond, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
 
 
 def blocking_call(release: threading.Event) -> None:
@@ -91,18 +84,18 @@ def test_a_stalled_thread_is_reported_with_its_stack_then_recovers(tmp_path: Pat
         t = threading.Thread(target=worker, name="drafter-0", daemon=True)
         t.start()
         assert entered.wait(10)
-        _wait(lambda: wd.stalled)
+        wait_until(lambda: wd.stalled, 20.0)
         st = wd.stalled[0]
         assert st.worker == "drafter-0" and st.category == "drafter_backward" and st.basis == "--stall-timeout"
         assert "blocking_call" in st.frame
         stack = Path(st.stack_file).read_text()
         assert '"drafter-0" (stalled)' in stack.split("\n\n")[1] and "blocking_call" in stack.split("\n\n")[1]
-        _wait(lambda: srv.latest() is not None and srv.latest().stalls)
+        wait_until(lambda: srv.latest() is not None and srv.latest().stalls, 20.0)
         assert srv.latest().stalls[0].worker == "drafter-0"
         wd.join_dumps()  # while the worker is still stuck
         release.set()
         t.join(10)
-        _wait(lambda: not wd.stalled)
+        wait_until(lambda: not wd.stalled, 20.0)
     frames = list(read_frames(tmp_path / "telemetry.jsonl"))
     kinds = [f.kind for f in frames if isinstance(f, Event)]
     assert kinds.count("stall") == 1 and kinds.count("recovered") == 1

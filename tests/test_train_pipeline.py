@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_until
 from test_model_helpers import WORDS, make_target_dir, make_tokenizer, one_thread  # noqa: F401
 
 from dflash.telemetry.reader import read_frames
@@ -200,13 +201,8 @@ def _peek(run_dir: Path) -> str:
 
 
 def _wait_for(cond, timeout: float, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if proc.poll() is not None:
-            raise AssertionError(f"trainer exited early: {proc.communicate()[1][-2000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for the trainer")
-        time.sleep(0.1)
+    wait_until(cond, timeout, "the trainer", proc=proc,
+               output=lambda: proc.communicate()[1][-2000:] if proc.poll() is not None else "")
 
 
 def test_sigkill_mid_run_then_resume(setup, tmp_path):

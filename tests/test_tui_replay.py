@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
 from dflash.telemetry import protocol
 from dflash.telemetry.sockets import SocketInfo, discover, group_jobs
@@ -187,13 +188,6 @@ def _snapshot_seqs(updates: list[SourceUpdate]) -> list[int]:
     return [f.seq for f in frames_of(updates) if isinstance(f, protocol.Snapshot)]
 
 
-def _wait(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
-
-
 def test_replay_knows_its_length_and_seeks_both_ways(tmp_path: Path) -> None:
     """A 60 s recording (121 snapshots 0.5 s apart), paused: +10 s delivers up to that time at once,
     -10 s starts the stream over (reset) and fast-forwards to the earlier time, and a jump past the
@@ -206,17 +200,17 @@ def test_replay_knows_its_length_and_seeks_both_ways(tmp_path: Path) -> None:
     assert src.end_t - src.start_t == 60.0
     assert src.where() == "0:00 / 1:00 at 1x, paused"
     src.step()
-    _wait(lambda: src.position == src.start_t)
+    wait_until(lambda: src.position == src.start_t)
     drain(q)
     src.seek(delta=10)
-    _wait(lambda: src.position == src.start_t + 10)
+    wait_until(lambda: src.position == src.start_t + 10)
     assert _snapshot_seqs(drain(q)) == list(range(2, 22)) and src.where() == "0:10 / 1:00 at 1x, paused"
     src.seek(delta=-4)
-    _wait(lambda: src.position == src.start_t + 6)
+    wait_until(lambda: src.position == src.start_t + 6)
     back = drain(q)
     assert back[0].reset and _snapshot_seqs(back) == list(range(1, 14))
     src.seek(to=1000)
-    _wait(lambda: src.position == src.end_t)
+    wait_until(lambda: src.position == src.end_t)
     assert src.where() == "1:00 / 1:00 at 1x, paused"
     src.stop()
 
@@ -228,7 +222,7 @@ def test_seeking_back_after_the_end_reads_the_recording_again(tmp_path: Path) ->
     src.start(q.put)
     drain(q, Connection.ENDED)
     src.seek(to=2)
-    _wait(lambda: src.finished.is_set() and src.position == src.end_t)
+    wait_until(lambda: src.finished.is_set() and src.position == src.end_t)
     again = drain(q, Connection.ENDED)
     assert again[0].reset and _snapshot_seqs(again) == list(range(1, 22))
     src.stop()
