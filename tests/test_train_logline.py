@@ -67,3 +67,33 @@ def test_a_line_per_interval_only_when_steps_were_made() -> None:
     now[0] = 40.0
     lines.tick()
     assert len(out) == 1  # nothing new to say
+
+
+def test_the_last_line_judges_the_whole_run_not_its_wind_down_window() -> None:
+    """Between intervals the line shows the verdict dflash-top shows (the window's); the last line of
+    the run judges the cumulative shares: the last window is the wind-down, where a stage that waits
+    on a stopped one looks blocked (84% there against 25% over the run, in a real `make train`)."""
+    from dflash.telemetry.analysis import analyze
+    from dflash.telemetry.protocol import CategoryStats, Snapshot
+
+    def cs(share: float) -> CategoryStats:
+        return CategoryStats(n=10, total=share, mean=share / 10, p50=share / 10, p95=share / 10,
+                             max=share / 10, share=share)
+
+    def shares(put: float) -> dict:
+        return {"target-0": {"target_forward": cs(1 - put), "hs_queue_put": cs(put)},
+                "drafter-0": {"drafter_forward": cs(0.4), "drafter_backward": cs(0.6)}}
+
+    run, wind_down = shares(0.25), analyze(shares(0.84))
+    assert "84%" in wind_down.reason and "25%" in analyze(run).reason
+    now, out = [0.0], []
+    state, metrics = TrainCounters(), StepMetrics()
+    lines = LogLines(TrainConfig(), state, _Stats(), metrics, _Pipeline(now),
+                     latest=lambda: Snapshot(seq=1, t=0.0, interval_s=1.0, cumulative=run),
+                     verdict=lambda: wind_down, report=Reporter(out.append), devices=[], clock=lambda: now[0])
+    for final in (False, True):
+        _step(state, metrics, loss=2.0, tokens=100)
+        now[0] += 10.0
+        lines.write(final=final)
+    verdicts = [line for line in out if line.startswith("bottleneck:")]
+    assert len(verdicts) == 2 and "84%" in verdicts[0] and "25%" in verdicts[1], verdicts

@@ -72,9 +72,10 @@ class LogLines:
                 self.stats.gauge(f"cuda{i}_reserved_bytes", m.get("reserved_bytes.all.current", 0))
                 self.stats.gauge(f"cuda{i}_alloc_retries", m.get("num_alloc_retries", 0))
 
-    def write(self) -> None:
+    def write(self, final: bool = False) -> None:
         """The log line for the steps since the last one (nothing when no step was made: a line per
-        interval without progress would only be noise), the table and the verdict."""
+        interval without progress would only be noise), the table and the verdict. The `final` one
+        judges the whole run: its last window holds the wind-down, when every stage waits on another."""
         st, r = self.state, self.state.last
         dt = max(1e-9, self.clock() - self.logs.last)
         tps = (st.tokens - self._tokens_at_log) / dt
@@ -97,7 +98,7 @@ class LogLines:
 
             # Cumulative: a 1 s window is too noisy for a line printed every few seconds.
             self.report.log(format_profile_stats(summary, limit=12, cumulative=True))
-            b = self.verdict() or analyze(summary.cumulative)
+            b = (None if final else self.verdict()) or analyze(summary.cumulative)
             self.report.log(f"bottleneck: {b.verdict}" + (f" - {b.reason}" if b.reason else ""))
         if self.report.trackers is not None:
             self.report.trackers.log(st.step, interval_scalars(

@@ -216,7 +216,7 @@ class Trainer:
             code = self._report_failure()
         else:
             m.publish_now()  # a run shorter than one interval still ends with its table
-            lines.write()
+            lines.write(final=True)
             code = self._finish()
         if stuck:
             self.report.log(f"warning: workers did not exit in time: {', '.join(stuck)}")
