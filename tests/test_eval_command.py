@@ -91,3 +91,27 @@ def test_exit_status_is_1_only_for_a_real_divergence(setup, capsys, monkeypatch,
     captured = capsys.readouterr()
     assert "near-tie (rounding, not a loss)" in captured.err and "NOT LOSSLESS" not in captured.err
     assert "left greedy only at a near-tie" in captured.out
+
+
+def test_a_run_is_evaluated_against_the_target_it_trained_against(setup, capsys, tmp_path):
+    """Without --target, `dflash eval` reads the run's config.json (a run directory, or the one above a
+    checkpoint file) instead of assuming the built-in target, whose shapes would not fit."""
+    from dflash.train.config import TrainConfig
+    from dflash.train.schema import config_beside, updated
+
+    root, target_dir, data = setup
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000001.pt").write_bytes((root / "ckpt.pt").read_bytes())
+    updated(TrainConfig(), target=str(target_dir), run_dir=str(run)).save(run / "config.json")
+    args = ["--data", str(data), "--max-new-tokens", "6", "--num-prompts", "1", "--json", "--device", "cpu"]
+    for drafter in (run, run / "checkpoints" / "step-00000001.pt"):
+        assert main(["eval", "--drafter", str(drafter), *args]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["lossless"] is True
+        assert f"target {target_dir} (the one its run trained against" in err
+    # an export's config.json is the drafter's own, and a config.json that is not a run's is no guide
+    assert config_beside(root / "export") is None
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"model_type": "qwen3"}')
+    assert config_beside(tmp_path / "other") is None

@@ -12,7 +12,8 @@ from dflash.cli import CliError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help="checkpoint file, run directory, or export directory")
-    p.add_argument("--target", default="tiny", help="local Hugging Face model directory, or 'tiny' (default)")
+    p.add_argument("--target", default=None, help="local Hugging Face model directory, or 'tiny' (default: the "
+                   "target the drafter's run trained against, from its config.json; else 'tiny')")
     p.add_argument("--data", default="demo", help="prompts: a JSONL file, or 'demo' (default)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=16)
@@ -41,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
         drafter = load_drafter(args.drafter)
     except DrafterLoadError as e:
         raise CliError(str(e)) from e
+    if args.target is None:
+        args.target = _trained_against(args.drafter)
     bs = args.block_size or drafter.config.block_size
     if not 2 <= bs <= drafter.config.block_size:
         raise CliError(f"--block-size must be between 2 and the drafter's {drafter.config.block_size}")
@@ -80,6 +83,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"dflash eval: NOT LOSSLESS on prompts {result.mismatched_prompts}", file=sys.stderr)
         return 1
     return 0
+
+
+def _trained_against(drafter: str) -> str:
+    """The target named in the drafter's run config (said on stderr, so --json output stays one
+    object), or the built-in one."""
+    from dflash.train.schema import config_beside
+
+    cfg = config_beside(drafter)
+    if cfg is None:
+        return "tiny"
+    print(f"dflash eval: target {cfg.run.target} (the one its run trained against; --target to change)",
+          file=sys.stderr)
+    return cfg.run.target
 
 
 def format_result(r) -> str:

@@ -78,6 +78,27 @@ def read_saved(values: Mapping[str, Any], where: str = "saved config") -> TrainC
     return _apply(TrainConfig(), values, where)
 
 
+#: a run's config.json is a few KB; anything far larger is not one
+_MAX_SAVED_BYTES = 1 << 20
+
+
+def config_beside(drafter: str | Path) -> TrainConfig | None:
+    """The training config of the run a drafter comes from: ``config.json`` in a run directory, or in
+    the run directory above a checkpoint file (``<run>/checkpoints/step-N.pt``). None where there is
+    none that reads (an export directory's config.json is the drafter's own, not a run's)."""
+    import json
+
+    p = Path(drafter).expanduser()
+    path = (p.parent.parent if p.is_file() else p) / "config.json"
+    try:
+        if not path.is_file() or path.stat().st_size > _MAX_SAVED_BYTES:
+            return None
+        values = json.loads(path.read_text())
+        return read_saved(values, str(path)) if isinstance(values, dict) else None
+    except (OSError, ValueError):  # ConfigError is a ValueError: not a run's config
+        return None
+
+
 def updated(cfg: TrainConfig, **values: Any) -> TrainConfig:
     """A copy of `cfg` with some settings changed by flat name (``updated(cfg, max_steps=5)``)."""
     return _apply(copy.deepcopy(cfg), values, "updated()")
