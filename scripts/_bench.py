@@ -70,6 +70,6 @@ def print_report(report: dict, as_json: bool) -> None:
     width = max(len(k) for k in report)
     for k, v in report.items():
         print(f"{k:>{width}}: {v}")
-    if report["busy_machine"]:
+    if report.get("busy_machine"):
         print(f"WARNING: other processes used {report['foreign_load_cores']:.2f} cores during the run; "
               "figures are unreliable")

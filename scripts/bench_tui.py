@@ -15,7 +15,6 @@ so numbers from a busy machine can be read for what they are.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import signal
 import struct
@@ -32,7 +31,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _bench import ForeignLoad, bench_parser, process_seconds  # noqa: E402
+from _bench import ForeignLoad, bench_parser, print_report, process_seconds  # noqa: E402
 
 from dflash_tui import synthetic  # noqa: E402
 
@@ -149,6 +148,7 @@ def bench_attached(work: Path, seconds: float, workers: int) -> dict:
                 "cpu_percent_of_core": round(100 * (t1 - t0) / wall, 2),
                 "trainer_cpu_percent": round(100 * (r1 - r0) / wall, 1),
                 "foreign_load_cores": round(load.cores, 2),
+                "busy_machine": load.cores > 0.2,
                 "attached_window_s": round(wall, 1),
             }
         finally:
@@ -218,11 +218,7 @@ def main() -> int:
         "first_frame_s<=1": result["first_frame_s"] <= 1.0,
         "replay_memory_flat(<=8MB)": result["replay_rss_growth_mb"] <= 8.0 and result["replay_finished"],
     }
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        for k, v in result.items():
-            print(f"{k:>26}: {v}")
+    print_report(result, args.json)
     return 0
 
 

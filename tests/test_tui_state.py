@@ -214,13 +214,10 @@ def test_once_summary_and_text_carry_the_cluster_view() -> None:
     assert summarize(single)["cluster"] is None and "cluster" not in render_text(summarize(single))
 
 
-def test_dflash_top_takes_only_the_protocol_from_dflash_and_never_torch():
-    import subprocess
-    import sys
-
+def test_dflash_top_takes_only_the_protocol_from_dflash_and_never_torch(run_python):
     code = ("import sys, dflash_tui.app, dflash_tui.cli, dflash_tui.headless, dflash_tui.pyspy, dflash_tui.ranks\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dflash', 'torch')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = run_python(code)
     # the protocol side only: the frames, their reader, where the sockets are, the table's text
     assert out.strip() == ("['dflash', 'dflash.telemetry', 'dflash.telemetry.protocol', 'dflash.telemetry.reader', "
                            "'dflash.telemetry.sockets', 'dflash.telemetry.table']")
