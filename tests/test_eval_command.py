@@ -110,8 +110,10 @@ def test_a_run_is_evaluated_against_the_target_it_trained_against(setup, capsys,
         out, err = capsys.readouterr()
         assert json.loads(out)["lossless"] is True
         assert f"target {target_dir} (the one its run trained against" in err
-    # an export's config.json is the drafter's own, and a config.json that is not a run's is no guide
-    assert config_beside(root / "export") is None
-    (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "config.json").write_text('{"model_type": "qwen3"}')
-    assert config_beside(tmp_path / "other") is None
+    # an export's config.json is the drafter's own; a loose checkpoint file has no run around it
+    assert config_beside(root / "export") is None and config_beside(root / "ckpt.pt") is None
+    # a run whose config.json does not read is one clear line, not a silent guess
+    (run / "config.json").write_text('{"model_type": "qwen3"}')
+    assert main(["eval", "--drafter", str(run), *args]) == 2
+    err = capsys.readouterr().err
+    assert "unknown setting 'model_type'" in err and "give --target" in err and len(err.strip().splitlines()) == 1

@@ -87,10 +87,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _trained_against(drafter: str) -> str:
     """The target named in the drafter's run config (said on stderr, so --json output stays one
-    object), or the built-in one."""
+    object), or the built-in one where there is no run around the drafter."""
+    from dflash.train.config import ConfigError
     from dflash.train.schema import config_beside
 
-    cfg = config_beside(drafter)
+    try:
+        cfg = config_beside(drafter)
+    except ConfigError as e:
+        raise CliError(f"{e}; give --target to say which target the drafter is for") from None
     if cfg is None:
         return "tiny"
     print(f"dflash eval: target {cfg.run.target} (the one its run trained against; --target to change)",

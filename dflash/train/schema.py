@@ -85,18 +85,30 @@ _MAX_SAVED_BYTES = 1 << 20
 def config_beside(drafter: str | Path) -> TrainConfig | None:
     """The training config of the run a drafter comes from: ``config.json`` in a run directory, or in
     the run directory above a checkpoint file (``<run>/checkpoints/step-N.pt``). None where there is
-    none that reads (an export directory's config.json is the drafter's own, not a run's)."""
+    no run around it (an export directory, whose config.json is the drafter's own; a loose checkpoint
+    file); a ConfigError where a run's config.json does not read."""
     import json
 
     p = Path(drafter).expanduser()
-    path = (p.parent.parent if p.is_file() else p) / "config.json"
-    try:
-        if not path.is_file() or path.stat().st_size > _MAX_SAVED_BYTES:
-            return None
-        values = json.loads(path.read_text())
-        return read_saved(values, str(path)) if isinstance(values, dict) else None
-    except (OSError, ValueError):  # ConfigError is a ValueError: not a run's config
+    if p.is_file():
+        run_dir = p.parent.parent if p.parent.name == "checkpoints" else None
+    else:
+        # an export holds its weights as model.safetensors (export.WEIGHTS_NAME; not imported here: it loads torch)
+        run_dir = None if (p / "model.safetensors").exists() else p
+    path = run_dir / "config.json" if run_dir is not None else None
+    if path is None or not path.is_file():
         return None
+    try:
+        if path.stat().st_size > _MAX_SAVED_BYTES:
+            raise ConfigError(f"{path}: {path.stat().st_size:,} bytes, far more than a run's config")
+        values = json.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({e.strerror})") from None
+    except ValueError as e:
+        raise ConfigError(f"{path}: not JSON ({e})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return read_saved(values, str(path))
 
 
 def updated(cfg: TrainConfig, **values: Any) -> TrainConfig:
