@@ -93,7 +93,7 @@ def config_beside(drafter: str | Path) -> TrainConfig | None:
     if p.is_file():
         run_dir = p.parent.parent if p.parent.name == "checkpoints" else None
     else:
-        # an export holds its weights as model.safetensors (export.WEIGHTS_NAME; not imported here: it loads torch)
+        # an export directory holds model.safetensors (export.WEIGHTS_NAME; not imported: that loads torch)
         run_dir = None if (p / "model.safetensors").exists() else p
     path = run_dir / "config.json" if run_dir is not None else None
     if path is None or not path.is_file():
