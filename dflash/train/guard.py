@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from dflash.train.control import Interval
+
 #: non-finite steps in a row that stop the run (a transient spike skips one or two)
 DEFAULT_LIMIT = 3
 
@@ -89,8 +91,8 @@ class NonFiniteWatch:
     in a row end the run. On CUDA the counters live on the device, so they are read once per `every`
     seconds there (after every step on the CPU, where a read costs nothing)."""
 
-    def __init__(self, guard: NonFiniteGuard, stats: Any, event: Callable[..., None], every: Any):
-        """`every`: a control.Interval (the log interval)."""
+    def __init__(self, guard: NonFiniteGuard, stats: Any, event: Callable[..., None], every: Interval):
+        """`every`: when a read is due where it costs a synchronisation (the log interval)."""
         self.guard, self.stats, self.event, self.every = guard, stats, event, every
         self.stop_line: str | None = None  # what the run ends with, once the limit is reached
 

@@ -94,6 +94,10 @@ class Monitoring:
         """The newest telemetry snapshot (None before the first, or with telemetry off)."""
         return self.server.latest() if self.server is not None else None
 
+    def verdict(self) -> Any:
+        """The bottleneck verdict dflash-top shows (per window, with hysteresis), or None."""
+        return self.server.verdict.current if self.server is not None else None
+
     def publish_now(self) -> None:
         """A run shorter than one interval still ends with its table."""
         if self.server is not None:

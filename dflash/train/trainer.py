@@ -135,9 +135,10 @@ class Trainer:
         st.tokens += r.tokens
         st.samples += r.samples
         st.last = r
-        for name, n in (("steps", 1), ("tokens", r.tokens), ("samples", r.samples),
-                        ("supervised_tokens", r.out.num_tokens)):
-            s.count(name, n)
+        s.count("steps", 1)
+        s.count("tokens", r.tokens)
+        s.count("samples", r.samples)
+        s.count("supervised_tokens", r.out.num_tokens)
         s.gauge("lr", r.lr)
         s.gauge("step", st.step)
         # Loss, accuracy, taus and the gradient norm stay on the device; the main thread reads them once
@@ -175,7 +176,7 @@ class Trainer:
                 raise TrainError(str(e)) from None
             report.log(f"trackers:  {', '.join(cfg.telemetry.report_to)}")
         self._wire()
-        code = 0
+        code, supervised = 0, False
         try:
             with stop_on_signals(self.stop_requested, report.log):
                 self.pipeline.start()  # threads first, so that the hello frame's thread map names every worker
@@ -183,12 +184,14 @@ class Trainer:
                     self.monitoring.start()
                 else:
                     report.log("telemetry: off (--no-telemetry)")
-                code = self._supervise()
+                code, supervised = self._supervise(), True
         finally:
             stalled = self.monitoring.stall is not None
             self.pipeline.shutdown(timeout=1.0 if stalled else 10.0)  # a stalled worker will not stop
-            # a signal asked the run to end now, not after Prometheus' next scrape
-            self.monitoring.close(failed=code != 0, linger=not self.stop_requested.is_set())
+            # Prometheus gets its last scrape after a run that ended on its own, not after a start that
+            # failed or a signal that asked the run to end now
+            self.monitoring.close(failed=code != 0 or not supervised,
+                                  linger=supervised and not self.stop_requested.is_set())
             if report.trackers is not None:
                 report.trackers.close()
         report.log(f"done: {self.state.step} steps, {self.state.tokens:,} tokens, run dir {cfg.run.run_dir}")
@@ -201,9 +204,8 @@ class Trainer:
     def _supervise(self) -> int:
         """Main-thread loop: log, watch for a failed worker or a stall, then finish the run."""
         m = self.monitoring
-        lines = LogLines(self.cfg, self.state, self.parts.stats, self.metrics, self.pipeline, m.latest,
-                         lambda: m.server.verdict.current if m.server else None, self.report,
-                         [self.parts.drafter_device, *(t.device for t in self.parts.targets)])
+        lines = LogLines(self.cfg, self.state, self.parts.stats, self.metrics, self.pipeline, m.latest, m.verdict,
+                         self.report, [self.parts.drafter_device, *(t.device for t in self.parts.targets)])
         while self.pipeline.running:
             time.sleep(0.05)
             if m.stall is not None:
