@@ -62,8 +62,11 @@ def interval_means(run_dir: Path, start: float, end: float) -> dict[str, float]:
             loss.append(f.gauges["loss"])
         if isinstance(f.metrics.get("sim_tau"), float):
             sim.append(f.metrics["sim_tau"])
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return {"loss": mean(loss), "sim_tau": mean(sim)}
+    return {"loss": _mean(loss), "sim_tau": _mean(sim)}
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
 
 
 def main() -> int:
