@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.telemetry.protocol import ProtocolError, Reply, Stacks, stacks_of
-from dflash.telemetry.sockets import pid_alive
+from dflash.telemetry.sockets import pid_alive, ptrace_scope
 
 #: ask the trainer something and get its reply; raises on failure (LiveSource.request)
 Ask = Callable[[str, dict[str, Any]], Reply]
@@ -126,13 +126,6 @@ def pid_is_local(pid: int, host: str | None) -> bool:
     if host and host not in (socket.gethostname(), socket.getfqdn()):
         return False
     return pid_alive(pid)
-
-
-def ptrace_scope() -> int | None:
-    try:
-        return int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip())
-    except (OSError, ValueError):
-        return None
 
 
 _SCOPE_MEANING = {0: "classic: any process of the same user", 1: "restricted: only a parent may attach",

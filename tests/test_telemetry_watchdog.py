@@ -13,9 +13,10 @@ from conftest import wait_until
 
 from dflash.telemetry import ProfileStats
 from dflash.telemetry.cluster import _Smoother, build_cluster, make_report
+from dflash.telemetry.introspection import thread_map
 from dflash.telemetry.protocol import CategoryStats, Event, Snapshot, Stall
 from dflash.telemetry.reader import read_frames
-from dflash.telemetry.server import TelemetryServer, thread_map
+from dflash.telemetry.server import TelemetryServer
 from dflash.telemetry.summary import Summary
 from dflash.telemetry.watchdog import FIRST_GRACE_S, Watchdog
 

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import atexit
 import collections
-import ctypes
-import errno
 import logging
 import os
 import selectors
 import socket
-import stat
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +24,8 @@ from typing import Any, Protocol
 import msgspec
 
 from dflash.telemetry.analysis import SteadyVerdict, analyze, gil_bound
+from dflash.telemetry.introspection import ptrace_allow, python_stacks, thread_map
+from dflash.telemetry.peers import MAX_REQUEST_BYTES, Client, Peers
 from dflash.telemetry.protocol import (
     PROTO,
     Bye,
@@ -35,28 +33,21 @@ from dflash.telemetry.protocol import (
     Event,
     Hello,
     ProtocolError,
-    Reply,
     Request,
     Snapshot,
-    StackEntry,
     Stacks,
-    ThreadStacks,
     decode,
     encode,
     recording_filename,
 )
-from dflash.telemetry.reader import LineSplitter
 from dflash.telemetry.recorder import Recorder
 from dflash.telemetry.sockets import (
+    clean_stale_sockets,
     default_socket_dir,
-    owned_by_us,
-    parse_socket_filename,
-    peer_credentials,
-    pid_alive,
+    ensure_socket_dir,
     private_socket_dir,
     probe,
     socket_filename,
-    trusted_uid,
 )
 from dflash.telemetry.stats import ProfileStats
 from dflash.telemetry.summary import Summary, to_snapshot
@@ -64,8 +55,6 @@ from dflash.telemetry.system import SystemSampler
 
 log = logging.getLogger("dflash.telemetry")
 
-#: a request line longer than this is discarded with an error reply (requests are tiny)
-MAX_REQUEST_BYTES = 64 * 1024
 #: frames queued per client before the oldest are dropped (~64 snapshots: about a minute at 1 s)
 QUEUE_FRAMES = 64
 #: stacks replies per client per second (each walks every thread's frames while holding the GIL)
@@ -76,7 +65,6 @@ CLOSE_FLUSH_S = 0.5
 RECENT_EVENTS = 16
 #: AF_UNIX sun_path holds 108 bytes including the terminating NUL
 _SUN_PATH_MAX = 107
-PR_SET_PTRACER = 0x59616D61
 
 
 class Monitor(Protocol):
@@ -87,150 +75,12 @@ class Monitor(Protocol):
     def check(self, summary: Summary, live: set[str]) -> object: ...
 
 
-def ensure_socket_dir(requested: Path) -> Path:
-    """The private directory for our sockets (``sockets.private_socket_dir``), created 0700 when missing.
-
-    Refused, in one line: a directory (or a place to make one in) that another user controls. On a
-    shared /tmp someone could pre-create /tmp/dflash-<uid> to watch or spoof our sockets, and a shared
-    parent without the sticky bit lets anyone replace our subdirectory. The mode of a directory dflash
-    did not create is never changed.
-    """
-    uid = os.getuid()
-    path = private_socket_dir(requested)
-    if path != requested:
-        st = os.stat(requested)
-        if not stat.S_ISDIR(st.st_mode):
-            raise RuntimeError(f"telemetry socket directory {requested} is not a directory; remove it or pass socket_dir")
-        if st.st_uid not in (uid, 0):
-            raise RuntimeError(f"telemetry socket directory {requested} belongs to uid {st.st_uid}, not to you "
-                               f"({uid}); remove it or pass another socket_dir")
-        if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise RuntimeError(f"telemetry socket directory {requested} is writable by others without the sticky "
-                               "bit, so anyone could replace dflash's directory in it; chmod +t or 700 it, or pass another socket_dir")
-    try:
-        path.mkdir(mode=0o700, parents=True)
-        os.chmod(path, 0o700)  # ours: the umask may have taken bits mkdir asked for
-    except FileExistsError:
-        pass
-    st = path.lstat()
-    if not stat.S_ISDIR(st.st_mode):
-        raise RuntimeError(f"telemetry socket directory {path} is not a directory; remove it or pass socket_dir")
-    if st.st_uid != uid:
-        raise RuntimeError(
-            f"telemetry socket directory {path} belongs to uid {st.st_uid}, not to you ({uid}); "
-            "remove it or pass another socket_dir"
-        )
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        raise RuntimeError(f"telemetry socket directory {path} is open to other users (mode "
-                           f"{stat.S_IMODE(st.st_mode):o}); dflash did not create it so: chmod 700 it or remove it")
-    return path
-
-
-def clean_stale_sockets(directory: Path) -> list[Path]:
-    """Remove socket files whose owning pid is dead (a trainer killed with SIGKILL leaves one), and any
-    that another user put here (root can; nobody else can write a private directory): such a socket
-    would be listed next to ours and could serve made-up telemetry."""
-    removed = []
-    try:
-        entries = list(directory.iterdir())
-    except OSError:
-        return removed
-    for p in entries:
-        info = parse_socket_filename(p.name)
-        if info is None:
-            continue
-        foreign = not owned_by_us(p)
-        if not foreign and (info.pid == os.getpid() or pid_alive(info.pid)):
-            continue
-        try:
-            p.unlink()
-            removed.append(p)
-            if foreign:
-                log.warning("removed %s from the telemetry socket directory: it belongs to another user", p)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.warning("cannot remove %s telemetry socket %s: %s", "foreign" if foreign else "stale", p, e)
-    return removed
-
-
-def thread_map() -> dict[int, str]:
-    """native thread id -> Python thread name, for every live Python thread."""
-    return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
-
-
-def python_stacks(max_depth: int = 128) -> list[ThreadStacks]:
-    """Every Python thread's stack, innermost frame first (as py-spy dump prints it): the fallback
-    view when py-spy cannot attach."""
-    threads = {t.ident: t for t in threading.enumerate()}
-    out = []
-    frames = sys._current_frames()
-    try:
-        for ident, frame in frames.items():
-            t = threads.get(ident)
-            stack = []
-            f = frame
-            while f is not None and len(stack) < max_depth:
-                code = f.f_code
-                stack.append(StackEntry(file=code.co_filename, line=f.f_lineno or 0, function=code.co_name))
-                f = f.f_back
-            out.append(ThreadStacks(tid=(t.native_id if t is not None else None) or 0, ident=ident,
-                                    name=t.name if t is not None else f"thread-{ident}",
-                                    daemon=bool(t.daemon) if t is not None else False, frames=stack))
-    finally:
-        del frames  # frames keep their locals alive
-    out.sort(key=lambda d: (d.name != "MainThread", d.name))
-    return out
-
-
-def ptrace_allow(peer_pid: int, peer_uid: int) -> tuple[bool, dict[str, Any], str | None]:
-    """Let `peer_pid` (and its children, e.g. the py-spy it spawns) ptrace this process on Yama
-    systems with ptrace_scope=1. EINVAL means Yama is not restricting ptrace: nothing to do."""
-    scope: int | None = None
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            scope = int(f.read().strip())
-    except (OSError, ValueError):
-        pass
-    data: dict[str, Any] = {"pid": peer_pid, "ptrace_scope": scope}
-    if scope == 3:
-        return False, data, "ptrace_scope=3: ptrace is disabled on this machine; use the 'stacks' request"
-    if scope == 2 and peer_uid != 0:
-        return False, data, "ptrace_scope=2: only root (CAP_SYS_PTRACE) may attach; run py-spy with sudo"
-    if not sys.platform.startswith("linux"):
-        return True, {**data, "message": "not needed: no Yama on this platform"}, None
-    libc = ctypes.CDLL(None, use_errno=True)
-    rc = libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(peer_pid), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
-    if rc == 0:
-        return True, {**data, "message": f"pid {peer_pid} and its children may now ptrace pid {os.getpid()}"}, None
-    err = ctypes.get_errno()
-    if err == errno.EINVAL:
-        return True, {**data, "message": "not needed: Yama ptrace restrictions are not active"}, None
-    return False, data, f"prctl(PR_SET_PTRACER) failed: {os.strerror(err)}"
-
-
 def _encodable(value: Any) -> bool:
     try:
         msgspec.json.encode(value)
         return True
     except (TypeError, ValueError):
         return False
-
-
-class _Client:
-    __slots__ = ("sock", "fd", "pid", "uid", "lines", "outq", "cur", "dropped", "writing", "last_stacks")
-
-    def __init__(self, sock: socket.socket, pid: int, uid: int, queue_frames: int) -> None:
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.pid = pid
-        self.uid = uid
-        self.lines = LineSplitter(MAX_REQUEST_BYTES)  # the requests it sends, line by line
-        self.outq: collections.deque[bytes] = collections.deque(maxlen=queue_frames)
-        self.cur: memoryview | None = None  # the frame being written; never dropped half-sent
-        self.dropped = 0
-        self.writing = False
-        self.last_stacks = 0.0
 
 
 class TelemetryServer:
@@ -287,7 +137,7 @@ class TelemetryServer:
         self._started_t = time.time()
         self.path = self._make_path()
 
-        self._clients: dict[int, _Client] = {}
+        self._peers: Peers | None = None
         self._sel: selectors.BaseSelector | None = None
         self._listener: socket.socket | None = None
         self._inode: tuple[int, int] | None = None
@@ -310,7 +160,6 @@ class TelemetryServer:
         self._last_snapshot: bytes | None = None
         self._latest: Summary | None = None
         self._accept_paused = False
-        self.dropped_frames = 0
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -363,6 +212,7 @@ class TelemetryServer:
         self._sel = selectors.DefaultSelector()
         self._sel.register(listener, selectors.EVENT_READ, self._accept)
         self._sel.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
+        self._peers = Peers(self._sel, self._max_clients, self._queue_frames, self._greeting, self._on_line)
 
         if self.run_dir is not None:
             try:
@@ -421,7 +271,12 @@ class TelemetryServer:
     @property
     def clients(self) -> int:
         """Connected clients (approximate when read from another thread)."""
-        return len(self._clients)
+        return len(self._peers.clients) if self._peers is not None else 0
+
+    @property
+    def dropped_frames(self) -> int:
+        """Frames dropped from slow clients' queues since the start."""
+        return self._peers.dropped_frames if self._peers is not None else 0
 
     def latest(self) -> Summary | None:
         """The most recently published window (for the trainer's log line)."""
@@ -494,6 +349,10 @@ class TelemetryServer:
                 next_pub += self.interval_s
                 if next_pub <= now:  # fell behind (suspended, huge GC): skip, do not burst
                     next_pub = now + self.interval_s
+
+    def _broadcast(self, data: bytes) -> None:
+        if self._peers is not None:
+            self._peers.broadcast(data)
 
     def _on_wake(self, key: selectors.SelectorKey, mask: int) -> None:
         try:
@@ -572,170 +431,51 @@ class TelemetryServer:
     # --- clients ------------------------------------------------------------------------------------
 
     def _accept(self, key: selectors.SelectorKey, mask: int) -> None:
-        assert self._listener is not None and self._sel is not None
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                # e.g. EMFILE: the listener stays readable, so stop polling it until the next publish
-                log.warning("telemetry: accept failed (%s); pausing accepts for one interval", e)
-                self._sel.unregister(self._listener)
-                self._accept_paused = True
-                return
-            conn.setblocking(False)
-            try:
-                pid, uid, _gid = peer_credentials(conn)
-            except OSError:
-                conn.close()
-                continue
-            if not trusted_uid(uid):
-                self._refuse(conn, f"peer uid {uid} is not the trainer's uid {os.getuid()} (or root)")
-                continue
-            if len(self._clients) >= self._max_clients:
-                self._refuse(conn, f"too many telemetry clients (limit {self._max_clients})")
-                continue
-            c = _Client(conn, pid, uid, self._queue_frames)
-            self._clients[c.fd] = c
-            self._sel.register(conn, selectors.EVENT_READ, self._on_client)
-            self._send(c, encode(self._hello()))
-            for ev in self._recent_events:
-                self._send(c, ev)
-            if self._last_snapshot is not None:
-                self._send(c, self._last_snapshot)
+        assert self._listener is not None and self._sel is not None and self._peers is not None
+        if not self._peers.accept(self._listener):
+            self._sel.unregister(self._listener)  # until the next publish
+            self._accept_paused = True
 
-    @staticmethod
-    def _refuse(conn: socket.socket, why: str) -> None:
-        try:
-            conn.send(encode(Reply(id=0, op="connect", ok=False, error=why)), socket.MSG_NOSIGNAL)
-        except OSError:
-            pass
-        conn.close()
+    def _greeting(self) -> list[bytes]:
+        """What a client gets on connecting: hello, the recent events, the last snapshot."""
+        return [encode(self._hello()), *self._recent_events,
+                *([self._last_snapshot] if self._last_snapshot is not None else [])]
 
-    def _drop(self, c: _Client) -> None:
-        if self._clients.pop(c.fd, None) is None:
-            return
-        if self._sel is not None:
-            try:
-                self._sel.unregister(c.sock)
-            except (KeyError, ValueError, OSError):
-                pass
-        try:
-            c.sock.close()
-        except OSError:
-            pass
+    def _on_line(self, c: Client, line: bytes | None) -> None:
+        if line is None:  # said once; the rest of that line is discarded as it arrives
+            self._peers.reply(c, 0, "", False, error=f"request line exceeds the {MAX_REQUEST_BYTES}-byte limit; discarded")
+        else:
+            self._handle_line(c, line)
 
-    def _want_write(self, c: _Client, on: bool) -> None:
-        if c.writing == on or self._sel is None:
-            return
-        c.writing = on
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
-        self._sel.modify(c.sock, events, self._on_client)
-
-    def _send(self, c: _Client, data: bytes) -> None:
-        """Queue one frame for a client, writing straight away when nothing is pending."""
-        if c.cur is None and not c.outq:
-            try:
-                n = c.sock.send(data, socket.MSG_NOSIGNAL)
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError:
-                self._drop(c)
-                return
-            if n == len(data):
-                return
-            c.cur = memoryview(data)[n:]
-            self._want_write(c, True)
-            return
-        if len(c.outq) == c.outq.maxlen:
-            c.dropped += 1
-            self.dropped_frames += 1
-        c.outq.append(data)  # a full deque drops its oldest frame
-        self._want_write(c, True)
-
-    def _broadcast(self, data: bytes) -> None:
-        for c in list(self._clients.values()):
-            self._send(c, data)
-
-    def _flush(self, c: _Client) -> None:
-        while True:
-            if c.cur is None:
-                if not c.outq:
-                    self._want_write(c, False)
-                    return
-                c.cur = memoryview(c.outq.popleft())
-            try:
-                n = c.sock.send(c.cur, socket.MSG_NOSIGNAL)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                self._drop(c)
-                return
-            c.cur = c.cur[n:] if n < len(c.cur) else None
-
-    def _on_client(self, key: selectors.SelectorKey, mask: int) -> None:
-        c = self._clients.get(key.fd)
-        if c is None:
-            return
-        if mask & selectors.EVENT_WRITE:
-            self._flush(c)
-            if c.fd not in self._clients:
-                return
-        if mask & selectors.EVENT_READ:
-            self._read(c)
-
-    def _read(self, c: _Client) -> None:
-        try:
-            data = c.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._drop(c)
-            return
-        if not data:  # peer closed; a half-sent request dies with it
-            self._drop(c)
-            return
-        for line in c.lines.feed(data):
-            if c.fd not in self._clients:
-                return
-            if line is None:  # said once; the rest of that line is discarded as it arrives
-                self._reply(c, 0, "", False, error=f"request line exceeds the {MAX_REQUEST_BYTES}-byte limit; discarded")
-            else:
-                self._handle_line(c, line)
-
-    def _reply(self, c: _Client, id_: int, op: str, ok: bool, data: Any = None, error: str | None = None) -> None:
-        self._send(c, encode(Reply(id=id_, op=op, ok=ok, error=error, data=data)))
-
-    def _handle_line(self, c: _Client, line: bytes) -> None:
+    def _handle_line(self, c: Client, line: bytes) -> None:
         if not line.strip():
             return  # a bare newline from an interactive socat
         try:
             frame = decode(line, limit=MAX_REQUEST_BYTES)  # bounded: a hostile line costs one reply
         except ProtocolError as e:
-            self._reply(c, 0, "", False, error=str(e))
+            self._peers.reply(c, 0, "", False, error=str(e))
             return
         if not isinstance(frame, Request):
             tag = type(frame).__struct_config__.tag
-            self._reply(c, 0, "", False, error=f"expected a 'request' frame from a client, got '{tag}'")
+            self._peers.reply(c, 0, "", False, error=f"expected a 'request' frame from a client, got '{tag}'")
             return
         op = frame.op
         try:
             if op == "stacks":
                 now = time.monotonic()
                 if now - c.last_stacks < 1.0 / STACKS_PER_S:
-                    self._reply(c, frame.id, op, False, error=f"stacks requested too often (at most {STACKS_PER_S:g}/s)")
+                    self._peers.reply(c, frame.id, op, False, error=f"stacks requested too often (at most {STACKS_PER_S:g}/s)")
                     return
                 c.last_stacks = now
-                self._reply(c, frame.id, op, True, data=Stacks(pid=self._pid, t=time.time(), threads=python_stacks()))
+                self._peers.reply(c, frame.id, op, True, data=Stacks(pid=self._pid, t=time.time(), threads=python_stacks()))
             elif op == "ptrace_allow":
                 ok, data, err = ptrace_allow(c.pid, c.uid)
-                self._reply(c, frame.id, op, ok, data=data, error=err)
+                self._peers.reply(c, frame.id, op, ok, data=data, error=err)
             else:
-                self._reply(c, frame.id, op, False, error=f"unknown op {op!r} (known: stacks, ptrace_allow)")
+                self._peers.reply(c, frame.id, op, False, error=f"unknown op {op!r} (known: stacks, ptrace_allow)")
         except Exception as e:  # a request must never take the server down
             log.exception("telemetry request %s failed", op)
-            self._reply(c, frame.id, op, False, error=f"{op} failed: {e}")
+            self._peers.reply(c, frame.id, op, False, error=f"{op} failed: {e}")
 
     # --- shutdown -----------------------------------------------------------------------------------
 
@@ -761,21 +501,21 @@ class TelemetryServer:
             bye = encode(Bye(t=time.time(), reason=self._reason))
             self._broadcast(bye)
             deadline = time.monotonic() + CLOSE_FLUSH_S
-            while self._sel is not None and time.monotonic() < deadline:
-                pending = [c for c in self._clients.values() if c.cur is not None or c.outq]
-                if not pending:
+            peers = self._peers
+            while self._sel is not None and peers is not None and time.monotonic() < deadline:
+                if not peers.pending():
                     break
                 for key, _mask in self._sel.select(max(0.0, deadline - time.monotonic())):
-                    c = self._clients.get(key.fd)
+                    c = peers.clients.get(key.fd)
                     if c is not None:
-                        self._flush(c)
+                        peers.flush(c)
             if self._recorder is not None:
                 self._recorder.write(bye)
         except Exception:
             log.exception("telemetry shutdown")
         finally:
-            for c in list(self._clients.values()):
-                self._drop(c)
+            if self._peers is not None:
+                self._peers.drop_all()
             if self._listener is not None:
                 self._listener.close()
                 self._unlink_own_socket()

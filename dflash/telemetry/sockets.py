@@ -6,6 +6,7 @@ both sides import this module (torch-free, nothing of the trainer). See docs/pro
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -19,6 +20,8 @@ from typing import NamedTuple
 
 from dflash.telemetry.protocol import Hello
 from dflash.telemetry.reader import FrameReader
+
+log = logging.getLogger("dflash.telemetry")
 
 _SOCKET_RE = re.compile(r"^(?P<run>.+)-(?P<pid>\d+)(?:-r(?P<rank>\d+))?\.sock$")
 
@@ -237,3 +240,82 @@ def read_hello(path: Path, timeout: float = 1.0) -> Hello | None:
     finally:
         s.close()
     return None
+
+
+def ptrace_scope() -> int | None:
+    """Yama's ptrace_scope (0 classic .. 3 no attach), None where Yama is absent: it decides whether
+    dflash-top's py-spy may attach to a trainer, which both sides need to explain."""
+    try:
+        return int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- the trainer's side
+
+
+def ensure_socket_dir(requested: Path) -> Path:
+    """The private directory for our sockets (``sockets.private_socket_dir``), created 0700 when missing.
+
+    Refused, in one line: a directory (or a place to make one in) that another user controls. On a
+    shared /tmp someone could pre-create /tmp/dflash-<uid> to watch or spoof our sockets, and a shared
+    parent without the sticky bit lets anyone replace our subdirectory. The mode of a directory dflash
+    did not create is never changed.
+    """
+    uid = os.getuid()
+    path = private_socket_dir(requested)
+    if path != requested:
+        st = os.stat(requested)
+        if not stat.S_ISDIR(st.st_mode):
+            raise RuntimeError(f"telemetry socket directory {requested} is not a directory; remove it or pass socket_dir")
+        if st.st_uid not in (uid, 0):
+            raise RuntimeError(f"telemetry socket directory {requested} belongs to uid {st.st_uid}, not to you "
+                               f"({uid}); remove it or pass another socket_dir")
+        if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise RuntimeError(f"telemetry socket directory {requested} is writable by others without the sticky "
+                               "bit, so anyone could replace dflash's directory in it; chmod +t or 700 it, or pass another socket_dir")
+    try:
+        path.mkdir(mode=0o700, parents=True)
+        os.chmod(path, 0o700)  # ours: the umask may have taken bits mkdir asked for
+    except FileExistsError:
+        pass
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeError(f"telemetry socket directory {path} is not a directory; remove it or pass socket_dir")
+    if st.st_uid != uid:
+        raise RuntimeError(
+            f"telemetry socket directory {path} belongs to uid {st.st_uid}, not to you ({uid}); "
+            "remove it or pass another socket_dir"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise RuntimeError(f"telemetry socket directory {path} is open to other users (mode "
+                           f"{stat.S_IMODE(st.st_mode):o}); dflash did not create it so: chmod 700 it or remove it")
+    return path
+
+
+def clean_stale_sockets(directory: Path) -> list[Path]:
+    """Remove socket files whose owning pid is dead (a trainer killed with SIGKILL leaves one), and any
+    that another user put here (root can; nobody else can write a private directory): such a socket
+    would be listed next to ours and could serve made-up telemetry."""
+    removed = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        info = parse_socket_filename(p.name)
+        if info is None:
+            continue
+        foreign = not owned_by_us(p)
+        if not foreign and (info.pid == os.getpid() or pid_alive(info.pid)):
+            continue
+        try:
+            p.unlink()
+            removed.append(p)
+            if foreign:
+                log.warning("removed %s from the telemetry socket directory: it belongs to another user", p)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("cannot remove %s telemetry socket %s: %s", "foreign" if foreign else "stale", p, e)
+    return removed

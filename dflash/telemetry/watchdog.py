@@ -32,8 +32,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from dflash.telemetry.introspection import python_stacks, set_ptracer
 from dflash.telemetry.protocol import StackEntry, Stall, ThreadStacks
-from dflash.telemetry.server import python_stacks
 from dflash.telemetry.summary import WAIT_SUFFIXES, Summary, percentile
 from dflash.telemetry.table import seconds
 
@@ -98,9 +98,7 @@ def _allow_own_children_to_ptrace() -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(0x59616D61, ctypes.c_ulong(os.getpid()), 0, 0, 0)
+        set_ptracer(os.getpid())
     except (OSError, AttributeError):
         pass
 
