@@ -107,6 +107,7 @@ class TelemetryServer:
         on_publish: Callable[[Summary, Snapshot], None] | None = None,
         cluster_view: Callable[[], Cluster | None] | None = None,
         monitors: Sequence[Monitor] = (),
+        thread_init: Callable[[], None] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
@@ -129,6 +130,9 @@ class TelemetryServer:
         # Judges of each window (the stall watchdog, the anomaly detector): they run here, on the
         # publisher thread, never on a worker; their events go out as this server's events.
         self._monitors = list(monitors)
+        # Run first on the publisher thread: the trainer binds it to its GPU there, since resolving CUDA
+        # events on an unbound thread opens a context on GPU 0 (this package never imports torch).
+        self._thread_init = thread_init
         for m in self._monitors:
             if getattr(m, "emit", None) is None:
                 m.emit = self.publish_event
@@ -320,6 +324,8 @@ class TelemetryServer:
 
     def _run(self) -> None:
         try:
+            if self._thread_init is not None:
+                self._thread_init()
             self._loop()
         except Exception:
             log.exception("telemetry loop failed; the trainer continues without live telemetry")

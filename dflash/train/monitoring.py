@@ -18,8 +18,10 @@ from dflash.train.reporting import Reporter
 
 
 class Monitoring:
-    def __init__(self, cfg: TrainConfig, dist: Dist, stats: Any, report: Reporter):
-        self.cfg, self.dist, self.stats, self.report = cfg, dist, stats, report
+    def __init__(self, cfg: TrainConfig, dist: Dist, stats: Any, report: Reporter, device: Any = None):
+        """`device`: the trainer's CUDA device (None on the host), which the publisher thread binds before
+        it resolves any CUDA event."""
+        self.cfg, self.dist, self.stats, self.report, self.device = cfg, dist, stats, report, device
         self.server: Any = None
         self.exporter: Any = None
         self.exchange: Any = None
@@ -44,7 +46,7 @@ class Monitoring:
                                  rank=d.rank, world_size=d.world_size,
                                  on_publish=self.exporter.update if self.exporter else None,
                                  cluster_view=self.exchange.view if self.exchange and d.is_main else None,
-                                 monitors=self._monitors())
+                                 monitors=self._monitors(), thread_init=self._bind_publisher)
         try:
             server.start()
         except (OSError, RuntimeError) as e:
@@ -56,6 +58,11 @@ class Monitoring:
         if self.exchange is not None:
             self.exchange.socket_path = str(server.path)
             self.exchange.start()
+
+    def _bind_publisher(self) -> None:
+        from dflash.train.devices import bind_thread
+
+        bind_thread(self.device)
 
     def _serve_metrics(self) -> None:
         from dflash.telemetry.prometheus import MetricsExporter, MetricsServerError

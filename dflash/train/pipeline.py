@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.train.devices import bind_thread, thread_device
+from dflash.train.devices import bind_thread, cuda_devices, thread_device
 from dflash.train.stages import BatchSource, DrafterStage, HiddenBatch, StepResult, TargetStage
 
 _POLL = 0.05  # seconds: how often a blocked worker rechecks the stop flag
@@ -101,11 +101,13 @@ class Pipeline:
 
     # --- workers --------------------------------------------------------------------------------------
 
-    def _thread(self, name: str, body: Callable[[], None], *devices: torch.device) -> threading.Thread:
-        """A worker thread that names itself and binds the CUDA device it works on (see devices.py)."""
+    def _thread(self, name: str, body: Callable[[], None], *devices: torch.device,
+                compute: bool = True) -> threading.Thread:
+        """A worker thread that names itself and binds the CUDA device it works on; a ``compute`` worker
+        also gets its own stream on each GPU it launches work on (see devices.py)."""
         def run() -> None:
             _name_os_thread(name)
-            bind_thread(thread_device(*devices))
+            bind_thread(thread_device(*devices), cuda_devices(*devices) if compute else ())
             if self.cfg.pipeline.threads_per_worker:
                 # Per thread on purpose: OpenMP/MKL thread counts are thread-local, so setting it in the
                 # main thread does not reach matmuls issued from this one.
@@ -195,7 +197,7 @@ class Pipeline:
         targets = [stage.device for stage in self.targets]
         if self.cfg.pipeline.enabled:
             # The producer pins batches, which needs the CUDA context of the GPU they will go to.
-            self._thread("batch-producer", self._producer, *targets, drafter)
+            self._thread("batch-producer", self._producer, *targets, drafter, compute=False)
             for stage in self.targets:
                 self._thread(stage.name, lambda s=stage: self._target(s), stage.device, drafter)
             self._thread("drafter-0", self._drafter, drafter)

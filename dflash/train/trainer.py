@@ -25,6 +25,7 @@ from dflash.train.build import Components, TrainError, build, restore
 from dflash.train.checkpointer import Checkpointer, checkpoint_to_resume
 from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.control import Interval, StepControl
+from dflash.train.devices import bind_thread, thread_device
 from dflash.train.distributed import Dist, DistError
 from dflash.train.evaluation import Evaluations
 from dflash.train.faults import FaultPlan, FaultSpecError
@@ -49,6 +50,7 @@ class Trainer:
         self.stop_requested = threading.Event()  # a signal (or a test) asks for "checkpoint and exit"
         self.metrics = StepMetrics()  # the drafter thread's device-side metric sums
         self.parts: Components | None = None  # made by setup()
+        self.device: torch.device | None = None  # the GPU every helper thread binds (None: host only)
         # made by run() around the parts
         self.control: StepControl | None = None
         self.pipeline: Pipeline | None = None
@@ -80,6 +82,9 @@ class Trainer:
             report.say(f"fault injection (DFLASH_FAULT): {faults.describe()}")
         ckpt = checkpoint_to_resume(Path(cfg.run.run_dir), d, self.resume, report)
         self.parts = parts = build(cfg, d, ckpt, faults, log=report.log)
+        # The main thread evaluates and checkpoints on the trainer's GPU: bound there, never on GPU 0.
+        self.device = thread_device(parts.drafter_device, *(t.device for t in parts.targets))
+        bind_thread(self.device)
         if ckpt is not None:
             self.state = restore(ckpt, parts, d, report.log)
         if d.is_main:
@@ -123,7 +128,7 @@ class Trainer:
         self.evaluations = Evaluations(cfg, parts, report)
         self.nonfinite = NonFiniteWatch(parts.drafter.guard, parts.stats, report.event,
                                         Interval(cfg.run.log_every, time.monotonic))
-        self.monitoring = Monitoring(cfg, d, parts.stats, report)
+        self.monitoring = Monitoring(cfg, d, parts.stats, report, self.device)
 
     # --- the drafter thread's per-step hook -----------------------------------------------------------
 

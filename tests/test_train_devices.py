@@ -1,0 +1,124 @@
+"""Which GPU and which stream each thread of a run uses. There is no GPU here, so torch's three calls
+that bind a thread (set_device, Stream, set_stream) are replaced by recorders: what the tests check is
+the binding logic, i.e. which device and stream each real thread of a real pipeline and a real
+telemetry publisher asks for. scripts/gpu_check.py's thread_device check runs the same on a GPU."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import wait_until
+
+from dflash.telemetry import ProfileStats
+from dflash.train.config import TrainConfig
+from dflash.train.devices import bindings
+from dflash.train.distributed import Dist
+from dflash.train.pipeline import Pipeline, TrainCounters
+from dflash.train.reporting import Reporter
+from dflash.train.schema import updated
+
+G0, G1 = torch.device("cuda:0"), torch.device("cuda:1")
+
+
+class CudaCalls:
+    """What each thread asked of CUDA: its current device, and the streams it made current."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.device: dict[str, torch.device] = {}
+        self.streams: dict[str, list[FakeStream]] = {}
+        self.lock = threading.Lock()
+        calls = self
+
+        class FakeStream:
+            def __init__(self, device=None, **_):
+                self.device = torch.device(device)
+
+        def set_device(dev) -> None:
+            with calls.lock:
+                calls.device[threading.current_thread().name] = torch.device(dev)
+
+        def set_stream(stream) -> None:
+            with calls.lock:
+                calls.streams.setdefault(threading.current_thread().name, []).append(stream)
+
+        monkeypatch.setattr(torch.cuda, "set_device", set_device)
+        monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+        monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+
+
+def _pipeline(stats: ProfileStats, target_device: torch.device, drafter_device: torch.device, pipelined: bool,
+              steps: int = 3) -> Pipeline:
+    """The real Pipeline with stand-in stages that claim GPUs (they do no torch work)."""
+    state = TrainCounters()
+
+    class Target:
+        name, device, tel = "target-0", target_device, stats.worker("target-0")
+
+        def __call__(self, batch):
+            return SimpleNamespace(batch=batch)
+
+    drafter = SimpleNamespace(device=drafter_device, tel=stats.worker("drafter-0"),
+                              step=lambda hb, progress: SimpleNamespace())
+
+    def on_step(r) -> bool:
+        state.step += 1
+        state.next_batch += 1
+        return state.step < steps
+
+    cfg = updated(TrainConfig(), pipeline=pipelined, batch_queue_size=2, hs_queue_size=2)
+    return Pipeline(lambda i: SimpleNamespace(index=i), [Target()], drafter, cfg, stats, state, on_step)
+
+
+def _run(p: Pipeline) -> None:
+    p.start()
+    for t in p.threads:
+        t.join(10)
+    assert p.shutdown(timeout=1) == [] and p.failure is None
+
+
+def test_each_compute_worker_on_a_shared_gpu_launches_on_its_own_stream(monkeypatch) -> None:
+    """Target and drafter on one GPU: each binds that GPU and makes its own stream current, so their
+    kernels do not queue behind each other on the default stream (and each span times only its own);
+    the batch producer only pins memory and keeps the default stream."""
+    calls = CudaCalls(monkeypatch)
+    _run(_pipeline(ProfileStats(), G1, G1, pipelined=True))
+    assert calls.device == {"batch-producer": G1, "target-0": G1, "drafter-0": G1}
+    assert "batch-producer" not in calls.streams
+    (t_stream,), (d_stream,) = calls.streams["target-0"], calls.streams["drafter-0"]
+    assert t_stream is not d_stream and t_stream.device == d_stream.device == G1
+    assert bindings()["drafter-0"] == "cuda:1"
+
+
+def test_sync_mode_gets_a_stream_on_each_gpu_it_drives(monkeypatch) -> None:
+    calls = CudaCalls(monkeypatch)
+    _run(_pipeline(ProfileStats(), G1, G0, pipelined=False))
+    assert calls.device == {"trainer": G0}  # the drafter's GPU first
+    assert [s.device for s in calls.streams["trainer"]] == [G0, G1]
+
+
+def test_host_only_workers_never_touch_cuda(monkeypatch) -> None:
+    calls = CudaCalls(monkeypatch)
+    _run(_pipeline(ProfileStats(), torch.device("cpu"), torch.device("cpu"), pipelined=True))
+    assert calls.device == {} and calls.streams == {}
+    assert bindings()["target-0"] == "cpu"
+
+
+def test_the_telemetry_publisher_binds_the_trainers_gpu_before_it_resolves_events(monkeypatch, tmp_path,
+                                                                                  sock_dir) -> None:
+    """The publisher thread resolves the workers' CUDA events; unbound, it would open a context on GPU 0
+    from every rank. Monitoring starts it bound to the trainer's device."""
+    from dflash.train.monitoring import Monitoring
+
+    calls = CudaCalls(monkeypatch)
+    cfg = updated(TrainConfig(), run_dir=str(tmp_path / "run"), socket_dir=str(sock_dir), stall_timeout=0.0)
+    m = Monitoring(cfg, Dist(), ProfileStats(), Reporter(lambda line: None), device=G1)
+    m.start()
+    try:
+        wait_until(lambda: "dflash-telemetry" in calls.device, what="the publisher thread to bind a device")
+        assert calls.device["dflash-telemetry"] == G1
+        assert "dflash-telemetry" not in calls.streams  # it launches no kernels: no stream of its own
+    finally:
+        m.close(failed=False, linger=False)
