@@ -12,7 +12,7 @@ import pytest
 
 from dflash.telemetry import ProfileStats, format_profile_stats
 from dflash.telemetry import protocol as P
-from dflash.telemetry.stats import _Acc
+from dflash.telemetry.reservoir import Reservoir
 from dflash.telemetry.summary import merge_windows, percentile, to_snapshot
 from dflash.telemetry.table import merge_category_stats
 
@@ -190,7 +190,7 @@ def test_reservoir_merge_keeps_exact_totals() -> None:
     import random
 
     rng = random.Random(1)
-    a, b = _Acc(100), _Acc(100)
+    a, b = Reservoir(100), Reservoir(100)
     a.extend([1.0] * 1000, rng)
     b.extend([3.0] * 3000, rng)
     a.merge(b, rng)
