@@ -13,7 +13,6 @@ another rank is shown a second, view-only connection to rank 0 keeps that panel 
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -533,9 +532,3 @@ class DFlashTop(App[None]):
             else:
                 self.push_screen(StacksScreen(r))
         self.schedule_refresh()
-
-
-if __name__ == "__main__":  # `python -m dflash_tui.app`, as the trainer's attach hint says
-    from dflash_tui.cli import main
-
-    sys.exit(main())

@@ -75,7 +75,7 @@ class PtyApp:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
         env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": str(cols), "LINES": str(rows)}
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "dflash_tui.app", *args], stdin=slave, stdout=slave,
+        self.proc = subprocess.Popen([sys.executable, "-m", "dflash_tui", *args], stdin=slave, stdout=slave,
                                      stderr=slave, env=env, cwd=ROOT, start_new_session=True)
         os.close(slave)
         self.master = master

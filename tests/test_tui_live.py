@@ -520,7 +520,7 @@ def test_live_source_requests_and_new_pid_reattach(short_dir: Path, trainers) ->
 
 
 def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "dflash_tui.app", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([PY, "-m", "dflash_tui", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_cli_list_and_once_json_against_a_trainer(short_dir: Path, trainers) -> None:

@@ -150,6 +150,6 @@ def top_command() -> str:
 
     exe = Path(sys.executable).with_name("dflash-top")
     if not exe.is_file():
-        return f"{shlex.quote(sys.executable)} -m dflash_tui.app"
+        return f"{shlex.quote(sys.executable)} -m dflash_tui"
     found = shutil.which("dflash-top")
     return "dflash-top" if found and Path(found).resolve() == exe.resolve() else shlex.quote(str(exe))
