@@ -105,3 +105,17 @@ def connect() -> Iterator:
     yield _connect
     for c in clients:
         c.close()
+
+
+def screen_text(app) -> str:
+    """What a running Textual app has on the terminal, as plain text: tests of the TUI assert on this
+    (what a user sees), since a widget's own text can be right while the layout hides it."""
+    import io
+
+    from rich.console import Console
+
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), record=True, color_system=None,
+                      legacy_windows=False)
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text()

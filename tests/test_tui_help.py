@@ -4,6 +4,7 @@ and screenshots (update with `pytest tests/test_tui_help.py --snapshot-update`, 
 from __future__ import annotations
 
 import pytest
+from conftest import screen_text
 from test_tui_snapshots import fixed_app, settle, utc  # noqa: F401 (utc: autouse fixture)
 
 from dflash.telemetry import analysis
@@ -111,27 +112,32 @@ def test_table_sorted_by_share_160x50(snap_compare) -> None:
     assert snap_compare(fixed_app(gpus=2), terminal_size=(160, 50), run_before=sort)
 
 
-async def test_replay_status_shows_position_length_speed_and_keys_seek(tmp_path):
+@pytest.mark.parametrize("size", [(80, 24), (160, 50)])
+async def test_replay_status_is_on_screen_and_angle_keys_seek(tmp_path, size):
+    """The replay's position / length / speed is on the screen (the footer once covered it), and `<`
+    and `>`, the keys footer, help and README name, move in the recording."""
     from dflash_tui import synthetic
-    from dflash_tui.widgets.statusline import StatusLine
 
     rec = synthetic.write_recording(tmp_path / "telemetry.jsonl", 121, interval_s=0.5)
     app = DFlashTop(rec, paused=True)
-    async with app.run_test(size=(120, 30)) as pilot:
-        status = app.query_one(StatusLine)
+    async with app.run_test(size=size) as pilot:
 
         async def until(text: str) -> None:
             for _ in range(200):
                 app.refresh_panels(slow=True)
                 await pilot.pause(0.05)
-                if text in status.content.plain:
+                if text in screen_text(app):
                     return
-            raise AssertionError(f"{text!r} never in {status.content.plain!r}")
+            raise AssertionError(f"{text!r} never on the screen:\n{screen_text(app)}")
 
         await until("replay 0:00 / 1:00 at 1x, paused")
-        await pilot.press("full_stop")
+        await pilot.press("greater_than_sign")
         await until("replay 0:10 / 1:00 at 1x, paused")
-        await pilot.press("comma")
+        await pilot.press("greater_than_sign")
+        await until("replay 0:20 / 1:00 at 1x, paused")
+        await pilot.press("less_than_sign")
+        await until("replay 0:10 / 1:00 at 1x, paused")
+        await pilot.press("comma")  # the old keys still work
         await until("replay 0:00 / 1:00 at 1x, paused")
         await pilot.press("j")
         await pilot.press(*"0:30", "enter")

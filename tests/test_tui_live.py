@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from conftest import screen_text
 
 from dflash.telemetry import ProfileStats, TelemetryServer, protocol
 from dflash_tui import synthetic
@@ -598,7 +600,7 @@ async def test_recording_defaults_to_python_sampling_and_panels_keep_updating(sh
 
     _, path = trainers("rec", short_dir / "s", short_dir / "run")
     app = DFlashTop(path, record_seconds=3)
-    async with app.run_test(size=(120, 40)) as pilot:
+    async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: app.state.snapshot is not None and app.state.hello is not None, "a snapshot")
         await pilot.press("r")
         await until(pilot, lambda: isinstance(app.screen, RecordDialog), "the record dialog")
@@ -607,13 +609,17 @@ async def test_recording_defaults_to_python_sampling_and_panels_keep_updating(sh
         await pilot.press("enter")
         await until(pilot, lambda: app.job is not None, "the recording to start")
         # poll until the recording job ends, noting every header drawn meanwhile
-        seen, headers, deadline = app.state.snapshots, set(), time.monotonic() + 60
+        seen, headers, screens, deadline = app.state.snapshots, set(), [], time.monotonic() + 60
         while app.job is not None:
             assert time.monotonic() < deadline, "the 3 s recording did not end within 60 s"
             headers.add(text_of(app, "#header"))
+            screens.append(screen_text(app))
             await pilot.pause(0.05)
         assert app.state.snapshots >= seen + 2, "snapshots stopped while recording"
         assert len(headers) >= 2, "the header did not change while recording"
+        # the countdown the README shows is on the 80x24 screen, not only in the status widget
+        pid = app.state.hello.pid
+        assert any(re.search(rf"py-spy record of pid {pid}: up to \d+ s left", s) for s in screens), screens[-1]
         # the screen is pushed before its body is mounted and drawn: wait for the text itself
         await until(pilot, lambda: isinstance(app.screen, ProfileScreen) and app.screen.query("#profile-body")
                     and "Python functions" in app.screen.query_one("#profile-body").render().plain,
