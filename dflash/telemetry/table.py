@@ -36,9 +36,9 @@ def seconds(v: float | None) -> str:
 
 def clock(v: float | None, short: bool = False) -> str:
     """Elapsed time as h:mm:ss; `short` drops the hours while there are none (1:25)."""
-    if v is None or not math.isfinite(v):
+    if v is None or not math.isfinite(v) or v < 0:
         return NA
-    h, rem = divmod(int(v), 3600)
+    h, rem = divmod(int(round(v)), 3600)
     m, sec = divmod(rem, 60)
     return f"{m}:{sec:02d}" if short and not h else f"{h}:{m:02d}:{sec:02d}"
 

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflash.telemetry.table import NA
+from dflash.telemetry.table import clock as _clock
+
 
 def clock(seconds: float | None) -> str:
-    """1:05, 12:00, 1:02:03 (a run's scale; '?' when unknown)."""
-    if seconds is None or seconds != seconds or seconds < 0:
-        return "?"
-    s = int(round(seconds))
-    h, rem = divmod(s, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+    """The run's clock as the table writes it, hours only when there are some (1:05, 1:02:03); '?'
+    for a time not known yet (an ETA before the first step)."""
+    text = _clock(seconds, short=True)
+    return "?" if text == NA else text
 
 
 @dataclass(frozen=True)

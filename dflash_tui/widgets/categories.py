@@ -21,6 +21,7 @@ from textual.strip import Strip
 
 from dflash_tui import fmt
 from dflash_tui.state import Ring, RunState
+from dflash_tui.widgets.base import PLAIN
 from dflash_tui.widgets.palette import category_color, category_order
 
 TREND_W = 12
@@ -34,7 +35,6 @@ GAP = 2
 SORTS = ("pipeline", "share", "p95", "name")
 HEADER = Style(bold=True, underline=True)
 WORKER = Style(bold=True)
-PLAIN = Style()  # never None: filters such as opacity read every segment's style
 BLANK = Segment(" " * GAP, PLAIN)
 
 Cells = tuple[str, ...]
