@@ -1,4 +1,4 @@
-"""`dflash data regenerate|demo`: target-written training data."""
+"""`dflash data regenerate|demo|cache`: target-written training data, and the offline hidden-states cache."""
 
 from __future__ import annotations
 
@@ -21,10 +21,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = sub.add_parser("demo", help="rebuild the shipped demo set (stdlib prompts answered by the tiny target)")
     d.add_argument("--out", type=Path, default=None)
     d.add_argument("--rows", type=int, default=2000)
+    c = sub.add_parser("cache", help="write the target's hidden states in the vLLM/speculators offline layout "
+                                     "(train from it with `dflash train --hidden-states DIR`)")
+    c.add_argument("--target", required=True, help="HF model directory or 'tiny'")
+    c.add_argument("--data", required=True, help="input JSONL or 'demo'")
+    c.add_argument("--out", required=True, type=Path, help="cache directory (a rerun skips the files written)")
+    c.add_argument("--max-samples", type=int, default=None, help="only the first N rows")
+    c.add_argument("--max-seq-len", type=int, default=512, help="longest sample in tokens (as `dflash train`)")
+    c.add_argument("--target-layer-ids", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   metavar="IDS", help="taps, the reference's ids (default: as `dflash train` picks them)")
+    c.add_argument("--drafter-layers", type=int, default=5, help="one tap per drafter layer by default (5)")
+    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--no-telemetry", action="store_true", help="no telemetry socket for dflash-top")
 
 
 def run(args: argparse.Namespace) -> int:
     from dflash.data import DataError, resolve_data
+    from dflash.data.cache_format import CacheError
     from dflash.model.target import TargetError, load_target
 
     try:
@@ -37,11 +51,75 @@ def run(args: argparse.Namespace) -> int:
 
             n = regenerate_file(target, data, args.out, args.max_new_tokens, args.batch_size, args.limit)
             print(f"wrote {n} rows to {args.out}")
+        elif args.action == "cache":
+            return _cache(args)
         else:
             from dflash.data.demo import DEMO_PATH, build_demo
 
             n = build_demo(load_target("tiny"), args.out or DEMO_PATH, n=args.rows)
             print(f"wrote {n} demo rows to {args.out or DEMO_PATH}")
-    except (DataError, TargetError) as e:
+    except (DataError, TargetError, CacheError) as e:
         raise CliError(str(e)) from None
+    return 0
+
+
+def _cache(args: argparse.Namespace) -> int:
+    """Rank 0 writes the token rows and the sidecar, every rank (RANK/WORLD_SIZE, as torchrun sets them)
+    its share of the sample files; a telemetry socket lets dflash-top watch the forward and the writes."""
+    import os
+
+    import torch
+
+    from dflash.data import load_samples, resolve_data
+    from dflash.data.cache_format import CacheMeta, read_rows, rows_ready, write_rows
+    from dflash.data.cache_writer import meta_for, rank_share, write_cache
+    from dflash.model.target import load_target
+    from dflash.telemetry import ProfileStats
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if args.max_samples is not None and args.max_samples < 1:
+        raise CliError(f"--max-samples must be at least 1, got {args.max_samples}")
+    data = resolve_data(args.data)
+    target = load_target(args.target, device=args.device, layer_ids=args.target_layer_ids,
+                         num_draft_layers=args.drafter_layers)
+    if target.tokenizer is None:
+        raise CliError(f"{args.target}: the target has no tokenizer; the cache needs one to read the data")
+    samples = load_samples(data, target.tokenizer, max_len=args.max_seq_len)
+    if args.max_samples is not None:
+        samples = samples[:args.max_samples]
+    meta = meta_for(target, args.target, len(samples))
+    out: Path = args.out
+    old = CacheMeta.read(out)
+    if old is not None and old != meta:
+        diff = [k for k, v in vars(meta).items() if getattr(old, k) != v and k != "dflash_version"]
+        if diff:
+            raise CliError(f"--out {out} holds a cache of another target or data ({', '.join(diff)} differ); "
+                           "choose another --out or delete it")
+    if rows_ready(out) and read_rows(out) != samples:
+        raise CliError(f"--out {out} holds a cache of other data rows; choose another --out or delete it")
+    if rank == 0:
+        if not rows_ready(out):
+            write_rows(out, samples)
+        meta.write(out)
+    share = rank_share(len(samples), None, world, rank)
+    print(f"cache: {target.describe() if hasattr(target, 'describe') else args.target}; rows {share.start}.."
+          f"{share.stop - 1} of {len(samples)} on rank {rank}/{world}; taps {target.layer_ids} "
+          f"(engine ids {meta.aux_hidden_state_layer_ids} + final {target.num_layers})", flush=True)
+    stats = ProfileStats()
+    server = None
+    if not args.no_telemetry:
+        from dflash.telemetry import TelemetryServer
+
+        server = TelemetryServer(run=f"cache-{out.name}", stats=stats, rank=rank, world_size=world)
+        server.start()
+        print(f"telemetry: {server.path}", flush=True)
+    try:
+        report = write_cache(target, samples, out, share, stats, batch_size=args.batch_size,
+                             log=lambda line: print(line, flush=True))
+    finally:
+        if server is not None:
+            server.close()
+    print(f"cache: wrote {report.written} files ({report.bytes / 1e9:.2f} GB) in {report.seconds:.1f}s, "
+          f"skipped {report.skipped}; train with: dflash train --target {args.target} --hidden-states {out}")
     return 0

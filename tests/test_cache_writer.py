@@ -1,0 +1,77 @@
+"""`dflash data cache` on the tiny target: the engines' layout, the states the target computes, reruns."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from dflash.cli import main
+from dflash.data.cache_format import CacheError, CacheMeta, read_rows, read_sample, sample_path
+from dflash.data.cache_writer import check_disk
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cache") / "c"
+    assert main(["data", "cache", "--target", "tiny", "--data", "demo", "--out", str(out), "--max-samples", "6",
+                 "--batch-size", "4", "--no-telemetry"]) == 0
+    return out
+
+
+def test_the_cache_holds_the_targets_states(cache_dir):
+    from dflash.model.target import load_target
+
+    target = load_target("tiny")
+    meta = CacheMeta.read(cache_dir)
+    assert meta.target_layer_ids == target.layer_ids and meta.rows == 6 and meta.dtype == "float32"
+    assert meta.aux_hidden_state_layer_ids == [i + 1 for i in target.layer_ids]
+    rows = read_rows(cache_dir)
+    assert len(rows) == 6
+    for i in (0, 5):
+        hs, ids = read_sample(sample_path(cache_dir, i))
+        assert ids.tolist() == rows[i].input_ids
+        assert hs.shape == (len(ids), len(target.layer_ids) + 1, target.hidden_size)
+        out = target.model.get_decoder()(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+        for slot, layer in enumerate(target.layer_ids):
+            torch.testing.assert_close(hs[:, slot], out.hidden_states[layer + 1][0], rtol=1e-4, atol=1e-4)
+        # the final slot is the last layer before the norm (vLLM's id N); transformers' last entry is after it
+        norm = target.model.get_decoder().norm
+        torch.testing.assert_close(norm(hs[None, :, -1]), out.hidden_states[-1], rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(hs[:, -1], out.hidden_states[-1][0])
+
+
+def test_a_rerun_skips_what_is_written(cache_dir, capsys):
+    victim = sample_path(cache_dir, 2)
+    victim.unlink()
+    before = {i: sample_path(cache_dir, i).stat().st_mtime_ns for i in (0, 1, 3, 4, 5)}
+    assert main(["data", "cache", "--target", "tiny", "--data", "demo", "--out", str(cache_dir),
+                 "--max-samples", "6", "--no-telemetry"]) == 0
+    out = capsys.readouterr().out
+    assert "5 files of this share already written, skipped" in out and "wrote 1 files" in out
+    assert victim.is_file()
+    assert {i: sample_path(cache_dir, i).stat().st_mtime_ns for i in before} == before
+
+
+def test_another_target_or_data_is_refused(cache_dir, tmp_path, capsys):
+    copy = tmp_path / "c"
+    shutil.copytree(cache_dir, copy)
+    assert main(["data", "cache", "--target", "tiny", "--data", "demo", "--out", str(copy), "--max-samples", "6",
+                 "--target-layer-ids", "0,4", "--no-telemetry"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # (above it: transformers' loading bar)
+    assert err.startswith("dflash data: error: --out ") and "another target or data (target_layer_ids" in err
+    assert main(["data", "cache", "--target", "tiny", "--data", "demo", "--out", str(copy), "--max-samples", "4",
+                 "--no-telemetry"]) == 2
+    assert "holds a cache of another target or data (rows" in capsys.readouterr().err
+
+
+def test_a_disk_too_small_is_refused_before_writing(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    lines = []
+    with pytest.raises(CacheError, match="the cache needs .* GB but .* free; free space, choose another --out"):
+        check_disk(tmp_path / "new", free + 10**12, "1 sample", lines.append)
+    assert "GB to write" in lines[0]
+    check_disk(tmp_path / "new", 1, "1 sample", lines.append)  # enough: says so and returns
