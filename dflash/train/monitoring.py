@@ -9,26 +9,36 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dflash.train.build import TrainError
 from dflash.train.config import TrainConfig
 from dflash.train.distributed import Dist
 from dflash.train.reporting import Reporter
 
+if TYPE_CHECKING:  # the telemetry side is imported when a run starts it (none of it with --no-telemetry)
+    import torch
+
+    from dflash.telemetry import ProfileStats, Summary, TelemetryServer
+    from dflash.telemetry.cluster import ClusterExchange
+    from dflash.telemetry.prometheus import MetricsExporter
+    from dflash.telemetry.protocol import Bottleneck, Stall
+    from dflash.telemetry.watchdog import Watchdog
+
 
 class Monitoring:
-    def __init__(self, cfg: TrainConfig, dist: Dist, stats: Any, report: Reporter, device: Any = None):
+    def __init__(self, cfg: TrainConfig, dist: Dist, stats: ProfileStats, report: Reporter,
+                 device: torch.device | None = None):
         """`device`: the trainer's CUDA device (None on the host), which the publisher thread binds before
         it resolves any CUDA event."""
         self.cfg, self.dist, self.stats, self.report, self.device = cfg, dist, stats, report, device
-        self.server: Any = None
-        self.exporter: Any = None
-        self.exchange: Any = None
-        self.watchdog: Any = None
+        self.server: TelemetryServer | None = None
+        self.exporter: MetricsExporter | None = None
+        self.exchange: ClusterExchange | None = None
+        self.watchdog: Watchdog | None = None
         # the watchdog's stall when --on-stall exit is to end the run: set on the publisher thread,
         # acted on by the main thread
-        self.stall: Any = None
+        self.stall: Stall | None = None
 
     def start(self) -> None:
         from dflash.telemetry import TelemetryServer
@@ -90,18 +100,18 @@ class Monitoring:
         if cfg.health.stall_timeout == 0:
             return monitors
 
-        def on_stall(st: Any) -> None:  # publisher thread: only hand the stall to the main thread
+        def on_stall(st: Stall) -> None:  # publisher thread: only hand the stall to the main thread
             self.stall = st
 
         self.watchdog = Watchdog(Path(cfg.run.run_dir).resolve(), cfg.health.stall_timeout or None,
                                  emit=self.report.event, on_stall=on_stall if cfg.health.on_stall == "exit" else None)
         return [*monitors, self.watchdog]
 
-    def latest(self) -> Any:
+    def latest(self) -> Summary | None:
         """The newest telemetry snapshot (None before the first, or with telemetry off)."""
         return self.server.latest() if self.server is not None else None
 
-    def verdict(self) -> Any:
+    def verdict(self) -> Bottleneck | None:
         """The bottleneck verdict dflash-top shows (per window, with hysteresis), or None."""
         return self.server.verdict.current if self.server is not None else None
 

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash.train.distributed import Dist
+
+if TYPE_CHECKING:
+    from dflash.telemetry import TelemetryServer
+    from dflash.train.trackers import Trackers
 
 
 class Reporter:
     def __init__(self, out: Callable[[str], None] | None = None):
         self._out = out or (lambda s: print(s, flush=True))
         self.dist = Dist()  # replaced once the ranks have joined
-        self.server: Any = None  # the telemetry publisher, once started: events go on its stream too
-        self.trackers: Any = None  # the experiment trackers (rank 0, --report-to)
+        self.server: TelemetryServer | None = None  # the telemetry publisher, once started: events go on its stream too
+        self.trackers: Trackers | None = None  # the experiment trackers (rank 0, --report-to)
 
     def log(self, line: str) -> None:
         """Rank 0 only: the other ranks would repeat it (their telemetry is their own)."""
