@@ -212,34 +212,52 @@ def _straggler_views(run: Path, since: float) -> list:
             if isinstance(f, Snapshot) and f.cluster and f.t > since]
 
 
+def _views_until(run: Path, since: float, done, timeout: float, proc: subprocess.Popen) -> list:
+    """Rank 0's cluster views since `since`, polled until `done(views)` holds or `timeout` passes."""
+    views: list = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        views = _straggler_views(run, since)
+        if done(views):
+            break
+        time.sleep(0.5)
+    return views
+
+
+def _run_of(n: int, straggler):
+    """Whether the last `n` views all name `straggler` (None: no straggler)."""
+    return lambda views: len(views) >= n and all(v.straggler == straggler for v in views[-n:])
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to slow one rank down")
 def test_a_rank_slowed_by_a_cpu_hog_is_named_the_straggler(setup, tmp_path):
     """A real straggler: each rank gets its own CPU, then busy loops share rank 1's. Rank 0 now waits
     for rank 1 in every all-reduce, and rank 0's cluster view must say so, steadily.
 
-    The run is long and ends once the views show it (or a deadline passes): how soon a smoothing
-    window fills depends on how busy the machine is, so a fixed run length failed under load."""
+    The drafter's gradients go in many small DDP buckets (a 1B drafter has ~170): each bucket waits
+    for the slow rank, so timing them one by one summed that wait many times over on every rank and
+    clamped both at 100%. Timed once per step, the ranks read alike while balanced (no straggler) and
+    the hogged one is named. The run is long and ends once the views show it (or a deadline passes):
+    how soon a smoothing window fills depends on how busy the machine is, so a fixed run length failed
+    under load."""
     target, data = setup
     run, socks = tmp_path / "run", tmp_path / "socks"
     cpus = sorted(os.sched_getaffinity(0))[:2]
-    proc = _launch(target, data, run, socks, "--max-steps", "100000", "--max-time", "600")
+    proc = _launch(target, data, run, socks, "--max-steps", "100000", "--max-time", "600", "--bucket-mb", "0.002")
+    balanced: list = []
     views: list = []
     try:
         pids = _wait_for_training(proc, socks)
         _pin(pids[0], cpus[0])
         _pin(pids[1], cpus[1])
+        balanced = _views_until(run, time.time(), _run_of(3, None), 120, proc)
         # Two busy loops, so that rank 1 keeps a third of its CPU against rank 0's whole one even
         # when other jobs on the machine float onto both CPUs (one hog lost to them under load).
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
         try:
             for hog in hogs:
                 os.sched_setaffinity(hog.pid, {cpus[1]})
-            since, deadline = time.time(), time.monotonic() + 180
-            while time.monotonic() < deadline and proc.poll() is None:
-                views = _straggler_views(run, since)
-                if len(views) >= 5 and all(v.straggler == 1 for v in views[-5:]):
-                    break
-                time.sleep(0.5)
+            views = _views_until(run, time.time(), _run_of(5, 1), 180, proc)
         finally:
             for hog in hogs:
                 hog.kill()
@@ -247,9 +265,13 @@ def test_a_rank_slowed_by_a_cpu_hog_is_named_the_straggler(setup, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)  # torchrun forwards it: each rank checkpoints and exits
         out = _finish(proc)
+    assert _run_of(3, None)(balanced), ("balanced ranks were named stragglers: "
+                                        f"{[(v.straggler, [r.allreduce_share for r in v.ranks]) for v in balanced]}")
+    assert all(r.allreduce_share < 0.95 for r in balanced[-1].ranks), balanced[-1].ranks  # not clamped
     assert views, "rank 0 published no cluster view after the hog started: " + out[-3000:]
     # Once the hog has run for a smoothing window, rank 1 is the straggler in every view, five in a row.
-    assert [v.straggler for v in views[-5:]] == [1] * 5, [v.straggler for v in views]
+    assert [v.straggler for v in views[-5:]] == [1] * 5, [(v.straggler, [r.allreduce_share for r in v.ranks])
+                                                          for v in views]
     last = views[-1]
     ar = {r.rank: r.allreduce_share for r in last.ranks}
     assert ar[0] > ar[1] + 0.05, ar  # rank 0 waits for rank 1

@@ -116,7 +116,7 @@ def build(cfg: TrainConfig, dist: Dist, ckpt: dict | None = None, faults: FaultP
     embed, lm_head = first.frozen_head(drafter_device)
     if ckpt is not None:
         model.load_state_dict(ckpt["drafter"])  # before DDP, which broadcasts rank 0's weights
-    ddp = distributed.wrap_ddp(model, drafter_device, stats) if dist.enabled else None
+    ddp = distributed.wrap_ddp(model, drafter_device, stats, cfg.distributed.bucket_mb) if dist.enabled else None
     drafter = DrafterStage(model, embed, lm_head, drafter_device, cfg,
                            stats.worker("drafter-0" if cfg.pipeline.enabled else "trainer"), generator, ddp,
                            faults=faults)

@@ -157,6 +157,8 @@ class DistributedSettings:
 
     collective_timeout: float = setting(300.0, "multi-rank: seconds a collective may wait for a rank before the "
                                         "job gives up on it (default 300)")
+    bucket_mb: float = setting(25.0, "multi-rank: size in MB of DDP's gradient buckets, each all-reduced as soon as "
+                               "it fills during backward (default 25, DDP's own)")
 
 
 @dataclass
@@ -204,7 +206,8 @@ class TrainConfig:
                     "log_every": run.log_every, "telemetry_interval": tel.telemetry_interval,
                     "batch_queue_size": pipe.batch_queue_size, "hs_queue_size": pipe.hs_queue_size,
                     "keep_checkpoints": self.checkpoint.keep_checkpoints,
-                    "collective_timeout": self.distributed.collective_timeout}
+                    "collective_timeout": self.distributed.collective_timeout,
+                    "bucket_mb": self.distributed.bucket_mb}
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value}")

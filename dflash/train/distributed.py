@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -161,40 +162,77 @@ def param_digest(module: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def wrap_ddp(module: torch.nn.Module, device: torch.device, stats) -> torch.nn.Module:
-    """DDP around the drafter, with a comm hook that books the all-reduce's duration as the counter
-    `allreduce_seconds`: mostly waiting for the slowest rank, which is how the cluster view finds it.
+class StepAllReduce:
+    """Times a step's gradient all-reduce as one interval, from the first bucket's start to the last
+    bucket's end, booked as the counter `allreduce_seconds`: mostly waiting for the slowest rank, which
+    is how the cluster view finds it.
 
-    gloo completes the hook's future when the reduction is done, so host time measures it. NCCL
-    completes it as soon as the collective is queued, so on CUDA the hook brackets the all-reduce with
-    two CUDA events instead (the callback runs on a stream made to wait for the NCCL work) and the
-    telemetry drain adds their device time once they have completed, without waiting for them."""
+    One interval per bucket would not do: DDP reduces ~170 buckets per step for a 1B fp32 drafter (at
+    25 MB), each waiting for the slowest rank, so their sum counts a 2 ms skew 170 times (and overlapping
+    buckets more than once) and reads as most of the step on every rank alike.
+
+    gloo completes a bucket's future when its reduction is done, so host time measures it. NCCL
+    completes it as soon as the collective is queued, so on CUDA the interval is bracketed by two CUDA
+    events instead (the end is recorded on the stream the last bucket's callback runs on, made to wait
+    for that NCCL work) and the telemetry drain adds their device time once they have completed,
+    without waiting for them. Hooks run on the backward's thread, callbacks on the backend's: a lock."""
+
+    def __init__(self, stats) -> None:
+        self.stats = stats
+        self._lock = threading.Lock()
+        self._pending = 0  # buckets started and not done in this step
+        self._last_seen = False  # DDP has handed over the step's last bucket
+        self._t0: float | None = None
+        self._start: Any = None  # the CUDA start event
+
+    def started(self, bucket, cuda: bool) -> None:
+        """Called from the comm hook before the bucket's all-reduce is launched."""
+        with self._lock:
+            if self._t0 is None:
+                self._t0 = time.perf_counter()
+                if cuda:
+                    self._start = torch.cuda.Event(enable_timing=True)
+                    self._start.record()
+            self._pending += 1
+            self._last_seen = self._last_seen or bucket.is_last()
+
+    def done(self) -> None:
+        """Called when a bucket's all-reduce has completed; books the step's interval after the last."""
+        with self._lock:
+            self._pending -= 1
+            if not self._last_seen or self._pending > 0:
+                return
+            t0, start = self._t0, self._start
+            self._t0, self._start, self._last_seen = None, None, False
+        if start is None:
+            self.stats.count("allreduce_seconds", time.perf_counter() - t0)
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.stats.count_device("allreduce_seconds", start, end)
+
+
+def wrap_ddp(module: torch.nn.Module, device: torch.device, stats, bucket_mb: float = 25.0) -> torch.nn.Module:
+    """DDP around the drafter, with a comm hook that times each step's all-reduce (StepAllReduce)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # The drafter's buffers (RoPE frequencies) are the same constants on every rank: syncing them at
     # each forward would only add a collective per step (and one more place to time out).
     no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
                       else {"broadcast_buffers": False})
-    ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, **no_buffer_sync)
+    ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb,
+              **no_buffer_sync)
     ddp.config = module.config  # the objective reads block size and mask token from the module it runs
     world = dist.get_world_size()
+    timer = StepAllReduce(stats)
 
     def timed_allreduce(state, bucket):
-        t0 = time.perf_counter()
         buf = bucket.buffer().div_(world)
-        start = None
-        if buf.is_cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
+        timer.started(bucket, buf.is_cuda)
         fut = dist.all_reduce(buf, async_op=True).get_future()
 
         def done(f):
-            if start is None:
-                stats.count("allreduce_seconds", time.perf_counter() - t0)
-            else:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                stats.count_device("allreduce_seconds", start, end)
+            timer.done()
             try:
                 return f.value()[0]
             except Exception as e:
