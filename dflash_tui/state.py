@@ -28,6 +28,7 @@ from dflash.telemetry.protocol import (
     Stall,
     SystemSample,
 )
+from dflash.telemetry.vocab import Gauge
 from dflash_tui.sources import Connection, SourceUpdate
 
 #: points kept per series (at 2 Hz: 2.5 minutes; sparklines show the newest that fit)
@@ -274,7 +275,7 @@ class RunState:
     def step(self) -> int | None:
         if self.snapshot is None:
             return None
-        v = self.snapshot.gauges.get("step")
+        v = self.snapshot.gauges.get(Gauge.STEP)
         if v is None:
             v = self.snapshot.counters.get("steps")
         return int(v) if v is not None else None
@@ -296,7 +297,7 @@ class RunState:
     def evaluating(self) -> tuple[int, int] | None:
         """(prompts done, prompts in all) while the trainer runs an evaluation; training has paused
         then, so the time shares say nothing about the pipeline."""
-        done, total = self.gauge("eval_done"), self.gauge("eval_total")
+        done, total = self.gauge(Gauge.EVAL_DONE), self.gauge(Gauge.EVAL_TOTAL)
         if done is None or total is None or done >= total:
             return None
         return int(done), int(total)
@@ -311,7 +312,7 @@ class RunState:
     def loss_value(self) -> float | None:
         if self.snapshot is None:
             return None
-        return self.snapshot.gauges.get("loss")
+        return self.snapshot.gauges.get(Gauge.LOSS)
 
     @property
     def tau_value(self) -> float | None:

@@ -11,6 +11,7 @@ import math
 import random
 from pathlib import Path
 
+from dflash.telemetry import vocab
 from dflash.telemetry.protocol import (
     PROTO,
     Bottleneck,
@@ -30,8 +31,8 @@ from dflash.telemetry.protocol import (
 )
 
 T0 = 1_760_000_000.0
-CATEGORIES = ["batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put", "hs_queue_wait", "h2d",
-              "drafter_forward", "drafter_backward", "optimizer_step", "checkpoint", "eval", "loader_io"]
+#: the trainer's categories and one of a custom stage's (shown after them, in its own colour)
+CATEGORIES = [*vocab.CATEGORIES, "loader_io"]
 #: typical share of wall time per category for each kind of worker
 _TARGET = {"target_forward": 0.62, "pack_hidden": 0.09, "hs_queue_put": 0.06, "batch_queue_wait": 0.04, "h2d": 0.05}
 _DRAFTER = {"hs_queue_wait": 0.31, "h2d": 0.04, "drafter_forward": 0.21, "drafter_backward": 0.27,
@@ -48,6 +49,12 @@ def worker_names(n: int) -> list[str]:
     half = max(1, n // 2)
     names = [f"target-{i}" for i in range(half)] + [f"drafter-{i}" for i in range(n - half)]
     return names[:-1] + ["batch-producer"] if n >= 6 else names
+
+
+def worker_roles(n: int) -> dict[str, str]:
+    """Each of `worker_names(n)` with the role its name was made from (what a trainer registers)."""
+    return {w: str(vocab.Role.DATA if w == "batch-producer" else vocab.Role(w.split("-")[0]))
+            for w in worker_names(n)}
 
 
 def hello(run: str = "demo", pid: int = 4242, host: str = "trainbox", workers: int = 4,
@@ -126,7 +133,7 @@ def snapshot(seq: int, *, workers: int = 4, categories: int = 12, interval_s: fl
                             "lr": 3e-4, "hs_queue_depth": 0.0, **progress_gauges(steps, seq * interval_s)},
                     metrics={"sim_tau": round(1.2 + 2.4 * (1 - math.exp(-seq / 60)), 3),
                              "per_position_acc": [round(0.9 * 0.85**k, 3) for k in range(15)]},
-                    system=system, bottleneck=bottleneck)
+                    system=system, bottleneck=bottleneck, roles=worker_roles(workers))
 
 
 def progress_gauges(steps: int, elapsed: float, max_steps: int = 1000) -> dict[str, float]:

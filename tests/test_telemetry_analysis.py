@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash.telemetry.analysis import analyze, role_of
+from dflash.telemetry.analysis import analyze, roles_of
 from dflash.telemetry.protocol import CategoryStats, DeviceStats, Snapshot
 
 
@@ -31,12 +31,12 @@ def pipeline(
     return workers
 
 
-def test_roles() -> None:
-    assert role_of("target-3") == "target"
-    assert role_of("drafter-0") == "drafter"
-    assert role_of("batch-producer") == "data"
-    assert role_of("data") == "data"
-    assert role_of("MainThread") is None
+def test_roles_of_a_recording_from_before_roles_were_on_the_wire() -> None:
+    names = {"target-3": {}, "drafter-0": {}, "batch-producer": {}, "MainThread": {}}
+    assert roles_of(names, None) == {"target-3": "target", "drafter-0": "drafter", "batch-producer": "data",
+                                     "MainThread": None}
+    assert roles_of(names, {"MainThread": "drafter", "target-3": "bogus"})["MainThread"] == "drafter"
+    assert roles_of(names, {"MainThread": "drafter", "target-3": "bogus"})["target-3"] is None
 
 
 def test_target_bound() -> None:

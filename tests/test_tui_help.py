@@ -18,8 +18,8 @@ from dflash_tui.widgets.timebars import TimeBars
 
 
 def test_the_help_states_the_analysis_thresholds():
-    assert help_screen.THRESHOLD == analysis.THRESHOLD and help_screen.MIN_TRACKED == analysis.MIN_TRACKED
     assert help_screen.HOLD_WINDOWS == analysis.SteadyVerdict().hold
+    assert f">= {analysis.THRESHOLD:.0%}" in dict(help_screen.verdicts())["target-bound"]
 
 
 def test_the_help_lists_every_key_and_term():

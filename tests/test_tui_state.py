@@ -218,9 +218,9 @@ def test_dflash_top_takes_only_the_protocol_from_dflash_and_never_torch(run_pyth
     code = ("import sys, dflash_tui.app, dflash_tui.cli, dflash_tui.headless, dflash_tui.pyspy, dflash_tui.ranks\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dflash', 'torch')))")
     out = run_python(code)
-    # the protocol side only: the frames, their reader, where the sockets are, the table's text
+    # the protocol side only: the frames, their reader, where the sockets are, the table's text, the words
     assert out.strip() == ("['dflash', 'dflash.telemetry', 'dflash.telemetry.protocol', 'dflash.telemetry.reader', "
-                           "'dflash.telemetry.sockets', 'dflash.telemetry.table']")
+                           "'dflash.telemetry.sockets', 'dflash.telemetry.table', 'dflash.telemetry.vocab']")
 
 
 def test_gpu_panel_shows_cuda_ordinal_gpm_activity_and_mig_instances() -> None:

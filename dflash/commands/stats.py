@@ -117,7 +117,7 @@ def summarize(path: Path, last: int | None = None) -> dict[str, Any]:
         "counters": counters,
         "rates": rates,
         "gauges": dict(snaps[-1].gauges),
-        "bottleneck": analyze(workers),
+        "bottleneck": analyze(workers, snaps[-1].roles),
         "events": len(events),
         "ended": byes[-1].reason if byes else None,
         "malformed_lines": bad,

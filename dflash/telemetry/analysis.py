@@ -25,12 +25,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from dflash.telemetry import vocab
 from dflash.telemetry.protocol import Bottleneck, CategoryStats
+from dflash.telemetry.vocab import (
+    DRAFTER_BUSY,
+    HOLD_WINDOWS,
+    MIN_TRACKED,
+    TARGET_BUSY,
+    THRESHOLD,
+    Role,
+    legacy_role,
+)
 
-#: a wait above this share of a worker's wall time counts as starving/blocked
-THRESHOLD = 0.20
-#: below this much timed work per pipeline worker there is nothing to judge (start-up, eval pauses)
-MIN_TRACKED = 0.05
 #: GIL contention (share of a probe thread's time spent waiting for the GIL, dflash/telemetry/gil.py)
 #: from which the interpreter lock, not compute, limits the stage that bounds throughput
 GIL_BOUND = 0.5
@@ -39,19 +45,13 @@ GIL_BOUND = 0.5
 #: (a sleep probe on an oversubscribed machine also counts waiting for a core)
 GIL_BOUND_MAX_CPU = 150.0
 
-TARGET_BUSY = ("target_forward", "pack_hidden", "h2d")
-DRAFTER_BUSY = ("drafter_forward", "drafter_backward", "optimizer_step", "h2d")
 
-
-def role_of(worker: str) -> str | None:
-    """"target", "drafter" or "data" from the worker naming convention, else None."""
-    if worker.startswith("target"):
-        return "target"
-    if worker.startswith("drafter"):
-        return "drafter"
-    if worker.startswith(("batch-producer", "data")):
-        return "data"
-    return None
+def roles_of(workers: Mapping[str, object], roles: Mapping[str, str] | None) -> dict[str, Role | None]:
+    """Each worker's role as it registered it; a recording from before roles were on the wire (no
+    `roles` at all) falls back to the thread names trainers of that time used."""
+    if not roles:
+        return {w: legacy_role(w) for w in workers}
+    return {w: Role(roles[w]) if roles.get(w) in Role.__members__.values() else None for w in workers}
 
 
 def _mean(values: list[float]) -> float:
@@ -78,15 +78,16 @@ def _busy(cats: Mapping[str, CategoryStats], names: tuple[str, ...]) -> float:
 
 
 def analyze(
-    workers: Mapping[str, Mapping[str, CategoryStats]], threshold: float = THRESHOLD
+    workers: Mapping[str, Mapping[str, CategoryStats]], roles: Mapping[str, str] | None = None,
+    threshold: float = THRESHOLD,
 ) -> Bottleneck:
-    """The bottleneck verdict for one window (or a merged range) of per-worker stats."""
-    by_role: dict[str, list[Mapping[str, CategoryStats]]] = {"target": [], "drafter": [], "data": []}
-    for name, cats in workers.items():
-        role = role_of(name)
+    """The bottleneck verdict for one window (or a merged range) of per-worker stats; `roles` maps each
+    worker to its Role (a snapshot's or summary's `roles`)."""
+    by_role: dict[Role, list[Mapping[str, CategoryStats]]] = {r: [] for r in Role}
+    for name, role in roles_of(workers, roles).items():
         if role is not None:
-            by_role[role].append(cats)
-    targets, drafters, data = by_role["target"], by_role["drafter"], by_role["data"]
+            by_role[role].append(workers[name])
+    targets, drafters, data = by_role[Role.TARGET], by_role[Role.DRAFTER], by_role[Role.DATA]
 
     target_starve = _mean([_share(c, ("batch_queue_wait",)) for c in targets])
     target_blocked = _mean([_share(c, ("hs_queue_put",)) for c in targets])
@@ -108,15 +109,15 @@ def analyze(
     tracked = _mean([sum(cs.share for cs in c.values()) for c in pipeline])
     if not pipeline or tracked < MIN_TRACKED:
         why = (
-            "no target-N or drafter-N workers reported timings"
+            "no target or drafter workers reported timings"
             if not pipeline
             else f"too little timed work to judge ({tracked:.0%} of pipeline workers' time)"
         )
-        return Bottleneck(verdict="unknown", reason=why, evidence=evidence)
+        return Bottleneck(verdict=vocab.UNKNOWN.name, reason=why, evidence=evidence)
 
     if targets and target_starve >= threshold and target_starve >= target_blocked:
         return Bottleneck(
-            verdict="data-bound",
+            verdict=vocab.DATA_BOUND.name,
             reason=(
                 f"targets wait {target_starve:.0%} of their time for batches (batch_queue_wait): the data "
                 "producer (one thread) limits throughput; make batch building cheaper"
@@ -130,7 +131,7 @@ def analyze(
     if max(drafter_starve, target_blocked) >= threshold:
         if drafters and drafter_starve >= target_blocked:
             return Bottleneck(
-                verdict="target-bound",
+                verdict=vocab.TARGET_BOUND.name,
                 reason=(
                     f"drafters wait {drafter_starve:.0%} of their time for hidden states (hs_queue_wait) "
                     f"while targets block only {target_blocked:.0%}: the target forward limits throughput; "
@@ -139,7 +140,7 @@ def analyze(
                 evidence=evidence,
             )
         return Bottleneck(
-            verdict="drafter-bound",
+            verdict=vocab.DRAFTER_BOUND.name,
             reason=(
                 f"targets spend {target_blocked:.0%} of their time blocked on a full hidden-state queue "
                 f"(hs_queue_put) while drafters wait only {drafter_starve:.0%}: drafter training limits "
@@ -153,7 +154,7 @@ def analyze(
         key=lambda kv: kv[1],
     )
     return Bottleneck(
-        verdict="balanced",
+        verdict=vocab.BALANCED.name,
         reason=f"no stage waits more than {threshold:.0%} of its time (largest: {worst[0]} {worst[1]:.0%})",
         evidence=evidence,
     )
@@ -165,7 +166,7 @@ class SteadyVerdict:
     first real verdict, and any verdict after "unknown" (start-up, an evaluation pause), is taken at
     once: there is nothing to hold then. The log line and dflash-top both show what this returns."""
 
-    def __init__(self, hold: int = 3) -> None:
+    def __init__(self, hold: int = HOLD_WINDOWS) -> None:
         self.hold = hold
         self.current: Bottleneck | None = None
         self._challenger: str | None = None
@@ -173,7 +174,7 @@ class SteadyVerdict:
 
     def update(self, raw: Bottleneck) -> Bottleneck:
         cur = self.current
-        if cur is None or cur.verdict == "unknown" or raw.verdict == cur.verdict:
+        if cur is None or cur.verdict == vocab.UNKNOWN.name or raw.verdict == cur.verdict:
             self._challenger, self._wins = None, 0
             self.current = raw
             return raw
@@ -198,7 +199,7 @@ def gil_bound(b: Bottleneck, contention: float | None, cpu_percent: float | None
     the process runs on about one core: then the stage that looks slowest is slow because its thread
     waits for the GIL, and more compute (GPUs, workers) would not help; less Python per step, or
     processes, would."""
-    if contention is None or contention < threshold or b.verdict == "unknown":
+    if contention is None or contention < threshold or b.verdict == vocab.UNKNOWN.name:
         return b
     if cpu_percent is not None and cpu_percent > GIL_BOUND_MAX_CPU:
         return b
@@ -207,7 +208,7 @@ def gil_bound(b: Bottleneck, contention: float | None, cpu_percent: float | None
         evidence["process_cpu_percent"] = round(cpu_percent, 1)
     stage = b.verdict.removesuffix("-bound")
     return Bottleneck(
-        verdict="GIL-bound",
+        verdict=vocab.GIL_BOUND.name,
         reason=(f"a thread that wants the GIL waits {contention:.0%} of its time for it: Python threads queue "
                 f"for the interpreter lock, so the {stage} stage ({b.verdict} by its waits) is limited by the GIL, "
                 "not by compute; move Python work out of the step (fewer small ops, CUDA graphs) or use "
@@ -226,10 +227,10 @@ def _by_device_time(targets: list[Mapping[str, CategoryStats]], drafters: list[M
                      "device_time": 1.0})
     figures = f"target stage busy {t_busy:.0%} of the time, drafter stage {d_busy:.0%} (device time from CUDA events)"
     if t_busy - d_busy >= threshold:
-        return Bottleneck(verdict="target-bound", reason=f"{figures}: the target forward limits throughput; add "
+        return Bottleneck(verdict=vocab.TARGET_BOUND.name, reason=f"{figures}: the target forward limits throughput; add "
                           "target workers/GPUs (--target-devices) or batch the target more", evidence=evidence)
     if d_busy - t_busy >= threshold:
-        return Bottleneck(verdict="drafter-bound", reason=f"{figures}: drafter training limits throughput; make the "
+        return Bottleneck(verdict=vocab.DRAFTER_BOUND.name, reason=f"{figures}: drafter training limits throughput; make the "
                           "drafter step cheaper (fewer anchors or drafter layers) or add ranks (--nproc, torchrun)",
                           evidence=evidence)
-    return Bottleneck(verdict="balanced", reason=f"{figures}: within {threshold:.0%} of each other", evidence=evidence)
+    return Bottleneck(verdict=vocab.BALANCED.name, reason=f"{figures}: within {threshold:.0%} of each other", evidence=evidence)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 
 from dflash.telemetry.summary import Summary
+from dflash.telemetry.vocab import Gauge
 
 #: seconds the probe sleeps between wake-ups
 INTERVAL_S = 0.005
@@ -109,6 +110,6 @@ class GilProbe:
         self.start()
         share, wait, n = self.read()
         if n:
-            summary.gauges["gil_contention"] = round(share, 4)
+            summary.gauges[Gauge.GIL_CONTENTION] = round(share, 4)
             if self._knock is None:
-                summary.gauges["gil_wait_ms"] = round(wait * 1e3, 3)
+                summary.gauges[Gauge.GIL_WAIT_MS] = round(wait * 1e3, 3)

@@ -64,6 +64,8 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from dflash.telemetry.vocab import VERDICTS
+
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
@@ -72,8 +74,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dflash.telemetry")
 
-#: every verdict analysis.analyze() can return; exported as 0/1 so a verdict that ends drops to 0
-VERDICTS = ("target-bound", "drafter-bound", "data-bound", "GIL-bound", "balanced", "unknown")
 #: counters with a series of their own (the rest go to dflash_counter_total{name})
 NAMED_COUNTERS = ("tokens", "samples", "steps")
 #: gauges with a series of their own (the rest go to dflash_gauge{name})

@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from dflash.telemetry.vocab import PAUSE_CATEGORIES
+
 PROTO = 1
 #: A frame longer than this is rejected by readers (a snapshot of 8 workers x 12 categories is ~20 KB).
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -99,7 +101,7 @@ class SystemSample(msgspec.Struct, omit_defaults=True):
 
 
 class Bottleneck(msgspec.Struct, omit_defaults=True):
-    #: "target-bound", "drafter-bound", "data-bound", "GIL-bound", "balanced" or "unknown"
+    #: one of dflash.telemetry.vocab.VERDICTS
     verdict: str
     reason: str = ""
     evidence: dict[str, float] = {}
@@ -261,6 +263,9 @@ class Snapshot(msgspec.Struct, tag_field="type", tag="snapshot", omit_defaults=T
     stalls: list[Stall] = []
     #: worker/category timings that deviate from their baseline now
     anomalies: list[Anomaly] = []
+    #: worker -> its pipeline role ("target", "drafter", "data": dflash.telemetry.vocab.Role); empty in
+    #: recordings written before roles were on the wire
+    roles: dict[str, str] = {}
 
 
 class Event(msgspec.Struct, tag_field="type", tag="event", omit_defaults=True):
@@ -446,9 +451,6 @@ def recording_filename(rank: int = 0) -> str:
 
 
 # --- reading a whole run (shared so that `dflash stats` and `dflash-top --once` agree) ---------------
-
-#: categories that are not training: time spent in them pauses the pipeline
-PAUSE_CATEGORIES = ("eval",)
 
 
 def training_shares(workers: dict[str, dict[str, CategoryStats]]) -> tuple[dict[str, dict[str, CategoryStats]], float]:

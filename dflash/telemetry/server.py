@@ -52,6 +52,7 @@ from dflash.telemetry.sockets import (
 from dflash.telemetry.stats import ProfileStats
 from dflash.telemetry.summary import Summary, to_snapshot
 from dflash.telemetry.system import SystemSampler
+from dflash.telemetry.vocab import Gauge
 
 log = logging.getLogger("dflash.telemetry")
 
@@ -395,7 +396,7 @@ class TelemetryServer:
                         log.warning("system sample failed: %s", e)
                         self._sampler_failed = True
             self._seq += 1
-            verdict = self.verdict.update(gil_bound(analyze(summary.workers), summary.gauges.get("gil_contention"),
+            verdict = self.verdict.update(gil_bound(analyze(summary.workers, summary.roles), summary.gauges.get(Gauge.GIL_CONTENTION),
                                                     system.cpu_percent if system is not None else None))
             snap = to_snapshot(summary, self._seq, self.interval_s, system, verdict)
             if self._cluster_view is not None:

@@ -35,6 +35,7 @@ from typing import Any
 from dflash.telemetry.protocol import CategoryStats, OpenSpan
 from dflash.telemetry.reservoir import RESERVOIR, Reservoir
 from dflash.telemetry.summary import MetricValue, Summary, untracked_of
+from dflash.telemetry.vocab import Role
 
 _perf = time.perf_counter
 
@@ -259,6 +260,7 @@ class ProfileStats:
         self._lock = threading.Lock()
         self._drain_lock = threading.Lock()
         self._workers: dict[str, Worker] = {}
+        self._roles: dict[str, Role] = {}
         self._pending: dict[str, dict[str, Reservoir]] = {}
         self._unresolved: dict[str, list[tuple[str, Any, Any]]] = {}
         self._device_counts: list[tuple[str, Any, Any]] = []  # see count_device
@@ -283,10 +285,13 @@ class ProfileStats:
 
     # --- recording ------------------------------------------------------------------------------------
 
-    def worker(self, name: str) -> Worker | _NullWorker:
-        """The handle for `name` (the same object for the same name)."""
+    def worker(self, name: str, role: Role | None = None) -> Worker | _NullWorker:
+        """The handle for `name` (the same object for the same name). A pipeline worker names its
+        `role` the first time: the verdict groups workers by it, never by their names."""
         if not self.enabled:
             return _NullWorker(name)
+        if role is not None:
+            self._roles[name] = Role(role)
         w = self._workers.get(name)
         if w is None:
             with self._lock:
@@ -510,6 +515,7 @@ class ProfileStats:
             dropped=dropped,
             inflight=inflight,
             since_done=since_done,
+            roles={w: str(r) for w, r in self._roles.items()},
         )
 
     def _book_open(

@@ -57,6 +57,8 @@ class Summary:
     inflight: dict[str, OpenSpan] = field(default_factory=dict)
     #: worker -> seconds since it last completed a span (resolution: one window)
     since_done: dict[str, float] = field(default_factory=dict)
+    #: worker -> its pipeline role (dflash.telemetry.vocab.Role), as the worker registered it
+    roles: dict[str, str] = field(default_factory=dict)
     #: filled in by the publisher: stalled workers (watchdog) and deviating timings (anomalies)
     stalls: list[Stall] = field(default_factory=list)
     anomalies: list[Anomaly] = field(default_factory=list)
@@ -155,6 +157,7 @@ def to_snapshot(
         inflight=summary.inflight,
         stalls=summary.stalls,
         anomalies=summary.anomalies,
+        roles=summary.roles,
     )
 
 

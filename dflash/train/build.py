@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dflash.telemetry.vocab import Role
 from dflash.train import distributed, rng
 from dflash.train.config import TrainConfig
 from dflash.train.devices import resolve
@@ -112,18 +113,19 @@ def build(cfg: TrainConfig, dist: Dist, ckpt: dict | None = None, faults: FaultP
 
     stats = ProfileStats(enabled=cfg.telemetry.enabled)
     if cfg.pipeline.enabled:
-        stats.worker("batch-producer")  # registered now so every snapshot lists it
+        stats.worker("batch-producer", Role.DATA)  # registered now so every snapshot lists it
     embed, lm_head = first.frozen_head(drafter_device)
     if ckpt is not None:
         model.load_state_dict(ckpt["drafter"])  # before DDP, which broadcasts rank 0's weights
     ddp = distributed.wrap_ddp(model, drafter_device, stats, cfg.distributed.bucket_mb) if dist.enabled else None
     drafter = DrafterStage(model, embed, lm_head, drafter_device, cfg,
-                           stats.worker("drafter-0" if cfg.pipeline.enabled else "trainer"), generator, ddp,
+                           stats.worker("drafter-0", Role.DRAFTER) if cfg.pipeline.enabled else stats.worker("trainer"), generator, ddp,
                            faults=faults)
     targets = []
     for i, dev in enumerate(devices if cfg.pipeline.enabled else devices[:1]):
         name = f"target-{i}" if cfg.pipeline.enabled else "trainer"
-        targets.append(TargetStage(replicas[dev], drafter_device, stats.worker(name), name, faults=faults))
+        role = Role.TARGET if cfg.pipeline.enabled else None  # one thread doing both stages has no role
+        targets.append(TargetStage(replicas[dev], drafter_device, stats.worker(name, role), name, faults=faults))
     cuda = drafter_device.type == "cuda" or any(t.device.type == "cuda" for t in targets)
     source = BatchSource(samples, cfg.data.batch_size, cfg.data.seed, pad, dist.rank, dist.world_size,
                          block_size=dcfg.block_size, num_anchors=cfg.model.num_anchors, pin=cuda)

@@ -98,7 +98,7 @@ class LogLines:
 
             # Cumulative: a 1 s window is too noisy for a line printed every few seconds.
             self.report.log(format_profile_stats(summary, limit=12, cumulative=True))
-            b = (None if final else self.verdict()) or analyze(summary.cumulative)
+            b = (None if final else self.verdict()) or analyze(summary.cumulative, summary.roles)
             self.report.log(f"bottleneck: {b.verdict}" + (f" - {b.reason}" if b.reason else ""))
         if self.report.trackers is not None:
             self.report.trackers.log(st.step, interval_scalars(

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.telemetry.vocab import Role
 from dflash.train.devices import bind_thread, cuda_devices, thread_device
 from dflash.train.stages import BatchSource, DrafterStage, HiddenBatch, StepResult, TargetStage
 
@@ -127,7 +128,7 @@ class Pipeline:
         return t
 
     def _producer(self) -> None:
-        tel = self.stats.worker("batch-producer")
+        tel = self.stats.worker("batch-producer", Role.DATA)
         index = self.state.next_batch
         while not self.stop.is_set():
             with tel.span("batch_build"):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from dflash.telemetry.table import NA
 from dflash.telemetry.table import clock as _clock
+from dflash.telemetry.vocab import Gauge
 
 
 def clock(seconds: float | None) -> str:
@@ -60,9 +61,9 @@ class Progress:
 
     def gauges(self) -> dict[str, float]:
         """What dflash-top shows in its header (only the limits the run has)."""
-        out = {"train_time_s": self.elapsed}
-        for name, value in (("max_steps", self.max_steps), ("max_time_s", self.max_time),
-                            ("progress", self.fraction), ("eta_s", self.eta_s)):
+        out = {Gauge.TRAIN_TIME_S: self.elapsed}
+        for name, value in ((Gauge.MAX_STEPS, self.max_steps), (Gauge.MAX_TIME_S, self.max_time),
+                            (Gauge.PROGRESS, self.fraction), (Gauge.ETA_S, self.eta_s)):
             if value is not None:
                 out[name] = float(value)
         return out
@@ -84,7 +85,7 @@ class EvalProgress:
         return f"prompt {self.done}/{self.total} | {clock(self.elapsed)} | ETA {clock(self.eta_s)}"
 
     def gauges(self) -> dict[str, float]:
-        out = {"eval_done": float(self.done), "eval_total": float(self.total), "eval_time_s": self.elapsed}
+        out = {Gauge.EVAL_DONE: float(self.done), Gauge.EVAL_TOTAL: float(self.total), Gauge.EVAL_TIME_S: self.elapsed}
         if self.eta_s is not None:
-            out["eval_eta_s"] = self.eta_s
+            out[Gauge.EVAL_ETA_S] = self.eta_s
         return out

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dflash.telemetry.vocab import VERDICTS
+
 #: --report-to name -> (module that must import, pip extra)
 KNOWN = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 
@@ -163,8 +165,8 @@ def interval_scalars(*, loss: float, accuracy: float, sim_tau: float, per_positi
         for cat, st in cats.items():
             out[f"share/{worker}/{cat}"] = st.share
     if verdict is not None:
-        for v in ("target-bound", "drafter-bound", "data-bound", "balanced", "unknown"):
-            out[f"bottleneck/{v}"] = 1.0 if v == verdict else 0.0
+        for v in VERDICTS.values():
+            out[v.tracker_key] = 1.0 if v.name == verdict else 0.0
     return out
 
 

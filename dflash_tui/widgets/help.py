@@ -1,8 +1,8 @@
 """`?` / F1: every key and what the numbers mean, so a first look needs no README.
 
-The key list is built from the app's own bindings (a new key appears here by itself); the terms and
-thresholds are written out, and a test keeps them equal to dflash.telemetry.analysis's constants
-(dflash-top does not import the analysis: it only reads the verdict the trainer sends).
+The key list is built from the app's own bindings (a new key appears here by itself); the verdicts and
+their thresholds come from the shared vocabulary (dflash.telemetry.vocab), so a new verdict appears here
+by itself too (dflash-top does not import the analysis: it only reads the verdict the trainer sends).
 """
 
 from __future__ import annotations
@@ -12,12 +12,8 @@ from rich.table import Table
 from rich.text import Text
 from textual.binding import Binding
 
+from dflash.telemetry.vocab import HOLD_WINDOWS, VERDICTS
 from dflash_tui.widgets.modal import ReportScreen
-
-#: the analysis' figures, as docs/telemetry.md states them (tests/test_tui_help.py checks them)
-THRESHOLD = 0.20
-MIN_TRACKED = 0.05
-HOLD_WINDOWS = 3
 
 #: action -> when it works, for keys that depend on the source
 WHEN = {"pause": "replay", "step": "replay", "faster": "replay", "slower": "replay", "seek": "replay",
@@ -41,16 +37,8 @@ TERMS = [
 
 
 def verdicts() -> list[tuple[str, str]]:
-    t, m = f"{THRESHOLD:.0%}", f"{MIN_TRACKED:.0%}"
     return [
-        ("data-bound", f"targets wait >= {t} of their time for batches (batch_queue_wait), at least as much as "
-                       "they block on puts: the batch producer limits throughput."),
-        ("target-bound", f"drafters wait >= {t} for hidden states (hs_queue_wait), more than targets block: "
-                         "the target forward limits throughput."),
-        ("drafter-bound", f"targets spend >= {t} blocked on a full hidden-state queue (hs_queue_put), more "
-                          "than drafters wait: drafter training limits throughput."),
-        ("balanced", f"no stage waits {t} or more of its time."),
-        ("unknown", f"less than {m} timed work per pipeline worker (start-up, a pause) or no pipeline workers."),
+        *((v.name, v.meaning) for v in VERDICTS.values()),
         ("EVALUATING", "training paused for an evaluation (speculative decoding against the target)."),
         ("hysteresis", f"a new verdict shows once it has won {HOLD_WINDOWS} windows in a row; until then the "
                        "standing one says `held`. After unknown the next verdict shows at once."),

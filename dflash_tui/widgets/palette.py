@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import zlib
 
+from dflash.telemetry.vocab import CATEGORIES
 from dflash_tui.sources import Connection
 
 #: the trainer's own categories first, in pipeline order (also the display order)
-KNOWN = ["batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put", "hs_queue_wait", "h2d",
-         "drafter_forward", "drafter_backward", "optimizer_step", "checkpoint", "eval"]
+KNOWN = list(CATEGORIES)
 _COLORS = ["#e5c07b", "#61afef", "#c678dd", "#98c379", "#56b6c2", "#d19a66", "#e06c75", "#be5046",
            "#abb2bf", "#7f848e", "#4db5bd", "#ff79c6", "#8be9fd", "#50fa7b", "#ffb86c", "#bd93f9"]
 UNTRACKED = "#3e4451"

@@ -1,0 +1,118 @@
+"""The words the trainer and its readers share: categories, worker roles, verdicts, gauge names.
+
+They cross process boundaries (the trainer names them, the wire carries them, Prometheus, the trackers,
+`dflash stats` and dflash-top read them), so each is written once, here. Part of the wire: dflash-top
+imports it, so it imports nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+# --- categories ------------------------------------------------------------------------------------
+
+#: the trainer's own timing categories, in pipeline order (also the TUI's display order)
+CATEGORIES = ("batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put", "hs_queue_wait", "h2d",
+              "drafter_forward", "drafter_backward", "optimizer_step", "checkpoint", "eval")
+#: categories that are not training: time spent in them pauses the pipeline
+PAUSE_CATEGORIES = ("eval",)
+#: a role's working share: what it does when it is not waiting on a queue
+TARGET_BUSY = ("target_forward", "pack_hidden", "h2d")
+DRAFTER_BUSY = ("drafter_forward", "drafter_backward", "optimizer_step", "h2d")
+
+
+# --- worker roles ----------------------------------------------------------------------------------
+
+class Role(StrEnum):
+    """What a worker does in the pipeline; a worker names its role when it registers
+    (`ProfileStats.worker(name, role)`), and snapshots carry it, so the verdict never guesses from a name."""
+
+    #: produces hidden states: a target forward in process, or a reader of a hidden-states cache
+    TARGET = "target"
+    #: trains the drafter
+    DRAFTER = "drafter"
+    #: builds batches
+    DATA = "data"
+
+
+def legacy_role(worker: str) -> Role | None:
+    """The role of a worker in a recording written before snapshots carried roles, from the names
+    trainers of that time gave their threads; only for frames without a `roles` map."""
+    for prefix, role in (("target", Role.TARGET), ("drafter", Role.DRAFTER), ("batch-producer", Role.DATA)):
+        if worker.startswith(prefix):
+            return role
+    return None
+
+
+# --- the bottleneck verdicts -----------------------------------------------------------------------
+
+#: a wait above this share of a worker's wall time counts as starving/blocked
+THRESHOLD = 0.20
+#: below this much timed work per pipeline worker there is nothing to judge (start-up, eval pauses)
+MIN_TRACKED = 0.05
+#: a new verdict shows once it has won this many smoothed windows in a row
+HOLD_WINDOWS = 3
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One verdict: its name (on the wire, a Prometheus label value, a tracker key) and what it means."""
+
+    name: str
+    meaning: str
+
+    @property
+    def tracker_key(self) -> str:
+        """The verdict's one-hot scalar in TensorBoard / W&B."""
+        return f"bottleneck/{self.name}"
+
+
+_T, _M = f"{THRESHOLD:.0%}", f"{MIN_TRACKED:.0%}"
+DATA_BOUND = Verdict("data-bound", f"targets wait >= {_T} of their time for batches (batch_queue_wait), at "
+                     "least as much as they block on puts: the batch producer limits throughput.")
+TARGET_BOUND = Verdict("target-bound", f"drafters wait >= {_T} for hidden states (hs_queue_wait), more than "
+                       "targets block: the target forward limits throughput.")
+DRAFTER_BOUND = Verdict("drafter-bound", f"targets spend >= {_T} blocked on a full hidden-state queue "
+                        "(hs_queue_put), more than drafters wait: drafter training limits throughput.")
+GIL_BOUND = Verdict("GIL-bound", "a probe thread waits half its time or more for the interpreter lock, the "
+                    "process runs on about one core and its workers' CPU time matches their busy time: "
+                    "Python threads take turns, so the bounding stage is limited by the GIL, not by compute.")
+CPU_STARVED = Verdict("CPU-starved", "the workers are busy far longer than they get a CPU (their CPU time is "
+                      "well below their busy time) while other processes use the machine's cores: the "
+                      "machine, not the pipeline, limits throughput.")
+BALANCED = Verdict("balanced", f"no stage waits {_T} or more of its time.")
+UNKNOWN = Verdict("unknown", f"less than {_M} timed work per pipeline worker (start-up, a pause) or no "
+                  "pipeline workers.")
+
+#: every verdict the analysis can return, in the order help and exports list them
+VERDICTS: dict[str, Verdict] = {v.name: v for v in (DATA_BOUND, TARGET_BOUND, DRAFTER_BOUND, GIL_BOUND,
+                                                    CPU_STARVED, BALANCED, UNKNOWN)}
+
+
+# --- gauge names shared across processes -----------------------------------------------------------
+
+class Gauge(StrEnum):
+    """Gauges one process sets and another reads by name (the trainer -> dflash-top, Prometheus, stats)."""
+
+    STEP = "step"
+    LOSS = "loss"
+    LR = "lr"
+    GRAD_NORM = "grad_norm"
+    BATCH_QUEUE = "batch_queue"
+    HS_QUEUE = "hs_queue"
+    #: training progress: seconds trained (evaluations excluded), the run's limits, fraction done, ETA
+    TRAIN_TIME_S = "train_time_s"
+    MAX_STEPS = "max_steps"
+    MAX_TIME_S = "max_time_s"
+    PROGRESS = "progress"
+    ETA_S = "eta_s"
+    #: an evaluation in progress: prompts done / total, its elapsed time and ETA
+    EVAL_DONE = "eval_done"
+    EVAL_TOTAL = "eval_total"
+    EVAL_TIME_S = "eval_time_s"
+    EVAL_ETA_S = "eval_eta_s"
+    #: the GIL probe: share of its time waiting for the lock, and the mean wait
+    GIL_CONTENTION = "gil_contention"
+    GIL_WAIT_MS = "gil_wait_ms"
+    NONFINITE_SKIPPED = "nonfinite_skipped"

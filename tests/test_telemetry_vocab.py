@@ -1,0 +1,75 @@
+"""The shared vocabulary: every verdict reaches every reader (help, trackers, Prometheus), and the
+verdict groups workers by the role they registered, not by their names."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dflash.telemetry import ProfileStats
+from dflash.telemetry import protocol as P
+from dflash.telemetry.analysis import analyze
+from dflash.telemetry.summary import to_snapshot
+from dflash.telemetry.vocab import CATEGORIES, VERDICTS, Role
+from dflash.train.trackers import interval_scalars
+from dflash_tui.widgets import palette
+from dflash_tui.widgets.bottleneck import VERDICT_STYLE
+from dflash_tui.widgets.help import verdicts as help_verdicts
+
+
+def test_every_verdict_has_help_text_a_tracker_key_a_prometheus_value_and_a_colour() -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dflash.telemetry.prometheus import MetricsExporter
+
+    helps = dict(help_verdicts())
+    exporter = MetricsExporter("vocab", rank=0)
+    try:
+        for name in VERDICTS:
+            assert len(helps.get(name, "")) > 20, f"{name} has no help text"
+            assert name in VERDICT_STYLE, f"{name} has no colour in the verdict panel"
+            scalars = interval_scalars(loss=1.0, accuracy=0.5, sim_tau=1.0, per_position=[], tokens_per_s=1.0,
+                                       lr=1e-4, grad_norm=1.0, workers=None, verdict=name)
+            # one-hot over every verdict: this one 1, every other one 0 (a verdict missing here reports zeros)
+            assert {k: v for k, v in scalars.items() if k.startswith("bottleneck/")} == {
+                v.tracker_key: float(v.name == name) for v in VERDICTS.values()}
+            exporter.update(None, P.Snapshot(seq=1, t=time.time(), interval_s=1.0,
+                                             bottleneck=P.Bottleneck(verdict=name)))
+            text = generate_latest(exporter.registry).decode()
+            series = {s.labels["verdict"]: s.value for fam in text_string_to_metric_families(text)
+                      for s in fam.samples if s.name == "dflash_bottleneck"}
+            assert series == {v: float(v == name) for v in VERDICTS}, name
+    finally:
+        exporter.close()
+
+
+def test_the_tui_colours_the_trainers_categories_in_pipeline_order() -> None:
+    assert palette.KNOWN == list(CATEGORIES)
+    assert [palette.category_order(c)[0] for c in CATEGORIES] == list(range(len(CATEGORIES)))
+
+
+def _cat(share: float) -> P.CategoryStats:
+    return P.CategoryStats(n=10, total=share, mean=share / 10, p50=0.0, p95=0.0, max=0.0, share=share)
+
+
+def test_the_verdict_groups_workers_by_their_registered_role_not_their_name() -> None:
+    """A producer named for what it reads (a hidden-states cache) is a target by role; a thread named
+    `target-...` that registered no role is not judged as one."""
+    stats = ProfileStats()
+    stats.worker("cache-reader-0", Role.TARGET).add("hs_queue_put", 0.0)
+    stats.worker("drafter-0", Role.DRAFTER).add("drafter_forward", 0.0)
+    stats.worker("target-helper")
+    summary = stats.drain()
+    assert summary.roles == {"cache-reader-0": "target", "drafter-0": "drafter"}
+    snap = P.decode(P.encode(to_snapshot(summary, 1, 1.0)))
+    assert isinstance(snap, P.Snapshot) and snap.roles == summary.roles  # on the wire
+
+    workers = {"cache-reader-0": {"hs_queue_put": _cat(0.6)}, "drafter-0": {"drafter_forward": _cat(0.9)},
+               "target-helper": {"batch_queue_wait": _cat(0.9)}}
+    b = analyze(workers, snap.roles)
+    assert b.verdict == "drafter-bound" and b.evidence["targets"] == 1.0
+    # a recording from before roles were on the wire is still judged, by its thread names
+    assert analyze(workers).verdict == "data-bound"
