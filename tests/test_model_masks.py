@@ -179,3 +179,51 @@ def test_failed_compiled_flex_falls_back_to_sdpa_with_one_warning(monkeypatch: p
         again = flex_or_sdpa(q, k, v, bm, compiled=True)
     torch.testing.assert_close(again, out)
     assert masks._flex_failed and "backward" in masks._flex_failed
+
+
+def test_a_compiled_flex_whose_backward_fails_falls_back_to_sdpa_in_that_backward(monkeypatch: pytest.MonkeyPatch):
+    """With dynamic shapes torch compiles flex's backward lazily, at the first backward; a failure there
+    (no GPU here, so a compiled stand-in with a working forward raises it) must not end the step: its
+    gradients come from SDPA, after one warning, and every later call runs SDPA."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    class BackwardFails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out, *inputs):
+            return out.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("compiling the backward graph failed (stand-in)")
+
+    def compiled_stand_in(q, k, v, block_mask, enable_gqa):
+        out = flex_attention(q.detach(), k.detach(), v.detach(), block_mask=block_mask, enable_gqa=enable_gqa)
+        return BackwardFails.apply(out, q, k, v)
+
+    monkeypatch.setattr(masks, "_flex_failed", None)
+    monkeypatch.setattr(masks, "compiled_flex", lambda: compiled_stand_in)
+    torch.manual_seed(0)
+    bs, t, n = 4, 30, 3
+    anchors = torch.tensor([[0, 9, 20], [3, 4, 25]])
+    bm = flex_block_mask(anchors, bs, t)
+    dense = block_attention_mask(anchors, bs, t)
+    q = torch.randn(2, 4, n * bs, 8, requires_grad=True)
+    k = torch.randn(2, 2, t + n * bs, 8, requires_grad=True)
+    v = torch.randn(2, 2, t + n * bs, 8)  # one input without a gradient
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="compiled FlexAttention failed")
+        out = flex_or_sdpa(q, k, v, bm, compiled=True)  # the forward compiles and runs
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=dense)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    g = torch.randn_like(out)
+    with pytest.warns(RuntimeWarning, match="compiled FlexAttention failed"):
+        out.backward(g)
+    dq, dk = torch.autograd.grad(ref, (q, k), g)
+    torch.testing.assert_close(q.grad, dq, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(k.grad, dk, rtol=1e-4, atol=1e-5)
+    assert "compiling the backward graph failed" in masks._flex_failed
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="compiled FlexAttention failed")
+        again = flex_or_sdpa(q, k, v, bm, compiled=True)
+    torch.testing.assert_close(again, ref)
+    assert again.grad_fn is not None and "Flex" not in type(again.grad_fn).__name__

@@ -240,27 +240,77 @@ def flex_or_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, compil
     """FlexAttention of q [B, Hq, Q, D] over k, v [B, Hkv, K, D] under ``mask`` (a BlockMask).
 
     ``compiled``: use the compiled kernel (CUDA; on CPU torch runs flex uncompiled, forward only). If
-    compiling or running it fails, warn once and answer every later call with SDPA and a dense mask.
+    compiling or running it fails, forward or backward, warn once and answer every later call with SDPA
+    and a dense mask.
     """
-    global _flex_failed
     from torch.nn.attention.flex_attention import flex_attention
 
     gqa = q.shape[1] != k.shape[1]
-    if not compiled or _flex_failed is None:
-        q_len = q.shape[2]
-        q_pad, kv_pad = mask.seq_lengths
-        qp, kp, vp = _pad_seq(q, q_pad), _pad_seq(k, kv_pad), _pad_seq(v, kv_pad)
     if not compiled:
-        return flex_attention(qp, kp, vp, block_mask=mask, enable_gqa=gqa)[:, :, :q_len]
+        return _padded(flex_attention, q, k, v, mask, gqa)
     if _flex_failed is None:
         try:
-            return compiled_flex()(qp, kp, vp, block_mask=mask, enable_gqa=gqa)[:, :, :q_len]
+            if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+                return _FlexWithFallback.apply(q, k, v, mask, gqa)
+            return _padded(compiled_flex(), q, k, v, mask, gqa)
         except Exception as e:  # compiler or kernel missing/broken on this machine: train on, slower
-            _flex_failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            warnings.warn(f"compiled FlexAttention failed ({_flex_failed}); using SDPA with a dense mask "
-                          "from now on (slower, Q x KV memory per step)", RuntimeWarning, stacklevel=2)
+            _give_up_flex(e)
+    return _sdpa(q, k, v, mask, gqa)
+
+
+def _padded(flex: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
+    """``flex`` over q, k, v padded to the BlockMask's tiled lengths, cut back to q's length."""
+    q_pad, kv_pad = mask.seq_lengths
+    out = flex(_pad_seq(q, q_pad), _pad_seq(k, kv_pad), _pad_seq(v, kv_pad), block_mask=mask, enable_gqa=gqa)
+    return out[:, :, :q.shape[2]]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
     dense = _dense_from_block_mask(mask, q.shape[0], q.shape[2], k.shape[2], q.device)
     if gqa:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+
+
+def _give_up_flex(e: BaseException) -> None:
+    global _flex_failed
+    if _flex_failed is None:
+        _flex_failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        warnings.warn(f"compiled FlexAttention failed ({_flex_failed}); using SDPA with a dense mask "
+                      "from now on (slower, Q x KV memory per step)", RuntimeWarning, stacklevel=3)
+
+
+class _FlexWithFallback(torch.autograd.Function):
+    """Compiled flex whose backward falls back to SDPA too. With dynamic shapes torch compiles the
+    backward lazily, at the first ``loss.backward()``: a failure there would end the drafter worker
+    mid-step, long after the forward's fallback could help. So the compiled call keeps its own graph,
+    and its backward, if that fails, is replaced by SDPA's over the same inputs (recomputed)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, gqa):
+        inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in (q, k, v))
+        with torch.enable_grad():
+            out = _padded(compiled_flex(), *inputs, mask, gqa)
+        ctx.inputs, ctx.out, ctx.mask, ctx.gqa = inputs, out, mask, gqa
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs, out = ctx.inputs, ctx.out
+        ctx.out = None  # the compiled graph goes with this call, whichever way it ends
+        wanted = [x for x in inputs if x.requires_grad]
+        if _flex_failed is None:
+            try:
+                return (*_place(inputs, torch.autograd.grad(out, wanted, grad)), None, None)
+            except Exception as e:
+                _give_up_flex(e)
+        with torch.enable_grad():
+            out = _sdpa(*inputs, ctx.mask, ctx.gqa)
+        return (*_place(inputs, torch.autograd.grad(out, wanted, grad)), None, None)
+
+
+def _place(inputs: tuple, grads: tuple) -> list:
+    """Gradients for the inputs that want one, None for the others, in the inputs' order."""
+    it = iter(grads)
+    return [next(it) if x.requires_grad else None for x in inputs]
