@@ -32,6 +32,7 @@ from dflash.data.cache_format import (
     write_sample,
 )
 from dflash.data.formats import Sample
+from dflash.telemetry.table import clock
 from dflash.words import plural
 
 
@@ -97,12 +98,7 @@ class _Progress:
             rate = self.done / max(now - self.t0, 1e-9)
             eta = (self.total - self.done) / rate if rate > 0 else 0.0
             self.log(f"cache: {self.done}/{self.total} written ({100 * self.done / max(self.total, 1):.0f}%), "
-                     f"{rate:.1f} samples/s, {self.bytes / 1e9:.2f} GB, ETA {_clock(eta)}")
-
-
-def _clock(seconds: float) -> str:
-    s = int(seconds + 0.5)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+                     f"{rate:.1f} samples/s, {self.bytes / 1e9:.2f} GB, ETA {clock(eta)}")
 
 
 def check_disk(out: Path, need: int, how: str, log: Callable[[str], None]) -> None:

@@ -1,0 +1,186 @@
+"""Reading an offline hidden-states cache for training: what it holds checked against the target once at
+the start, then sample files read ahead on a small thread pool into page-locked buffers.
+
+``open_cache`` decides which slots of each file are the drafter's taps. With dflash's sidecar it knows
+(and refuses another tokenizer, another target, taps the cache lacks); without one (vLLM / speculators
+wrote the cache) it accepts the cache when the first file's shapes agree with the target and the taps,
+and says in one line what it assumed. Every later file is checked as it is read (shape, its token ids
+against the row, finite states): a bad file stops the run with one line naming it.
+
+``follow``: files may not exist yet (an engine or `dflash data cache` is still writing); a read waits
+until the file is complete (``is_ready``: renamed into place, or its writer's lock released), and the
+time it waits is the reader's ``cache_wait``, which the verdict reports as waiting for hidden states.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.data.cache_format import (
+    AUX_ID_OFFSET,
+    SIDECAR,
+    CacheError,
+    CacheMeta,
+    check_finite,
+    config_digest,
+    dtype_name,
+    is_ready,
+    read_rows,
+    read_sample,
+    rows_ready,
+    sample_path,
+    tokenizer_digest,
+)
+from dflash.data.formats import Sample
+
+#: how long a following reader sleeps between looks at a file not yet written (grows to the maximum)
+FOLLOW_POLL = (0.01, 0.5)
+
+
+@dataclass
+class CacheLayout:
+    """What ``open_cache`` settled: the rows, which file slots are the taps, and what was assumed."""
+
+    root: Path
+    rows: list[Sample]
+    layer_ids: list[int]  # the taps, the reference's convention
+    slots: list[int]  # where each tap sits in a file's layer dimension
+    file_slots: int  # layers per token in a file (taps + final, or more)
+    hidden_size: int
+    dtype: torch.dtype | None  # None: not known until the first file (a following cache without sidecar)
+    meta: CacheMeta | None
+    assumed: str | None = None  # the one line said about a cache without sidecar
+
+
+def _wait(cond: Callable[[], bool], stop: threading.Event | None) -> None:
+    delay = FOLLOW_POLL[0]
+    while not cond():
+        if stop is not None and stop.wait(delay):
+            raise CacheError("stopped while waiting for hidden states")
+        if stop is None:
+            time.sleep(delay)
+        delay = min(delay * 2, FOLLOW_POLL[1])
+
+
+def open_cache(root: Path, target_info: Any, layer_ids: list[int] | None, default_layer_ids: list[int],
+               follow: bool = False, stop: threading.Event | None = None) -> CacheLayout:
+    """Check the cache at ``root`` against the target (``target_info``: its tokenizer, config,
+    num_layers, hidden_size) and pick the tap slots: ``layer_ids`` as the user gave them, else the
+    sidecar's, else ``default_layer_ids`` (the target's rule), which a sidecar-less cache must match."""
+    root = Path(root)
+    where = f"--hidden-states {root}"
+    if follow:
+        _wait(lambda: rows_ready(root), stop)
+    rows = read_rows(root)
+    meta = CacheMeta.read(root)
+    if meta is not None:
+        return _with_sidecar(root, rows, meta, target_info, layer_ids, where)
+    # vLLM / speculators wrote it: the first file tells the shapes
+    first = sample_path(root, 0)
+    if follow:
+        _wait(lambda: is_ready(first), stop)
+    hs, _ = read_sample(first)
+    seq, file_slots, hidden = hs.shape
+    if hidden != target_info.hidden_size:
+        raise CacheError(f"{where}: {first.name} has hidden size {hidden}, --target has "
+                         f"{target_info.hidden_size}: give the --target the cache was written with")
+    taps = list(layer_ids) if layer_ids is not None else list(default_layer_ids)
+    aux = file_slots - 1
+    if aux != len(taps):
+        raise CacheError(
+            f"{where}: {first.name} holds {file_slots} layers per token ({aux} aux + final) but the drafter "
+            f"taps {len(taps)} ({taps}); pass --target-layer-ids with the {aux} layers the engine was given, "
+            f"each minus {AUX_ID_OFFSET} (its aux_hidden_state_layer_ids)")
+    assumed = (f"{where}: no {SIDECAR} (an engine wrote this cache): assuming its {aux} aux slots are taps "
+               f"{taps} (engine ids {[i + AUX_ID_OFFSET for i in taps]}), the last slot the final layer, "
+               f"{dtype_name(hs.dtype)}, the tokenizer of --target")
+    return CacheLayout(root, rows, taps, list(range(aux)), file_slots, hidden, hs.dtype, None, assumed)
+
+
+def _with_sidecar(root: Path, rows: list[Sample], meta: CacheMeta, target: Any, layer_ids: list[int] | None,
+                  where: str) -> CacheLayout:
+    if target.tokenizer is not None and meta.tokenizer_sha256 != tokenizer_digest(target.tokenizer):
+        raise CacheError(f"{where}: written with another tokenizer than --target's (the cache's target was "
+                         f"{meta.target!r}); give that --target, or rewrite the cache with this one")
+    if (meta.num_hidden_layers, meta.hidden_size) != (target.num_layers, target.hidden_size):
+        raise CacheError(f"{where}: written for a target with {meta.num_hidden_layers} layers and hidden size "
+                         f"{meta.hidden_size} ({meta.target!r}), --target has {target.num_layers} and "
+                         f"{target.hidden_size}")
+    if meta.config_sha256 != config_digest(target.config):
+        raise CacheError(f"{where}: written for another target config ({meta.target!r}); give that --target, "
+                         "or rewrite the cache with this one")
+    if meta.rows != len(rows):
+        raise CacheError(f"{where}: the sidecar counts {meta.rows} rows, the data set has {len(rows)}; "
+                         "the cache is incomplete or mixed, rewrite it")
+    taps = list(layer_ids) if layer_ids is not None else list(meta.target_layer_ids)
+    missing = [i for i in taps if i not in meta.target_layer_ids]
+    if missing:
+        raise CacheError(f"{where}: taps {missing} are not in the cache (it holds layers "
+                         f"{meta.target_layer_ids}); drop --target-layer-ids or rewrite the cache with them")
+    slots = [meta.target_layer_ids.index(i) for i in taps]
+    return CacheLayout(root, rows, taps, slots, meta.slots, meta.hidden_size, getattr(torch, meta.dtype), meta)
+
+
+class CacheReader:
+    """Sample files read on ``threads`` threads ahead of use, each into a page-locked buffer when
+    ``pin`` (a CUDA run), checked, and cut to the tap slots. ``schedule(rows)`` starts reads,
+    ``take(row)`` returns one (waiting for it). Rows are the data set's (= file) indices."""
+
+    def __init__(self, layout: CacheLayout, threads: int = 2, pin: bool = False, follow: bool = False,
+                 on_wait: Callable[[float], None] | None = None):
+        self.layout, self.pin, self.follow, self.on_wait = layout, pin, follow, on_wait
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="cache-read")
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        #: rows whose file a read is waiting for (``follow``): what the producer has not written yet
+        self.waiting: set[int] = set()
+
+    def schedule(self, rows: list[int]) -> None:
+        with self._lock:
+            for r in rows:
+                if r not in self._pending:
+                    self._pending[r] = self._pool.submit(self._read, r)
+
+    def take(self, row: int) -> torch.Tensor:
+        """Row ``row``'s states as the file holds them, ``[seq, file_slots, H]`` (``layout.slots`` says
+        which are the taps: cutting them here would copy out of the page-locked buffer)."""
+        self.schedule([row])
+        with self._lock:
+            future = self._pending.pop(row)
+        return future.result()
+
+    def _read(self, row: int) -> torch.Tensor:
+        lay = self.layout
+        path = sample_path(lay.root, row)
+        if self.follow and not is_ready(path):
+            t0 = time.perf_counter()
+            self.waiting.add(row)
+            try:
+                _wait(lambda: is_ready(path), self._stop)
+            finally:
+                self.waiting.discard(row)
+            if self.on_wait is not None:
+                self.on_wait(time.perf_counter() - t0)
+        hs, ids = read_sample(path, pin=self.pin)
+        expect = lay.rows[row].input_ids
+        if hs.shape[1] != lay.file_slots or hs.shape[2] != lay.hidden_size:
+            raise CacheError(f"{path}: hidden_states {list(hs.shape)}, the cache's others are "
+                             f"[seq, {lay.file_slots}, {lay.hidden_size}]; rewrite it")
+        if ids.tolist() != expect:
+            raise CacheError(f"{path}: its token_ids differ from row {row} of the data set "
+                             f"({len(ids)} vs {len(expect)} tokens); the file belongs to other data, rewrite it")
+        check_finite(hs, path)
+        return hs
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
