@@ -178,3 +178,19 @@ def test_device_share_survives_the_wire_and_old_frames_still_decode() -> None:
     assert workers["target-0"]["target_forward"].device.share == 0.0
     assert workers["drafter-0"]["drafter_forward"].device.share == 0.0
     assert analyze(workers).verdict == "drafter-bound"  # judged on host waits, as when it was recorded
+
+
+def test_input_bound_when_a_followed_cache_is_not_written_yet() -> None:
+    """Training from a cache still being written (--follow): the reader waits for files, the drafters
+    wait for it; the verdict names the producer, not the target forward."""
+    workers = pipeline(t_fwd=0.0, t_batch=0.0, t_put=0.02, d_wait=0.7, d_fwd=0.25)
+    for i in range(2):
+        workers[f"target-{i}"].update({"cache_read": cs(0.1), "cache_wait": cs(0.8)})
+    b = analyze(workers)
+    assert b.verdict == "input-bound"
+    assert b.reason.startswith("waiting for hidden states: the cache reader waits 80% of its time")
+    assert b.evidence["target.cache_wait"] == 0.8
+    # the same run once the files are there ahead of it: the reader keeps up, nothing waits
+    for i in range(2):
+        workers[f"target-{i}"]["cache_wait"] = cs(0.01)
+    assert analyze(workers).verdict == "target-bound"

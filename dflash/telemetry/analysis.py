@@ -92,10 +92,12 @@ def analyze(
     target_starve = _mean([_share(c, ("batch_queue_wait",)) for c in targets])
     target_blocked = _mean([_share(c, ("hs_queue_put",)) for c in targets])
     drafter_starve = _mean([_share(c, ("hs_queue_wait",)) for c in drafters])
+    input_starve = _mean([_share(c, ("cache_wait",)) for c in targets])  # a followed cache not yet written
     evidence = {
         "target.batch_queue_wait": round(target_starve, 4),
         "target.hs_queue_put": round(target_blocked, 4),
         "drafter.hs_queue_wait": round(drafter_starve, 4),
+        "target.cache_wait": round(input_starve, 4),
         "target.busy": round(_mean([_share(c, TARGET_BUSY) for c in targets]), 4),
         "drafter.busy": round(_mean([_share(c, DRAFTER_BUSY) for c in drafters]), 4),
         "targets": float(len(targets)),
@@ -121,6 +123,15 @@ def analyze(
             reason=(
                 f"targets wait {target_starve:.0%} of their time for batches (batch_queue_wait): the data "
                 "producer (one thread) limits throughput; make batch building cheaper"
+            ),
+            evidence=evidence,
+        )
+    if targets and input_starve >= threshold and input_starve >= target_blocked:
+        return Bottleneck(
+            verdict=vocab.INPUT_BOUND.name,
+            reason=(
+                f"waiting for hidden states: the cache reader waits {input_starve:.0%} of its time for files "
+                "not yet written (cache_wait); the engine or `dflash data cache` writing them limits throughput"
             ),
             evidence=evidence,
         )

@@ -15,10 +15,13 @@ from enum import StrEnum
 #: the trainer's own timing categories, in pipeline order (also the TUI's display order)
 CATEGORIES = ("batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put", "hs_queue_wait", "h2d",
               "drafter_forward", "drafter_backward", "optimizer_step", "checkpoint", "eval")
+#: a hidden-states cache's: read in place of target_forward (cache_read), waited for when following a
+#: directory still being written (cache_wait), written by `dflash data cache` (cache_write)
+CACHE_CATEGORIES = ("cache_wait", "cache_read", "cache_write")
 #: categories that are not training: time spent in them pauses the pipeline
 PAUSE_CATEGORIES = ("eval",)
 #: a role's working share: what it does when it is not waiting on a queue
-TARGET_BUSY = ("target_forward", "pack_hidden", "h2d")
+TARGET_BUSY = ("target_forward", "cache_read", "pack_hidden", "h2d")
 DRAFTER_BUSY = ("drafter_forward", "drafter_backward", "optimizer_step", "h2d")
 
 
@@ -81,13 +84,16 @@ GIL_BOUND = Verdict("GIL-bound", "a probe thread waits half its time or more for
 CPU_STARVED = Verdict("CPU-starved", "the workers are busy far longer than they get a CPU (their CPU time is "
                       "well below their busy time) while other processes use the machine's cores: the "
                       "machine, not the pipeline, limits throughput.")
+INPUT_BOUND = Verdict("input-bound", f"the hidden-states reader waits >= {_T} for files not yet written "
+                      "(cache_wait, --follow), at least as much as it blocks on puts: the engine or `dflash data "
+                      "cache` writing the cache limits throughput (waiting for hidden states).")
 BALANCED = Verdict("balanced", f"no stage waits {_T} or more of its time.")
 UNKNOWN = Verdict("unknown", f"less than {_M} timed work per pipeline worker (start-up, a pause) or no "
                   "pipeline workers.")
 
 #: every verdict the analysis can return, in the order help and exports list them
-VERDICTS: dict[str, Verdict] = {v.name: v for v in (DATA_BOUND, TARGET_BOUND, DRAFTER_BOUND, GIL_BOUND,
-                                                    CPU_STARVED, BALANCED, UNKNOWN)}
+VERDICTS: dict[str, Verdict] = {v.name: v for v in (DATA_BOUND, INPUT_BOUND, TARGET_BOUND, DRAFTER_BOUND,
+                                                    GIL_BOUND, CPU_STARVED, BALANCED, UNKNOWN)}
 
 
 # --- gauge names shared across processes -----------------------------------------------------------

@@ -13,7 +13,8 @@ from dflash_tui.state import RunState
 from dflash_tui.widgets.base import TextPanel
 
 VERDICT_STYLE = {"target-bound": "bold white on dark_orange3", "drafter-bound": "bold white on purple4",
-                 "data-bound": "bold black on yellow", "GIL-bound": "bold white on red3",
+                 "data-bound": "bold black on yellow",
+                 "input-bound": "bold black on cyan", "GIL-bound": "bold white on red3",
                  "CPU-starved": "bold white on dark_red", "balanced": "bold black on green",
                  "unknown": "bold white on grey35"}
 
