@@ -7,8 +7,10 @@ when its command runs, so `dflash stats` never pays for importing torch.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
+import typing
 
 # name -> (module under dflash.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -25,6 +27,24 @@ class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser whose errors are one line naming `--help`: `dflash train`'s usage is some
+    30 lines, which buried the one that said what was wrong."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists every flag)\n")
+
+
+def unknown_message(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """`unknown flag --max-stesp; did you mean --max-steps?`: the closest flag the command has."""
+    flag = next((a for a in unknown if a.startswith("-")), None)
+    if flag is None:
+        return f"unexpected argument{'s' if len(unknown) > 1 else ''}: {' '.join(unknown)}"
+    name = flag.split("=", 1)[0]
+    close = difflib.get_close_matches(name, [o for o in parser._option_string_actions if o.startswith("--")], n=1)
+    return f"unknown flag {name}" + (f"; did you mean {close[0]}?" if close else "")
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -33,7 +53,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     # Only the chosen command's module is imported (and its arguments registered).
     first = next((a for a in argv if not a.startswith("-")), None)
     if first in COMMANDS:
-        sub.choices[first] = p = argparse.ArgumentParser(prog=f"dflash {first}", description=COMMANDS[first][1])
+        sub.choices[first] = p = CommandParser(prog=f"dflash {first}", description=COMMANDS[first][1])
         importlib.import_module(f"dflash.commands.{COMMANDS[first][0]}").add_arguments(p)
     parser.commands = sub.choices  # type: ignore[attr-defined]  # each command's parser, for its usage
     return parser
@@ -44,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        # the command's own usage, not the top level's: that is where the flag was expected
-        (parser.commands.get(args.command) or parser).error(
-            f"unrecognized arguments: {' '.join(unknown)}")
+        # the command's own flags, not the top level's: that is where the flag was expected
+        command = parser.commands.get(args.command) or parser
+        command.error(unknown_message(command, unknown))
     args.argv = list(argv)  # the command line as given, for commands that re-launch themselves
     if not args.command:
         parser.print_help()

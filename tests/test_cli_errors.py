@@ -37,12 +37,18 @@ def test_config_keeps_what_is_right():
     assert cfg.model.target_layer_ids == [1, 3]
 
 
-def test_an_unknown_flag_prints_the_commands_usage(capsys):
+@pytest.mark.parametrize("argv, says", [
+    (["train", "--max-stesp", "5"], "dflash train: error: unknown flag --max-stesp; did you mean --max-steps?"),
+    (["train", "--bogus"], "dflash train: error: unknown flag --bogus"),
+    (["export", "ckpt", "--out", "o", "--dtpye=bf16"], "dflash export: error: unknown flag --dtpye; did you mean --dtype?"),
+    (["train", "--max-steps", "abc"], "dflash train: error: argument --max-steps: invalid int value: 'abc'"),
+])
+def test_a_bad_flag_is_one_line_with_the_closest_flag(capsys, argv, says):
     with pytest.raises(SystemExit) as e:
-        main(["train", "--bogus"])
+        main(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: dflash train") and "dflash train: error: unrecognized arguments: --bogus" in err
+    assert err == f"{says} (`dflash {argv[0]} --help` lists every flag)\n"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
@@ -82,7 +88,13 @@ def test_the_attach_hint_works_as_printed_without_the_venv_on_path():
 def test_an_unknown_setting_names_the_closest_valid_one():
     with pytest.raises(ConfigError) as e:
         make_config({"learning_rate": 1e-3, "max_steps": 1}, {})
-    assert str(e.value) == "unknown setting 'learning_rate' in config file"  # nothing close enough to guess
+    assert str(e.value) == "unknown setting 'learning_rate' in config file; did you mean 'lr'?"  # another trainer's name
+    with pytest.raises(ConfigError) as e:
+        make_config({"optim": {"learning_rate": 1e-3}, "max_steps": 1}, {})
+    assert str(e.value) == "unknown setting 'learning_rate' in [optim] of config file; did you mean 'lr'?"
+    with pytest.raises(ConfigError) as e:
+        make_config({"zebra": 1, "max_steps": 1}, {})
+    assert str(e.value) == "unknown setting 'zebra' in config file"  # nothing close enough to guess
     with pytest.raises(ConfigError, match=r"unknown setting 'bach_size' in config file; did you mean 'batch_size'\?"):
         make_config({"bach_size": 4, "max_steps": 1}, {})
     with pytest.raises(ConfigError, match=r"unknown setting 'l' in \[optim\] of config file; did you mean 'lr'\?"):

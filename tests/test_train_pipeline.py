@@ -184,6 +184,7 @@ def test_sigterm_checkpoints_and_exits_zero(setup, tmp_path):
         proc.kill()
     assert proc.returncode == 0, err[-2000:]
     assert "received SIGTERM" in out
+    assert f"to continue: dflash train --resume --run-dir {run_dir}" in out  # how to go on, after Ctrl-C too
     ckpts = list_checkpoints(run_dir)
     assert ckpts, "SIGTERM must leave a checkpoint"
     frames = list(read_frames(run_dir / "telemetry.jsonl"))

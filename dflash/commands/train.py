@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dflash.train.config import ConfigError
     from dflash.train.recipes import fresh_run_dir, hardware_recipe
-    from dflash.train.schema import flag_values, load_toml, make_config
+    from dflash.train.schema import config_beside, flag_values, load_toml, make_config, resumed
     from dflash.train.trainer import train
 
     if args.resume and args.run_dir is None:
@@ -33,12 +33,24 @@ def run(args: argparse.Namespace) -> int:
         extra = [] if args.run_dir is not None or _run_dir_in(args.config) else ["--run-dir", fresh_run_dir()]
         return launch(args.nproc, args.argv + extra)
     overrides = flag_values(args)
+    try:
+        file_values = load_toml(args.config) if args.config else {}
+        saved = config_beside(args.run_dir) if args.resume else None
+    except ConfigError as e:
+        raise CliError(str(e)) from None
     recipe = None
     if args.config is None:  # no recipe given: the one this machine can run
         recipe, line = hardware_recipe(args.target)
-        print(f"dflash train: {line}", flush=True)
+        if saved is None:  # a resumed run takes only its placement from the recipe
+            print(f"dflash train: {line}", flush=True)
     try:
-        cfg = make_config(load_toml(args.config) if args.config else {}, overrides, recipe)
+        cfg = make_config(file_values, overrides, recipe)
+        if saved is not None:
+            where = str(Path(args.run_dir) / "config.json")
+            given = set(file_values) | {name for name, value in overrides.items() if value is not None}
+            cfg, changes = resumed(saved, cfg, given, where)
+            print(f"dflash train: --resume: the settings of {where}"
+                  + (f"; changed: {', '.join(changes)}" if changes else ""), flush=True)
     except ConfigError as e:
         raise CliError(str(e)) from None
     return train(cfg, resume=args.resume)

@@ -111,6 +111,45 @@ def config_beside(drafter: str | Path) -> TrainConfig | None:
     return read_saved(values, str(path))
 
 
+#: what a run trains: its checkpoint holds weights and optimizer state made with these, so a resumed
+#: run keeps them (a change is refused: a new --run-dir starts a run that has them)
+FIXED_ON_RESUME = frozenset({"target", "data"} | {s.name for s in SETTINGS.values()
+                                                  if s.section in ("model", "data", "optim")})
+#: where a run runs: taken from this start, not the saved config (a run resumes on another machine,
+#: or on fewer GPUs, and a multi-rank run saved rank 0's device names)
+PLACEMENT_SECTION = "pipeline"
+#: the limits: any given on resume replace all the saved ones (as on a fresh start, a given limit is
+#: the only one), so `--resume --max-steps 900` is not cut short by the saved first epoch's steps
+LIMITS = ("max_steps", "max_time", "epochs")
+
+
+def resumed(saved: TrainConfig, requested: TrainConfig, given: set[str], where: str) -> tuple[TrainConfig, list[str]]:
+    """The config of a resumed run: `saved` (the run's config.json) with the placement of `requested`
+    (this start's recipe, file and flags) and the `given` settings that may change; and one line per
+    change, for the log. A given setting of FIXED_ON_RESUME that differs from the saved one is a
+    ConfigError naming both values."""
+    cfg, lines = copy.deepcopy(saved), []
+    for s in SETTINGS.values():
+        old, new = s.get(saved), s.get(requested)
+        if s.section == PLACEMENT_SECTION:
+            s.put(cfg, new)
+            if s.name in given and new != old:
+                lines.append(f"{s.name} {old!r} -> {new!r} (where the run runs may change)")
+        elif s.name in given and new != old:
+            if s.name in FIXED_ON_RESUME:
+                raise ConfigError(f"--resume keeps what the run trains: {s.name} is {old!r} in {where}, not {new!r} "
+                                  "(start a new --run-dir to train with it)")
+            s.put(cfg, new)
+            lines.append(f"{s.name} {old!r} -> {new!r}")
+    if given & set(LIMITS):
+        for name in LIMITS:
+            if name not in given and SETTINGS[name].get(cfg) is not None:
+                lines.append(f"{name} {SETTINGS[name].get(cfg)!r} -> None (the limits given replace the saved ones)")
+                SETTINGS[name].put(cfg, None)
+    cfg.validate()
+    return cfg, lines
+
+
 def updated(cfg: TrainConfig, **values: Any) -> TrainConfig:
     """A copy of `cfg` with some settings changed by flat name (``updated(cfg, max_steps=5)``)."""
     return _apply(copy.deepcopy(cfg), values, "updated()")
@@ -183,8 +222,18 @@ def _in_section(section: str, key: str, where: str) -> Setting:
     raise _unknown(key, f"[{section}] of {where}", own)
 
 
+#: other trainers' names for our settings (Hugging Face's TrainingArguments, mostly), too unlike ours
+#: for a spelling match: a config carried over from one of them gets our name suggested
+KNOWN_AS = {"learning_rate": "lr", "num_train_epochs": "epochs", "max_grad_norm": "grad_clip",
+            "per_device_train_batch_size": "batch_size", "train_batch_size": "batch_size",
+            "output_dir": "run_dir", "logging_steps": "log_every", "save_steps": "checkpoint_every",
+            "save_total_limit": "keep_checkpoints", "eval_steps": "eval_every", "max_length": "max_seq_len",
+            "num_hidden_layers": "drafter_layers", "warmup": "warmup_ratio"}
+
+
 def _unknown(key: str, where: str, known: Any) -> ConfigError:
-    close = difflib.get_close_matches(key, list(known), n=1)
+    alias = KNOWN_AS.get(key.replace("-", "_"))
+    close = [alias] if alias in known else difflib.get_close_matches(key, list(known), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return ConfigError(f"unknown setting {key!r} in {where}{hint}")
 

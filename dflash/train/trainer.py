@@ -39,6 +39,7 @@ from dflash.train.schema import flat_values
 from dflash.train.signals import stop_on_signals
 from dflash.train.stages import StepResult
 from dflash.train.trackers import TrackerError, Trackers, check_available
+from dflash.words import plural
 
 
 class Trainer:
@@ -199,7 +200,9 @@ class Trainer:
                                   linger=supervised and not self.stop_requested.is_set())
             if report.trackers is not None:
                 report.trackers.close()
-        report.log(f"done: {self.state.step} steps, {self.state.tokens:,} tokens, run dir {cfg.run.run_dir}")
+        report.log(f"done: {plural(self.state.step, 'step')}, {self.state.tokens:,} tokens, run dir {cfg.run.run_dir}")
+        if self.stop_requested.is_set() and code == 0:  # stopped early (Ctrl-C, SIGTERM): say how to go on
+            report.log(f"to continue: dflash train --resume --run-dir {cfg.run.run_dir}")
         if stalled and self.dist.enabled:
             sys.stdout.flush()
             os._exit(code)  # a collective is hung: tearing down the process group would hang with it
