@@ -497,8 +497,9 @@ def check_ddp_resume(ctx: Ctx) -> dict:
     class OneRankTrainer(Trainer):
         def join_ranks(self) -> None:
             self.dist = d = WorldOfOne()
-            self.cfg.pipeline.target_devices = [distributed.localize(x, d) for x in self.cfg.pipeline.target_devices]
-            self.cfg.pipeline.drafter_device = distributed.localize(self.cfg.pipeline.drafter_device, d)
+            pipe = self.cfg.pipeline
+            pipe.target_devices, pipe.drafter_device = distributed.place_devices(
+                pipe.target_devices, pipe.drafter_device, d, torch.cuda.device_count())
             distributed.init(d, torch.device(self.cfg.pipeline.drafter_device).type == "cuda", 120.0)
 
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",

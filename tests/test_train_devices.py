@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import wait_until
+from conftest import REPO, wait_until
 
 from dflash.telemetry import ProfileStats
 from dflash.train.config import TrainConfig
@@ -122,3 +122,57 @@ def test_the_telemetry_publisher_binds_the_trainers_gpu_before_it_resolves_event
         assert "dflash-telemetry" not in calls.streams  # it launches no kernels: no stream of its own
     finally:
         m.close(failed=False, linger=False)
+
+
+def _rank(local_rank: int, local_world: int) -> Dist:
+    return Dist(rank=local_rank, world_size=local_world, local_rank=local_rank, local_world_size=local_world)
+
+
+def test_under_torchrun_numbered_devices_name_each_ranks_own_gpus() -> None:
+    """A config names one rank's devices: numbered GPUs are counted from that rank's first GPU, so four
+    ranks with a target on cuda:1 and a drafter on cuda:0 use GPUs 0-7, not all of them GPUs 0 and 1."""
+    from dflash.train.distributed import place_devices
+
+    placed = [place_devices(["cuda:1"], "cuda:0", _rank(r, 4), gpus=8) for r in range(4)]
+    assert placed == [(["cuda:1"], "cuda:0"), (["cuda:3"], "cuda:2"), (["cuda:5"], "cuda:4"), (["cuda:7"], "cuda:6")]
+    # two targets and the drafter on one GPU per rank; a bare cuda is the rank's own GPU; cpu stays
+    assert place_devices(["cuda:0", "cuda:0"], "cuda:0", _rank(2, 4), gpus=4) == (["cuda:2", "cuda:2"], "cuda:2")
+    assert place_devices(["cuda", "cpu"], "cuda", _rank(3, 4), gpus=4) == (["cuda:3", "cpu"], "cuda:3")
+    # one process (no torchrun): as given
+    assert place_devices(["cuda:1"], "cuda:0", Dist(), gpus=2) == (["cuda:1"], "cuda:0")
+
+
+def test_under_torchrun_devices_that_cannot_be_placed_are_refused_in_one_line() -> None:
+    from dflash.train.distributed import DistError, place_devices
+
+    with pytest.raises(DistError) as e:
+        place_devices(["cuda:0", "cuda:1"], "cuda:2", _rank(0, 8), gpus=8)
+    assert "3 GPU(s) per rank" in str(e.value) and "need 24, it has 8" in str(e.value)
+    assert "\n" not in str(e.value)
+    with pytest.raises(DistError, match="mix a bare cuda"):
+        place_devices(["cuda:1"], "cuda", _rank(0, 2), gpus=4)
+
+
+def test_pyproject_declares_the_torch_the_start_check_accepts() -> None:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    from dflash.train.versions import BELOW_TORCH, MIN_TORCH
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"torch>={MIN_TORCH},<{BELOW_TORCH}" in deps
+
+
+def test_an_older_torch_is_refused_at_start_in_one_line(monkeypatch, tmp_path, capsys) -> None:
+    """No older torch can be installed next to this one: the version it reports is what is replaced."""
+    from dflash.train.trainer import train
+
+    monkeypatch.setattr(torch, "__version__", "2.4.1+cu121")
+    cfg = updated(TrainConfig(), run_dir=str(tmp_path / "run"), max_steps=1)
+    assert train(cfg) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("dflash train: error: torch 2.4.1+cu121 is too old: dflash trains with torch>=2.13,<2.14 "
+                   "(pip install 'torch>=2.13,<2.14')")
+    assert not (tmp_path / "run").exists()  # nothing started, nothing left behind

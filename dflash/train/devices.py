@@ -28,7 +28,7 @@ _bound_lock = threading.Lock()
 
 def resolve(spec: str) -> torch.device:
     """A device with its index: a bare ``cuda`` means the current CUDA device (torchrun ranks map it to
-    their own GPU before this, see distributed.localize)."""
+    their own GPU before this, see distributed.place_devices)."""
     dev = torch.device(spec)
     if dev.type == "cuda" and dev.index is None:
         return torch.device("cuda", torch.cuda.current_device())

@@ -34,6 +34,7 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    local_world_size: int = 1  # ranks on this machine (torchrun's LOCAL_WORLD_SIZE)
     control: Any = None  # the gloo group for control messages
     store: Any = None  # a client of the job's TCPStore (the cluster view's reports)
 
@@ -49,21 +50,51 @@ class Dist:
 def from_env() -> Dist:
     """The rank layout torchrun put in the environment (a plain process is rank 0 of 1)."""
     values = {}
-    for key, default in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)):
+    for key, default in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)):
         raw = os.environ.get(key)
         try:
             values[key] = int(raw) if raw is not None else default
         except ValueError:
             raise DistError(f"environment variable {key}={raw!r} is not an integer") from None
-    d = Dist(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"])
+    d = Dist(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"])
     if d.world_size < 1 or not 0 <= d.rank < d.world_size:
         raise DistError(f"RANK={d.rank} does not fit WORLD_SIZE={d.world_size}")
     return d
 
 
-def localize(device: str, d: Dist) -> str:
-    """A bare `cuda` means this rank's own GPU (cuda:LOCAL_RANK), so one config serves every rank."""
-    return f"cuda:{d.local_rank}" if d.enabled and device == "cuda" else device
+def place_devices(targets: list[str], drafter: str, d: Dist, gpus: int) -> tuple[list[str], str]:
+    """This rank's target and drafter devices, from a config that names one rank's devices.
+
+    A bare ``cuda`` means this rank's own GPU (cuda:LOCAL_RANK), so one config serves every rank. Explicit
+    indices name the GPUs of one rank, counted from 0: a config that uses ``span`` GPUs (its highest
+    index + 1) puts local rank r on GPUs r*span ... r*span+span-1, so ``--target-devices cuda:1
+    --drafter-device cuda:0`` gives every rank a GPU for its target and one for its drafter, instead of
+    piling every rank's work onto GPUs 0 and 1. ``gpus``: the GPUs on this machine."""
+    if not d.enabled:
+        return targets, drafter
+    specs = [*targets, drafter]
+    cuda = [s for s in specs if s.startswith("cuda")]
+    indexed = [s for s in cuda if s != "cuda"]
+    if not indexed:
+        return [_bare(s, d.local_rank) for s in targets], _bare(drafter, d.local_rank)
+    if len(indexed) < len(cuda):
+        raise DistError(f"devices {', '.join(dict.fromkeys(cuda))} mix a bare cuda (this rank's GPU) with numbered "
+                        "GPUs: under torchrun give all as cuda (one GPU per rank) or all numbered (each rank's own)")
+    span = max(torch.device(s).index for s in indexed) + 1
+    if d.local_world_size * span > gpus:
+        raise DistError(f"the devices {', '.join(dict.fromkeys(indexed))} name {span} GPU(s) per rank: "
+                        f"{d.local_world_size} ranks on this machine need {d.local_world_size * span}, it has {gpus}; "
+                        "name fewer GPUs per rank or start fewer ranks (--nproc)")
+    base = d.local_rank * span
+
+    def own(s: str) -> str:
+        return f"cuda:{base + torch.device(s).index}" if s.startswith("cuda") else s
+
+    return [own(s) for s in targets], own(drafter)
+
+
+def _bare(spec: str, local_rank: int) -> str:
+    return f"cuda:{local_rank}" if spec == "cuda" else spec
 
 
 def init(d: Dist, cuda: bool, timeout_s: float) -> None:

@@ -39,6 +39,7 @@ from dflash.train.schema import flat_values
 from dflash.train.signals import stop_on_signals
 from dflash.train.stages import StepResult
 from dflash.train.trackers import TrackerError, Trackers, check_available
+from dflash.train.versions import check_torch
 from dflash.words import plural
 
 
@@ -100,14 +101,15 @@ class Trainer:
                        f"{cfg.distributed.collective_timeout:.0f}s")
 
     def join_ranks(self) -> None:
-        """Under torchrun: find this rank, map bare `cuda` to its GPU, join the process groups."""
+        """Under torchrun: find this rank, put its devices on its own GPUs, join the process groups."""
         cfg = self.cfg
         try:
             self.dist = d = distributed.from_env()
             if not d.enabled:
                 return
-            cfg.pipeline.target_devices = [distributed.localize(x, d) for x in cfg.pipeline.target_devices]
-            cfg.pipeline.drafter_device = distributed.localize(cfg.pipeline.drafter_device, d)
+            pipe = cfg.pipeline
+            pipe.target_devices, pipe.drafter_device = distributed.place_devices(
+                pipe.target_devices, pipe.drafter_device, d, torch.cuda.device_count())
             cuda = torch.device(cfg.pipeline.drafter_device).type == "cuda"
             distributed.init(d, cuda, cfg.distributed.collective_timeout)
         except DistError as e:
@@ -285,6 +287,7 @@ class Trainer:
 def train(cfg: TrainConfig, resume: bool = False) -> int:
     created = _missing_dirs(Path(cfg.run.run_dir))
     try:
+        check_torch(torch.__version__)
         return Trainer(cfg, resume=resume).run()
     except (TrainError, ConfigError, DistError) as e:
         print(f"dflash train: error: {e}", file=sys.stderr)
