@@ -194,3 +194,18 @@ def test_input_bound_when_a_followed_cache_is_not_written_yet() -> None:
     for i in range(2):
         workers[f"target-{i}"]["cache_wait"] = cs(0.01)
     assert analyze(workers).verdict == "target-bound"
+
+
+def test_device_shares_that_sum_past_one_are_judged_by_the_time_each_stage_ran_alone() -> None:
+    """Target and drafter on one GPU, each on its own stream: their spans overlap and the shares sum
+    past 100%. The overlap counts in both, so the verdict follows what each ran without the other, and
+    the reason says how much was shared rather than presenting 150% of the time."""
+    b = analyze(gpu_pipeline(0.97, 0.55))  # at least 52% shared; alone: target 45%, drafter 3%
+    assert b.verdict == "target-bound", b
+    assert b.evidence["device.overlap"] == 0.52
+    assert "both at once at least 52%" in b.reason and "target ran 45%, the drafter 3%" in b.reason
+    b = analyze(gpu_pipeline(0.95, 0.9))  # a saturated shared GPU, both stages equally heavy
+    assert b.verdict == "balanced" and b.evidence["device.overlap"] == 0.85
+    # apart: no overlap claimed
+    b = analyze(gpu_pipeline(0.6, 0.3))
+    assert b.evidence["device.overlap"] == 0.0 and "both at once" not in b.reason

@@ -231,12 +231,23 @@ def gil_bound(b: Bottleneck, contention: float | None, cpu_percent: float | None
 def _by_device_time(targets: list[Mapping[str, CategoryStats]], drafters: list[Mapping[str, CategoryStats]],
                     threshold: float, evidence: dict[str, float]) -> Bottleneck:
     """The verdict once device time exists: the stage whose device is busier by ``threshold`` bounds
-    the pipeline (the other one idles that much of the time waiting for it)."""
+    the pipeline (the other one idles that much of the time waiting for it).
+
+    Shares that sum past 1 overlapped in time: target and drafter on one GPU, each on its own stream,
+    run their kernels side by side, and each stage's span also covers the time the other's kernels
+    held the GPU. That overlap (at least the excess over 1) is counted in both shares alike, so their
+    difference is still the difference of the time each stage ran without the other, and the rule
+    compares exactly that; the reason says how much of the time was shared instead of showing shares
+    that add up to more than the whole as if they did not."""
     t_busy = _mean([_busy(c, TARGET_BUSY) for c in targets])
     d_busy = _mean([_busy(c, DRAFTER_BUSY) for c in drafters])
+    overlap = max(0.0, t_busy + d_busy - 1.0)
     evidence.update({"target.device_busy": round(t_busy, 4), "drafter.device_busy": round(d_busy, 4),
-                     "device_time": 1.0})
+                     "device.overlap": round(overlap, 4), "device_time": 1.0})
     figures = f"target stage busy {t_busy:.0%} of the time, drafter stage {d_busy:.0%} (device time from CUDA events)"
+    if overlap > 0:
+        figures += (f", both at once at least {overlap:.0%} of it (on a shared GPU each stage counts that time; "
+                    f"apart from it the target ran {t_busy - overlap:.0%}, the drafter {d_busy - overlap:.0%})")
     if t_busy - d_busy >= threshold:
         return Bottleneck(verdict=vocab.TARGET_BOUND.name, reason=f"{figures}: the target forward limits throughput; add "
                           "target workers/GPUs (--target-devices) or batch the target more", evidence=evidence)
