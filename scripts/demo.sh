@@ -44,21 +44,38 @@ cols=$(tput cols 2>/dev/null || echo 80)
 if [ "$cols" -ge 200 ]; then split=(-h -p 60); else split=(-v -p 65); fi
 
 if [ -n "${TMUX:-}" ]; then
-    # already inside tmux: open a new window rather than nesting a session
-    tmux new-window -n "$SESSION" "$TRAIN_PANE"
-    tmux split-window "${split[@]}" -t "$SESSION" "$TOP_PANE"
+    # already inside tmux: a window of this session rather than a nested session. A second `make demo`
+    # goes to the window the first one opened (its trainer may still run) instead of starting another.
+    # windows by id: a bare name would pick a session of that name first
+    win=""
+    while read -r name id; do
+        if [ "$name" = "$SESSION" ]; then win=$id; fi
+    done < <(tmux list-windows -F '#{window_name} #{window_id}')
+    if [ -n "$win" ]; then
+        echo "a $SESSION window is already open in this tmux session; switching to it (close it, then make demo, to start a new run)"
+        tmux select-window -t "$win"
+        exit 0
+    fi
+    win=$(tmux new-window -P -F '#{window_id}' -n "$SESSION" "$TRAIN_PANE")
+    tmux split-window "${split[@]}" -t "$win" "$TOP_PANE"
+    echo "demo started in tmux window $SESSION: the trainer (run dir $RUN_DIR) and dflash-top"
     exit 0
 fi
 
 if tmux has-session -t "$SESSION" 2>/dev/null; then
+    # one demo at a time: its trainer may still run, and a second would share the machine with it
+    if [ "${DEMO_DETACHED:-0}" = 1 ]; then
+        echo "a $SESSION tmux session is already open; not starting another (tmux attach -t $SESSION to watch it; tmux kill-session -t $SESSION, then make demo, to start a new run)"
+        exit 0
+    fi
     echo "a $SESSION tmux session is already open; attaching to it (tmux kill-session -t $SESSION, then make demo, starts a new run)"
-else
-    tmux new-session -d -s "$SESSION" -x "$cols" -y "$(tput lines 2>/dev/null || echo 24)" "$TRAIN_PANE"
-    tmux split-window "${split[@]}" -t "$SESSION" "$TOP_PANE"
-    tmux select-pane -t "$SESSION" -D 2>/dev/null || true
+    exec tmux attach -t "$SESSION"
 fi
+tmux new-session -d -s "$SESSION" -x "$cols" -y "$(tput lines 2>/dev/null || echo 24)" "$TRAIN_PANE"
+tmux split-window "${split[@]}" -t "$SESSION" "$TOP_PANE"
+tmux select-pane -t "$SESSION" -D 2>/dev/null || true
 if [ "${DEMO_DETACHED:-0}" = 1 ]; then
-    echo "tmux session $SESSION started (tmux attach -t $SESSION)"
+    echo "tmux session $SESSION started: the trainer (run dir $RUN_DIR) and dflash-top (tmux attach -t $SESSION)"
 else
     exec tmux attach -t "$SESSION"
 fi

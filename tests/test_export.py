@@ -199,6 +199,27 @@ def test_bf16_export_evaluated_as_dflash_eval_does_matches_fp32_far_into_the_seq
         assert err < 0.1, (start, float(err))  # rounded frequencies: 0.6-0.8 at 3990-4000
 
 
+def test_export_of_a_run_dir_names_its_checkpoint_and_never_overwrites_silently(tmp_path, capsys):
+    from dflash.train.checkpoint import FORMAT, save_checkpoint
+
+    run = tmp_path / "run"
+    for step in (3, 7):  # written as the trainer writes them: manifest, format tag
+        save_checkpoint(run, step, {"format": FORMAT, **checkpoint_dict(make_drafter(num_layers=1))}, keep=3)
+    out = tmp_path / "out"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert f"from {run}/checkpoints/step-00000007.pt to {out}" in said, said
+    weights = (out / "model.safetensors").read_bytes()
+    assert main(["export", str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"dflash export: error: --out {out} already holds config.json, model.safetensors; give --force "
+                   "to replace the export there, or another --out\n")
+    assert (out / "model.safetensors").read_bytes() == weights
+    assert main(["export", str(run), "--out", str(out), "--force"]) == 0
+    assert main(["export", str(run), "--out", str(out / "config.json")]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
 def test_exported_files_share_permissions_and_the_message_counts_right(tmp_path, capsys):
     """safetensors writes 0600; config.json follows the umask: the pair must be equally readable."""
     torch.save(checkpoint_dict(make_drafter(num_layers=1)), tmp_path / "ckpt.pt")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -84,3 +85,45 @@ def test_make_demo_twice_gets_two_run_dirs(tmp_path):
     finally:
         for d in dirs:
             (ROOT / d).rmdir()
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_a_second_demo_never_starts_a_second_trainer(tmp_path):
+    """On a private tmux server: a second detached `make demo` says the session is open and starts
+    nothing (one message, not two that contradict); from inside tmux, a second one switches to the
+    first one's window instead of opening another. The script runs from a copy of the repository
+    without a venv, so its panes start no trainer here."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "demo.sh", repo / "scripts")
+    (tmp_path / "tmux").mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("TMUX", "TMUX_PANE", "RUN_DIR")}
+    env["TMUX_TMPDIR"] = str(tmp_path / "tmux")
+
+    def run(*cmd: str, **extra: str) -> str:
+        r = subprocess.run(cmd, env={**env, **extra}, capture_output=True, text=True, timeout=30, cwd=repo)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    def demo(**extra: str) -> str:
+        return run("bash", str(repo / "scripts" / "demo.sh"), **extra)
+
+    try:
+        first = demo(DEMO_DETACHED="1")
+        assert first.startswith("tmux session dflash-demo started: the trainer (run dir runs/demo-"), first
+        assert demo(DEMO_DETACHED="1") == (
+            "a dflash-demo tmux session is already open; not starting another (tmux attach -t dflash-demo to watch "
+            "it; tmux kill-session -t dflash-demo, then make demo, to start a new run)\n")
+        # inside tmux: a session of the user's own, as the demo sees it from one of its panes
+        run("tmux", "new-session", "-d", "-s", "work", "sleep 600")
+        where = run("tmux", "display-message", "-p", "-t", "work", "#{socket_path},#{pid},#{session_id},#{pane_id}")
+        socket_path, pid, session, pane = where.strip().split(",")
+        inside = {"TMUX": f"{socket_path},{pid},{session.lstrip('$')}", "TMUX_PANE": pane}
+        assert demo(**inside).startswith("demo started in tmux window dflash-demo")
+        assert demo(**inside) == ("a dflash-demo window is already open in this tmux session; switching to it "
+                                  "(close it, then make demo, to start a new run)\n")
+        windows = run("tmux", "list-windows", "-t", "work", "-F", "#{window_name}").split()
+        assert windows.count("dflash-demo") == 1 and len(windows) == 2, windows
+        assert run("tmux", "display-message", "-p", "-t", "work", "#{window_name}").strip() == "dflash-demo"
+    finally:
+        subprocess.run(["tmux", "kill-server"], env=env, capture_output=True, timeout=30)

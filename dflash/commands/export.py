@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from dflash.cli import CliError
 
@@ -14,6 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="directory to write config.json + model.safetensors into")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
                    help="weight dtype (bf16 as the reference's released drafters; keep = as trained)")
+    p.add_argument("--force", action="store_true", help="replace what --out already holds")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from dflash.model.export import DrafterLoadError, export_drafter, load_drafter
     from dflash.words import plural
 
+    _check_out(Path(args.out).expanduser(), args.force)
     try:
         drafter = load_drafter(args.checkpoint)
     except DrafterLoadError as e:
@@ -33,5 +36,17 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"cannot write {args.out}: {e.strerror or e}") from e
     c = drafter.config
     print(f"exported {drafter.num_parameters() / 1e6:.2f}M-parameter drafter ({plural(c.num_layers, 'layer')}, block "
-          f"{c.block_size}, taps {c.target_layer_ids}, mask id {c.mask_token_id}) to {out}")
+          f"{c.block_size}, taps {c.target_layer_ids}, mask id {c.mask_token_id}) from {drafter.loaded_from} to {out}")
     return 0
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """An export never lands silently on top of something: a drafter served from `out`, or files the
+    user keeps there, are replaced only with --force."""
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {out} is a file; give a directory to write config.json + model.safetensors into")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not force:
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise CliError(f"--out {out} already holds {shown}; give --force to replace the export there, "
+                       "or another --out")

@@ -195,6 +195,7 @@ def _build(cfg: DrafterConfig, state: dict, where: str, dtype: torch.dtype | Non
         missing, extra = result.missing_keys[:3], result.unexpected_keys[:3]
         raise DrafterLoadError(f"{where}: weights do not match the config (missing {missing}, unexpected {extra})")
     dtype = dtype or next(iter(state.values())).dtype
+    drafter.loaded_from = where  # the file or export a run directory resolved to: commands name it
     return drafter.to(dtype)
 
 
