@@ -72,7 +72,7 @@ def make_target(ctx: Ctx, shape: dict, layers: int | None = None, device: str | 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dflash.model.drafter import default_target_layer_ids
-    from dflash.model.target import Target
+    from dflash.targets.hf import HFTarget
 
     device = device or ctx.device
     cfg = Qwen3Config(**{**shape, "num_hidden_layers": layers or shape["num_hidden_layers"]})
@@ -81,41 +81,29 @@ def make_target(ctx: Ctx, shape: dict, layers: int | None = None, device: str | 
     with torch.device(device):
         model = Qwen3ForCausalLM(cfg).to(dtype)
     model.eval().requires_grad_(False)
-    return Target(model, None, default_target_layer_ids(cfg.num_hidden_layers, 5))
+    return HFTarget(model, None, default_target_layer_ids(cfg.num_hidden_layers, 5))
 
 
 def make_parts(ctx: Ctx, target, drafter_layers: int, seq_len: int, num_anchors: int, batch_size: int,
                samples: int = 16, target_device: str | None = None):
-    """Real stages around ``target``: a BatchSource over random token sequences (second half is the
-    response), a TargetStage and a DrafterStage with the recipe's optimizer."""
+    """Real stages around ``target``, made by the trainer's own build(): a BatchSource over random token
+    sequences (second half is the response), a TargetStage and a DrafterStage with the recipe's optimizer."""
     import torch
 
     from dflash.data import Sample
-    from dflash.model.drafter import DFlashDrafter, DrafterConfig
-    from dflash.telemetry import ProfileStats
+    from dflash.train.build import build
     from dflash.train.config import TrainConfig
+    from dflash.train.distributed import Dist
     from dflash.train.schema import updated
-    from dflash.train.stages import BatchSource, DrafterStage, TargetStage
 
-    dev = torch.device(ctx.device)
     vocab = target.vocab_size
     g = torch.Generator().manual_seed(1)
     rows = [Sample(torch.randint(0, vocab - 1, (seq_len,), generator=g).tolist(),
                    [0] * (seq_len // 2) + [1] * (seq_len - seq_len // 2)) for _ in range(samples)]
     cfg = updated(TrainConfig(), num_anchors=num_anchors, batch_size=batch_size, max_steps=10**6,
-                  drafter_layers=drafter_layers)
-    dcfg = DrafterConfig.for_target(target.config, num_layers=drafter_layers, target_layer_ids=target.layer_ids,
-                                    mask_token_id=vocab - 1)
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(dcfg).to(dev)
-    embed, head = target.frozen_head(dev)  # as the trainer does: the target's dtype, shared weights
-    stats = ProfileStats()
-    # as build() makes it: anchors planned by the batch producer, batches pinned for a CUDA copy
-    source = BatchSource(rows, batch_size, seed=0, pad_id=0, block_size=dcfg.block_size, num_anchors=num_anchors,
-                         pin=dev.type == "cuda")
-    tstage = TargetStage(target, dev, stats.worker("target-0"), "target-0")
-    dstage = DrafterStage(drafter, embed, head, dev, cfg, stats.worker("drafter-0"), torch.Generator().manual_seed(2))
-    return source, tstage, dstage, cfg, stats
+                  drafter_layers=drafter_layers, target_devices=[str(target.device)], drafter_device=ctx.device)
+    parts = build(cfg, Dist(), target, samples=rows, log=lambda line: None)
+    return parts.source, parts.targets[0], parts.drafter, cfg, parts.stats
 
 
 def run_pipeline(source, tstage, dstage, cfg, stats, steps: int, pipeline: bool, on_step_extra=None,
@@ -231,7 +219,7 @@ def check_flex_vs_sdpa(ctx: Ctx) -> dict:
     dev = torch.device(ctx.device)
     b = source(0)
     ids = b.input_ids.to(dev)
-    hidden = target.hidden_states(b.input_ids.to(target.device), None).to(dev)
+    hidden = target.tap_states(b.input_ids.to(target.device), None).to(dev)
     g = torch.Generator().manual_seed(3)
     anchors = torch.stack([torch.randperm(seq // 2 - 16, generator=g)[:n].sort().values + seq // 2 for _ in range(2)]).to(dev)
     anchors[0, 0] = 128 if seq > 200 else anchors[0, 0]  # an anchor on a tile boundary
@@ -283,7 +271,7 @@ def check_compile_count(ctx: Ctx) -> dict:
         ids = torch.randint(0, 32000, (2, t), generator=g).to(dev)
         anchors = torch.stack([torch.randperm(t - 16, generator=g)[:n].sort().values for _ in range(2)]).to(dev)
         with torch.no_grad():
-            hidden = target.hidden_states(ids)
+            hidden = target.tap_states(ids)
         t0 = time.perf_counter()
         with torch.autocast("cuda", torch.bfloat16):
             h = forward_blocks(dstage.drafter, dstage.embed, ids, hidden, anchors, attn_backend="flex")
@@ -358,7 +346,7 @@ def check_side_stream_copy(ctx: Ctx) -> dict:
             if hb.ready is not None:
                 torch.cuda.current_stream(dev).wait_event(hb.ready)
             got = hb.hidden.double().sum(dim=(1, 2))
-            want = target.hidden_states(batch.input_ids, batch.attention_mask).to(dev).double().sum(dim=(1, 2))
+            want = target.tap_states(batch.input_ids, batch.attention_mask).to(dev).double().sum(dim=(1, 2))
             diffs.append(float((got - want).abs().max()))
         results[f"{where}->{ctx.device}"] = diffs
     return {"ok": all(d == 0.0 for v in results.values() for d in v), "max_abs_checksum_diff": results,
@@ -556,7 +544,7 @@ def check_eval_lossless(ctx: Ctx) -> dict:
     from dflash.data import load_prompts
     from dflash.eval.speculative import evaluate
     from dflash.model.drafter import DFlashDrafter, DrafterConfig
-    from dflash.model.target import load_target
+    from dflash.targets import load_target
 
     target = load_target("tiny", device=ctx.device, dtype=torch.bfloat16)
     dcfg = DrafterConfig.for_target(target.config, num_layers=1, target_layer_ids=target.layer_ids,

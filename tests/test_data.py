@@ -12,7 +12,7 @@ from test_model_helpers import make_target_dir, make_tokenizer, one_thread  # no
 
 from dflash.data import DataError, load_prompts, load_samples, resolve_data
 from dflash.data.formats import encode_row
-from dflash.model.tiny import CHAT_TEMPLATE
+from dflash.targets.tiny_build import CHAT_TEMPLATE
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_regenerate_writes_the_targets_own_greedy_responses(tmp_path, tok):
     """`dflash data regenerate` end to end: each new response is what the target itself continues."""
     from dflash.data.formats import prompt_of
     from dflash.data.regenerate import generate_batch
-    from dflash.model.target import load_target
+    from dflash.targets import load_target
 
     target_dir = make_target_dir(tmp_path / "t", tokenizer=tok)
     chat = {"messages": [{"role": "user", "content": "class self"}, {"role": "assistant", "content": "old"}]}

@@ -15,7 +15,7 @@ from dflash.eval import speculative
 from dflash.eval.speculative import greedy_generate
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.export import checkpoint_dict, export_drafter
-from dflash.model.target import load_target
+from dflash.targets import load_target
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from dflash.eval import speculative
 from dflash.eval.speculative import classify_divergence, evaluate, greedy_generate, speculative_generate
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.objective import dflash_loss
-from dflash.model.target import load_target
+from dflash.targets import load_target
 
 BLOCK = 8
 
@@ -47,7 +47,7 @@ def trained(targets):
     ids = torch.tensor(seqs)
     loss_mask = torch.zeros_like(ids, dtype=torch.bool)
     loss_mask[:, 6:] = True
-    hidden = target.hidden_states(ids)
+    hidden = target.tap_states(ids)
     drafter = new_drafter(target)
     opt = torch.optim.AdamW(drafter.parameters(), lr=5e-3)
     g = torch.Generator().manual_seed(0)

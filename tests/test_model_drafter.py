@@ -112,7 +112,7 @@ def test_init_from_target_starts_from_the_targets_top_layer_and_its_input(tmp_pa
     from test_model_helpers import make_target_dir
 
     from dflash.model.drafter import init_from_target
-    from dflash.model.target import load_target
+    from dflash.targets import load_target
 
     t = load_target(str(make_target_dir(tmp_path / "t", layers=4)), layer_ids=[1, 2])
     d = DFlashDrafter(DrafterConfig.for_target(t.config, num_layers=1, block_size=4, target_layer_ids=[1, 2],

@@ -9,7 +9,8 @@ import pytest
 import torch
 from test_model_helpers import make_target_dir, make_tokenizer, one_thread  # noqa: F401
 
-from dflash.model.target import Target, TargetError, load_target
+from dflash.targets import Target, TargetError, load_target
+from dflash.targets.hf import HFTarget
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +26,14 @@ def dirs(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_loads_frozen_fp32_and_taps_hidden_states(dirs, arch):
     t = load_target(dirs[arch], num_draft_layers=3)
-    assert isinstance(t, Target)
+    assert isinstance(t, HFTarget) and isinstance(t, Target) and t.verifier is t
     assert t.device.type == "cpu" and t.dtype == torch.float32
     assert not t.model.training
     assert not any(p.requires_grad for p in t.model.parameters())
     assert t.layer_ids == {"qwen3": [1, 3, 5], "llama": [1]}[arch]  # 4 layers: 1..N-3 is just [1]
     assert t.hidden_size == 64 and t.num_layers == {"qwen3": 8, "llama": 4}[arch]
     ids = torch.randint(0, 300, (2, 11))
-    hs = t.hidden_states(ids)
+    hs = t.tap_states(ids)
     assert hs.shape == (2, 11, len(t.layer_ids) * 64)
     # Layer i's *output* (the reference's hidden_states[i + 1]), checked against forward hooks.
     outs = {}
@@ -52,7 +53,7 @@ def test_explicit_layer_ids_and_padding_mask(dirs):
     ids = torch.randint(0, 300, (1, 6))
     padded = torch.cat([ids, torch.zeros(1, 3, dtype=torch.long)], 1)
     attn = torch.tensor([[1] * 6 + [0] * 3])
-    torch.testing.assert_close(t.hidden_states(padded, attn)[:, :6], t.hidden_states(ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(t.tap_states(padded, attn)[:, :6], t.tap_states(ids), rtol=1e-5, atol=1e-5)
     with pytest.raises(TargetError):
         load_target(dirs["qwen3"], layer_ids=[8])
 
@@ -69,7 +70,7 @@ def test_right_padded_batches_need_no_mask(dirs, arch):
     ids = torch.randint(4, 300, (2, 9))
     attn = torch.ones(2, 9, dtype=torch.long)
     ids[1, 5:], attn[1, 5:] = 2, 0
-    masked, free = t.hidden_states(ids, attn), t.hidden_states(ids)
+    masked, free = t.tap_states(ids, attn), t.tap_states(ids)
     torch.testing.assert_close(free[0], masked[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(free[1, :5], masked[1, :5], rtol=1e-5, atol=1e-5)
 
@@ -127,7 +128,7 @@ def test_errors_are_one_line_and_name_the_path(dirs, tmp_path):
 
 
 def test_builtin_tiny_target_when_present():
-    tiny = pytest.importorskip("dflash.model.tiny")
+    tiny = pytest.importorskip("dflash.targets.tiny")
     try:
         path = tiny.tiny_target_dir()
     except FileNotFoundError:
@@ -141,7 +142,7 @@ def test_builtin_tiny_target_when_present():
 def test_missing_tiny_target_says_how_to_rebuild_instead_of_building(tmp_path, monkeypatch):
     """A tiny target whose weights are gone (a copy of the package directory without them) is one line
     naming the rebuild command, returned at once: nothing is built or written there."""
-    tiny = pytest.importorskip("dflash.model.tiny")
+    tiny = pytest.importorskip("dflash.targets.tiny")
     shipped = tiny.TINY_DIR
     broken = tmp_path / "tiny"
     broken.mkdir()

@@ -9,8 +9,9 @@ from test_model_helpers import one_thread  # noqa: F401
 
 from dflash.data import load_prompts, load_samples, resolve_data
 from dflash.data.demo import DEMO_EVAL_PATH, DEMO_PATH
-from dflash.model.target import load_target
-from dflash.model.tiny import greedy_distinct, split_files, stdlib_files, tiny_target_dir
+from dflash.targets import load_target
+from dflash.targets.tiny import tiny_target_dir
+from dflash.targets.tiny_build import greedy_distinct, split_files, stdlib_files
 
 
 def test_shipped_tiny_target_loads_without_building():
@@ -31,7 +32,7 @@ def test_build_info_meets_the_bar_for_a_real_language_model():
 
 def test_greedy_output_of_the_shipped_model_does_not_loop():
     """Re-measured here (not read from build_info): greedy continuations of unseen code vary."""
-    from dflash.model.tiny import TinyRecipe, encode_files
+    from dflash.targets.tiny_build import TinyRecipe, encode_files
 
     t = load_target("tiny")
     _, held = split_files(stdlib_files(), TinyRecipe().heldout_every)
@@ -66,7 +67,7 @@ def test_demo_responses_are_the_targets_own_greedy_text():
 
 
 def test_repeated_ngram_mask_marks_only_tokens_of_an_earlier_ngram():
-    from dflash.model.tiny import repeated_ngram_mask
+    from dflash.targets.tiny_build import repeated_ngram_mask
 
     #        prefix | continuation: "1 2 3" repeats the prefix's 3-gram, then "7 8 9" is new
     seq = [1, 2, 3, 4, 1, 2, 3, 7, 8, 9]
@@ -85,7 +86,7 @@ def test_unlikelihood_phase_lowers_the_probability_of_repeats(tmp_path):
     from test_model_helpers import make_target_dir
     from transformers import AutoModelForCausalLM
 
-    from dflash.model.tiny import TinyRecipe, lm_loss, repeated_ngram_mask, unlikelihood_finetune
+    from dflash.targets.tiny_build import TinyRecipe, lm_loss, repeated_ngram_mask, unlikelihood_finetune
 
     torch.manual_seed(0)
     looper = AutoModelForCausalLM.from_pretrained(make_target_dir(tmp_path / "m", layers=2))

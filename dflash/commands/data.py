@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dflash.data import DataError, resolve_data
     from dflash.data.cache_format import CacheError
-    from dflash.model.target import TargetError, load_target
+    from dflash.targets import TargetError, load_target
 
     try:
         if args.action == "regenerate":

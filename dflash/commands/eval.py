@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dflash.eval.speculative import evaluate
     from dflash.model.export import DrafterLoadError, load_drafter
-    from dflash.model.target import TargetError, load_target
+    from dflash.targets import TargetError, load_target
     from dflash.train.config import ConfigError, check_device
 
     if args.max_new_tokens < 1 or args.num_prompts < 1:

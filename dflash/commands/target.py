@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash.cli import CliError
-    from dflash.model.tiny import TINY_DIR, TinyRecipe, build_tiny, refine_tiny
+    from dflash.targets.tiny import TINY_DIR
+    from dflash.targets.tiny_build import TinyRecipe, build_tiny, refine_tiny
 
     recipe = TinyRecipe()
     if args.max_time is not None:

@@ -19,7 +19,7 @@ def stdlib_prompts(n: int, seed: int = 0, min_chars: int = 120, max_chars: int =
                    held_out: bool = False) -> list[str]:
     """Snippets that start at a line boundary of a randomly chosen stdlib file: from the target's
     training files, or (held_out) from the files it never saw."""
-    from dflash.model.tiny import TinyRecipe, read_text, split_files, stdlib_files
+    from dflash.targets.tiny_build import TinyRecipe, read_text, split_files, stdlib_files
 
     train, held = split_files(stdlib_files(), TinyRecipe().heldout_every)
     files = held if held_out else train
@@ -60,7 +60,7 @@ def demo_path(build_if_missing: bool = True, evaluation: bool = False) -> Path:
     if not DEMO_PATH.exists() or not DEMO_EVAL_PATH.exists():
         if not build_if_missing:
             raise FileNotFoundError(f"demo data missing at {DEMO_PATH}; run `dflash data demo`")
-        from dflash.model.target import load_target
+        from dflash.targets import load_target
 
         build_demo(load_target("tiny"))
     return DEMO_EVAL_PATH if evaluation else DEMO_PATH

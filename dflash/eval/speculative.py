@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.target import Target
+from dflash.targets.hf import HFTarget
 
 
 def _new_cache(model):
@@ -41,7 +41,7 @@ def _crop(cache, length: int) -> None:
         cache.crop(-drop)
 
 
-def _forward(target: Target, ids: torch.Tensor, cache, start: int, hidden: bool, last_only: bool = False):
+def _forward(target: HFTarget, ids: torch.Tensor, cache, start: int, hidden: bool, last_only: bool = False):
     positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
     kwargs = {target.cache_kwarg: cache}
     if last_only:
@@ -51,7 +51,7 @@ def _forward(target: Target, ids: torch.Tensor, cache, start: int, hidden: bool,
 
 @torch.inference_mode()
 def greedy_generate(
-    target: Target, prompt_ids: list[int], max_new_tokens: int, stop_token_ids: list[int] | None = None
+    target: HFTarget, prompt_ids: list[int], max_new_tokens: int, stop_token_ids: list[int] | None = None
 ) -> list[int]:
     """The target's own greedy continuation (KV-cached, one token per forward): the lossless reference."""
     stops = set(stop_token_ids or [])
@@ -93,7 +93,7 @@ class SpecOutput:
         return [a + 1 for a in self.accepted]
 
 
-def check_compatible(drafter: DFlashDrafter, target: Target) -> None:
+def check_compatible(drafter: DFlashDrafter, target: HFTarget) -> None:
     """Raise ValueError (one line) when the drafter was not trained for a target of this shape."""
     c = drafter.config
     problems = []
@@ -117,7 +117,7 @@ def _cut(tokens: list[int], max_new_tokens: int, stops: set[int]) -> list[int]:
 @torch.inference_mode()
 def speculative_generate(
     drafter: DFlashDrafter,
-    target: Target,
+    target: HFTarget,
     prompt_ids: list[int],
     max_new_tokens: int,
     stop_token_ids: list[int] | None = None,
@@ -207,7 +207,7 @@ def tie_tolerance(dtype: torch.dtype, scale: float) -> float:
 
 
 @torch.inference_mode()
-def classify_divergence(target: Target, index: int, prompt_ids: list[int], speculative: list[int],
+def classify_divergence(target: HFTarget, index: int, prompt_ids: list[int], speculative: list[int],
                         greedy: list[int]) -> Divergence | None:
     """None when the two decodes are equal; else their first difference, judged on the target's logits
     there: a near-tie (the two tokens' logits within ``tie_tolerance``) is rounding, anything else a
@@ -257,7 +257,7 @@ class EvalResult:
 
 def evaluate(
     drafter: DFlashDrafter,
-    target: Target,
+    target: HFTarget,
     prompts: list[list[int]],
     max_new_tokens: int = 128,
     stop_token_ids: list[int] | None = None,
@@ -272,7 +272,7 @@ def evaluate(
     trainer can evaluate its live drafter between steps. ``on_prompt(done, total)`` is called after
     each prompt, so a caller can show how far a long evaluation is.
     """
-    if not isinstance(drafter, DFlashDrafter) or not isinstance(target, Target):
+    if not isinstance(drafter, DFlashDrafter) or not isinstance(target, HFTarget):
         raise TypeError("call evaluate(drafter, target, prompts, ...)")
     if not prompts:
         raise ValueError("no prompts to evaluate")

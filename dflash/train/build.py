@@ -2,7 +2,8 @@
 checkpoint's optimizer, RNG and position back into them.
 
 Neither starts a thread, opens a socket or writes a file: the Trainer does that with what they return,
-so the wiring of data, targets, drafter and telemetry reads here top to bottom.
+so the wiring of data, targets, drafter and telemetry reads here top to bottom. The target itself is
+made before (dflash.targets.make_target), so a caller can hand in any producer of hidden states.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 
+from dflash.data import Sample
+from dflash.targets import Target, TargetError
 from dflash.telemetry.vocab import Role
 from dflash.train import distributed, rng
 from dflash.train.config import TrainConfig
@@ -35,7 +38,7 @@ class TrainError(RuntimeError):
 class Components:
     """The parts of a run, as `build` made them."""
 
-    target: Any  # the first target replica: its tokenizer reads the data and the evaluation prompts
+    target: Target  # the first target replica: its tokenizer reads the data and the evaluation prompts
     targets: list[TargetStage]  # one per target worker (one "trainer" stage in sync mode)
     drafter: DrafterStage
     dcfg: Any  # the drafter's DrafterConfig, saved in every checkpoint
@@ -51,44 +54,55 @@ class Components:
 
     def describe(self, cfg: TrainConfig) -> str:
         """The start-of-run line about the target, the drafter and the data."""
-        t, d = self.target, self.dcfg
+        d = self.dcfg
         params = sum(p.numel() for p in self.drafter.drafter.parameters()) / 1e6
-        return (f"target {cfg.run.target}: {plural(t.num_layers, 'layer')}, hidden {t.hidden_size}, "
-                f"taps {t.layer_ids}; "
+        return (f"target {cfg.run.target}: {self.target.describe()}; "
                 f"drafter {plural(d.num_layers, 'layer')}, {params:.2f}M params, block {d.block_size}, "
                 f"mask token {d.mask_token_id}; data {self.data_path} ({self.samples} samples)")
 
 
-def build(cfg: TrainConfig, dist: Dist, ckpt: dict | None = None, faults: FaultPlan | None = None,
-          log: Callable[[str], None] = print) -> Components:
-    """Load the data and the target(s), make the drafter (from `ckpt`'s shape and weights when resuming)
-    and the stages around them. `--epochs` becomes `cfg.run.max_steps` here, once an epoch's length is known."""
+def run_target(cfg: TrainConfig) -> Target:
+    """The target the settings name, on the first target worker's device (build replicates it). The
+    data path is checked first: a typo in it should not wait for a large target to load."""
+    from dflash.data import DataError, resolve_data
+    from dflash.targets import make_target
+
+    try:
+        resolve_data(cfg.run.data)
+        return make_target(cfg, resolve(cfg.pipeline.target_devices[0]))
+    except (DataError, TargetError) as e:
+        raise TrainError(str(e)) from None
+
+
+def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None, faults: FaultPlan | None = None,
+          log: Callable[[str], None] = print, samples: list[Sample] | None = None) -> Components:
+    """Make the drafter (from `ckpt`'s shape and weights when resuming) and the stages around `target`
+    (the first target worker's, on `cfg.pipeline.target_devices[0]`; the others get replicas of it).
+    The data is `samples` when given, else read from `cfg.run.data` with the target's tokenizer.
+    `--epochs` becomes `cfg.run.max_steps` here, once an epoch's length is known."""
     from dflash.data import DataError, load_samples, resolve_data
     from dflash.model.drafter import DFlashDrafter, DrafterConfig, init_from_target
     from dflash.model.export import DrafterLoadError, check_shapes
-    from dflash.model.target import TargetError, load_target
     from dflash.telemetry import ProfileStats
 
+    tok = target.tokenizer
     try:
-        data_path = resolve_data(cfg.run.data)
         devices = [resolve(d) for d in cfg.pipeline.target_devices]
         drafter_device = resolve(cfg.pipeline.drafter_device)
-        n_taps = cfg.model.drafter_layers or None
-        replicas: dict[torch.device, Any] = {}
-        for dev in dict.fromkeys(devices):  # one replica per distinct device; CPU workers share one
-            replicas[dev] = load_target(cfg.run.target, device=dev, layer_ids=cfg.model.target_layer_ids,
-                                        **({"num_draft_layers": n_taps} if n_taps else {}))
-        first = replicas[devices[0]]
-        if first.tokenizer is None:
-            raise TrainError(f"target {cfg.run.target!r} has no tokenizer: dflash needs one to read the data")
-        samples = load_samples(data_path, first.tokenizer, max_len=cfg.data.max_seq_len,
-                               min_loss_tokens=cfg.model.block_size)
+        replicas = {dev: target.replica(dev) for dev in dict.fromkeys(devices)}  # CPU workers share one
+        if samples is None:
+            data_path = resolve_data(cfg.run.data)
+            if tok is None:
+                raise TrainError(f"target {cfg.run.target!r} has no tokenizer: dflash needs one to read the data")
+            samples = load_samples(data_path, tok, max_len=cfg.data.max_seq_len, min_loss_tokens=cfg.model.block_size)
+        else:
+            data_path = Path("<given samples>")
     except (DataError, TargetError) as e:
         raise TrainError(str(e)) from None
     if len(samples) < dist.world_size:
         raise TrainError(f"{data_path} has {len(samples)} usable samples, fewer than the {dist.world_size} ranks")
-    tok = first.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    first = replicas[devices[0]]
+    pad = 0 if tok is None else tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     if ckpt is not None:
         try:
@@ -105,7 +119,10 @@ def build(cfg: TrainConfig, dist: Dist, ckpt: dict | None = None, faults: FaultP
     random.seed(cfg.data.seed)
     model = DFlashDrafter(dcfg)
     if cfg.model.init_from_target and ckpt is None:
-        copied = init_from_target(model, first.model)
+        if first.verifier is None:
+            raise TrainError("--init-from-target needs the target's layers, which this target does not load: "
+                             "drop the flag")
+        copied = init_from_target(model, first.verifier.model)
         log(f"drafter initialised from the target's top {plural(dcfg.num_layers, 'layer')} ({len(copied)} tensors)")
     model = model.to(drafter_device)
     # Same drafter init on every rank (DDP also broadcasts rank 0's), different anchors per rank.
@@ -125,7 +142,8 @@ def build(cfg: TrainConfig, dist: Dist, ckpt: dict | None = None, faults: FaultP
     for i, dev in enumerate(devices if cfg.pipeline.enabled else devices[:1]):
         name = f"target-{i}" if cfg.pipeline.enabled else "trainer"
         role = Role.TARGET if cfg.pipeline.enabled else None  # one thread doing both stages has no role
-        targets.append(TargetStage(replicas[dev], drafter_device, stats.worker(name, role), name, faults=faults))
+        targets.append(TargetStage(replicas[dev], drafter_device, stats.worker(name, role), name, faults=faults,
+                                   index=i))
     cuda = drafter_device.type == "cuda" or any(t.device.type == "cuda" for t in targets)
     source = BatchSource(samples, cfg.data.batch_size, cfg.data.seed, pad, dist.rank, dist.world_size,
                          block_size=dcfg.block_size, num_anchors=cfg.model.num_anchors, pin=cuda)

@@ -1,7 +1,7 @@
 """The three stages of a training step, each usable alone (sync mode) or in its own thread (pipeline).
 
 * BatchSource: deterministic batch ``i`` of the dataset (so a resumed run sees the same data).
-* TargetStage: frozen target forward -> tap-layer hidden states, moved toward the drafter's device.
+* TargetStage: the target's hidden states at the tap layers (computed, or read), moved toward the drafter's device.
 * DrafterStage: anchors/blocks, drafter forward, backward, optimizer step.
 
 Every stage times itself into a telemetry worker handle; which thread runs it is the pipeline's business.
@@ -13,13 +13,14 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from dflash.data import Sample
 from dflash.model.objective import BlockPlan, LossOutput, dflash_loss, plan_blocks
+from dflash.targets.base import Target
 from dflash.train.distributed import explain_backward_error
 from dflash.train.faults import FaultPlan
 from dflash.train.guard import NonFiniteGuard
@@ -33,6 +34,7 @@ class Batch:
     loss_mask: torch.Tensor  # [B, T] 1 = the drafter learns to predict this token
     num_tokens: int = 0  # real tokens, counted on the host while building (no device read later)
     plan: BlockPlan | None = None  # the blocks the drafter trains on (see objective.plan_blocks)
+    sample_ids: list[int] = field(default_factory=list)  # each row's index in the data set (a cache's key)
 
     def pin_memory(self) -> Batch:
         """Page-locked copies: a non-blocking host-to-device copy from pageable memory is not
@@ -86,7 +88,8 @@ class BatchSource:
         epoch, k = divmod(index, self.per_epoch)
         order = self._order(epoch)
         first = (k * self.world_size + self.rank) * self.batch_size
-        rows = [self.samples[j] for j in order[first:first + self.batch_size]]
+        picked = order[first:first + self.batch_size]
+        rows = [self.samples[j] for j in picked]
         width = max(len(r.input_ids) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(rows), width), dtype=torch.long)
@@ -99,17 +102,20 @@ class BatchSource:
         plan = None
         if self.block_size is not None and self.num_anchors is not None:
             plan = plan_blocks(ids, loss, self.block_size, self.num_anchors, self.anchor_generator(index))
-        batch = Batch(index, ids, attn, loss, sum(len(r.input_ids) for r in rows), plan)
+        batch = Batch(index, ids, attn, loss, sum(len(r.input_ids) for r in rows), plan, list(picked))
         return batch.pin_memory() if self.pin else batch
 
 
 class TargetStage:
-    """One target replica on one device. Its output is on the drafter's device (or on its way there)."""
+    """The pipeline's first stage: one replica of whatever produces hidden states (dflash.targets), on
+    one device, timed under the category it names (`target_forward` for a model run here). Its output
+    is on the drafter's device (or on its way there)."""
 
-    def __init__(self, target, drafter_device: torch.device, telemetry, name: str = "target-0",
-                 faults: FaultPlan | None = None):
+    def __init__(self, target: Target, drafter_device: torch.device, telemetry, name: str = "target-0",
+                 faults: FaultPlan | None = None, index: int = 0):
         self.target, self.drafter_device, self.tel, self.name = target, drafter_device, telemetry, name
         self.faults = faults  # DFLASH_FAULT injection (tests and drills); None in a normal run
+        self.fault_stage = f"target-{index}"  # the stage name fault plans use for this replica
         self.device = target.device
         if self.device.type == "cuda" and drafter_device.type != "cuda":
             # The drafter would have to wait on the host for every copy; config validation refuses it.
@@ -122,16 +128,11 @@ class TargetStage:
         self.span = device_span(telemetry, self.device)
 
     def __call__(self, batch: Batch) -> HiddenBatch:
-        with self.span("target_forward"):
+        with self.span(self.target.span_category):
             t0 = time.perf_counter()
-            # No attention mask: batches are right-padded, so in a causal LM no real token attends to
-            # padding, and nothing downstream reads the padded positions' states (every anchor and its
-            # context lie in the real tokens). A mask would also make transformers' mask helpers read
-            # it back to the host (`if mask.all()`), which blocks this thread until the GPU drains.
-            hidden = self.target.hidden_states(batch.input_ids.to(self.device, non_blocking=True))
+            hidden = self.target.hidden_states(batch)
             if self.faults is not None:
-                self.faults.delay(self.name if self.name.startswith("target") else "target-0", batch.index,
-                                  time.perf_counter() - t0)
+                self.faults.delay(self.fault_stage, batch.index, time.perf_counter() - t0)
         with self.tel.span("pack_hidden"):
             if self.copy_stream is None:
                 return HiddenBatch(batch, hidden)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dflash.train import distributed
-from dflash.train.build import Components, TrainError, build, restore
+from dflash.train.build import Components, TrainError, build, restore, run_target
 from dflash.train.checkpointer import Checkpointer, checkpoint_to_resume
 from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.control import Interval, StepControl
@@ -83,7 +83,7 @@ class Trainer:
         if faults is not None:
             report.say(f"fault injection (DFLASH_FAULT): {faults.describe()}")
         ckpt = checkpoint_to_resume(Path(cfg.run.run_dir), d, self.resume, report)
-        self.parts = parts = build(cfg, d, ckpt, faults, log=report.log)
+        self.parts = parts = build(cfg, d, run_target(cfg), ckpt, faults, log=report.log)
         # The main thread evaluates and checkpoints on the trainer's GPU: bound there, never on GPU 0.
         self.device = thread_device(parts.drafter_device, *(t.device for t in parts.targets))
         bind_thread(self.device)

@@ -1,10 +1,10 @@
-"""The built-in default target: a small Qwen3 language model that dflash trains itself.
+"""How the built-in tiny target (tiny.py) is made: a small Qwen3 language model that dflash trains itself.
 
 Nothing can be downloaded where dflash runs its demo and tests, yet a drafter can only be judged against
 a *real* language model: a target whose greedy output loops makes any drafter look good and hides
 label-offset or context-leak bugs. So dflash ships a tiny Qwen3-architecture model with a byte-level BPE
 tokenizer, both trained here on the Python standard library's own source (present wherever Python is),
-saved with ``save_pretrained`` so ``load_target`` loads it like any Hugging Face model.
+saved with ``save_pretrained`` so it loads like any Hugging Face model (targets/hf.py).
 
 ``dflash target build-tiny`` rebuilds it (fixed seed); the result is committed as package data.
 """
@@ -66,25 +66,6 @@ class TinyRecipe:
     ul_prefix: int = 48
     ul_new_tokens: int = 96
     ul_ngram: int = 4
-
-
-#: where the built-in target ships (package data); `dflash target build-tiny` writes it
-TINY_DIR = Path(__file__).with_name("tiny")
-
-
-class TinyTargetMissing(FileNotFoundError):
-    """The built-in target's files are not installed; the message says how to rebuild them."""
-
-
-def tiny_target_dir() -> Path:
-    """Where the shipped tiny target lives. A missing one is an error, never a silent rebuild: the build
-    takes up to 40 minutes and would write into the installed package."""
-    path = TINY_DIR
-    missing = [n for n in ("config.json", "model.safetensors") if not (path / n).is_file()]
-    if missing:
-        raise TinyTargetMissing(f"the built-in tiny target is missing {' and '.join(missing)} in {path}: "
-                                "rebuild it with `dflash target build-tiny` (up to 40 minutes on a CPU)")
-    return path
 
 
 def stdlib_files() -> list[Path]:

@@ -1,0 +1,136 @@
+"""The target seam (dflash/targets/): one interface for whatever produces hidden states, checked on the
+built-in tiny target and on a tiny random-weight transformers model, and build() driving any producer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model_helpers import make_target_dir, make_tokenizer, one_thread  # noqa: F401
+
+from dflash.data import Sample
+from dflash.targets import (
+    LAYER_ID_CONVENTION,
+    Target,
+    TargetError,
+    hidden_states_index,
+    load_target,
+    make_target,
+)
+from dflash.targets.hf import HFTarget
+from dflash.train.build import TrainError, build
+from dflash.train.config import TrainConfig
+from dflash.train.distributed import Dist
+from dflash.train.schema import updated
+from dflash.train.stages import BatchSource
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    random_dir = make_target_dir(tmp_path_factory.mktemp("t") / "qwen3", "qwen3", layers=6, tokenizer=make_tokenizer())
+    return {"tiny": load_target("tiny", num_draft_layers=3), "random": load_target(random_dir, num_draft_layers=3)}
+
+
+def rows(vocab: int, n: int = 6, length: int = 40, seed: int = 0) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    return [Sample(torch.randint(4, vocab, (length - i,), generator=g).tolist(), [0] * 10 + [1] * (length - i - 10))
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("name", ["tiny", "random"])
+def test_interface(targets, name):
+    """What every consumer reads: sizes from the config, taps by the reference's convention, the frozen
+    embedding and head applied exactly as the model applies them, and a verifier."""
+    t = targets[name]
+    assert isinstance(t, Target) and t.span_category == "target_forward"
+    assert (t.num_layers, t.hidden_size) == (t.config.num_hidden_layers, t.config.hidden_size)
+    assert t.vocab_size == t.config.vocab_size and t.dtype == torch.float32 and t.device == torch.device("cpu")
+    assert t.tokenizer is not None and t.verifier is t and t.replica("cpu") is t
+    assert 0 <= t.default_mask_token_id() < t.vocab_size and t.stop_token_ids()
+
+    batch = BatchSource(rows(t.vocab_size), batch_size=3, seed=1, pad_id=0)(0)
+    assert len(batch.sample_ids) == 3
+    hs = t.hidden_states(batch)
+    assert hs.shape == (*batch.input_ids.shape, len(t.layer_ids) * t.hidden_size)
+    with torch.no_grad():
+        out = t.model(batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True)
+    want = torch.cat([out.hidden_states[hidden_states_index(i)] for i in t.layer_ids], -1)
+    real = batch.attention_mask.bool()
+    torch.testing.assert_close(hs[real], want[real], rtol=1e-4, atol=1e-4)
+
+    embed, head = t.frozen_head("cpu")
+    torch.testing.assert_close(embed(batch.input_ids), t.model.get_input_embeddings()(batch.input_ids))
+    with torch.no_grad():
+        torch.testing.assert_close(head(out.hidden_states[-1])[real], out.logits[real], rtol=1e-4, atol=1e-4)
+
+
+def test_layer_id_convention():
+    assert [hidden_states_index(i) for i in (0, 5)] == [1, 6]
+    assert "output_hidden_states[i + 1]" in LAYER_ID_CONVENTION
+
+
+def test_bad_tap_layers_name_the_convention(targets):
+    with pytest.raises(TargetError) as e:
+        HFTarget(targets["random"].model, None, [6])
+    assert "\n" not in str(e.value) and LAYER_ID_CONVENTION in str(e.value)
+
+
+def test_make_target_reads_the_run_settings():
+    cfg = updated(TrainConfig(), target="tiny", drafter_layers=2)
+    t = make_target(cfg, "cpu")
+    assert t.num_layers == 6 and len(t.layer_ids) == 2
+    assert make_target(updated(cfg, target_layer_ids=[1, 4]), "cpu").layer_ids == [1, 4]
+
+
+class StoredStates(Target):
+    """Hidden states looked up by sample instead of computed: what an offline cache does, written with
+    nothing but the interface (it has the target's embedding and head, and no verifier)."""
+
+    span_category = "cache_read"
+
+    def __init__(self, source: HFTarget, states: dict[int, torch.Tensor]):
+        super().__init__(source.tokenizer, source.config, source.layer_ids, source.embed_tokens, source.lm_head)
+        self.states = states
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def replica(self, device):
+        return self
+
+    def hidden_states(self, batch):
+        width = batch.input_ids.shape[1]
+        out = torch.zeros(len(batch.sample_ids), width, len(self.layer_ids) * self.hidden_size)
+        for row, sid in enumerate(batch.sample_ids):
+            out[row, :len(self.states[sid])] = self.states[sid]
+        return out
+
+
+def step_loss(target: Target, samples: list[Sample], **settings) -> tuple[float, dict]:
+    cfg = updated(TrainConfig(), max_steps=1, batch_size=3, num_anchors=4, block_size=4, drafter_layers=2,
+                  **settings)
+    parts = build(cfg, Dist(), target, samples=samples, log=lambda s: None)
+    assert parts.target is target and parts.targets[0].target is target
+    hb = parts.targets[0](parts.source(0))
+    loss = float(parts.drafter.step(hb, 0.0).out.loss.detach())
+    return loss, parts.stats.drain().workers
+
+
+def test_build_takes_any_target(targets):
+    """build() drives whatever it is given: training on states stored per sample gives the very loss
+    training on the model gives, and the first stage's spans say which one ran."""
+    hf = load_target("tiny", num_draft_layers=2)
+    samples = rows(hf.vocab_size)
+    stored = {i: hf.tap_states(torch.tensor([s.input_ids]))[0] for i, s in enumerate(samples)}
+    online, online_workers = step_loss(hf, samples)
+    cached, cached_workers = step_loss(StoredStates(hf, stored), samples)
+    assert cached == pytest.approx(online, rel=1e-5)
+    assert "target_forward" in online_workers["target-0"] and "cache_read" in cached_workers["target-0"]
+    assert "target_forward" not in cached_workers["target-0"]
+
+
+def test_init_from_target_needs_a_verifier(targets):
+    hf = targets["tiny"]
+    with pytest.raises(TrainError, match="--init-from-target"):
+        build(updated(TrainConfig(), max_steps=1, init_from_target=True), Dist(), StoredStates(hf, {}),
+              samples=rows(hf.vocab_size), log=lambda s: None)
