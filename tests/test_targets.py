@@ -134,3 +134,24 @@ def test_init_from_target_needs_a_verifier(targets):
     with pytest.raises(TrainError, match="--init-from-target"):
         build(updated(TrainConfig(), max_steps=1, init_from_target=True), Dist(), StoredStates(hf, {}),
               samples=rows(hf.vocab_size), log=lambda s: None)
+
+
+def test_a_target_that_cannot_decode_refuses_in_training_evaluation_unless_eval_target_names_one(targets, tmp_path):
+    hf = targets["tiny"]
+    stored, samples, lines = StoredStates(hf, {}), rows(hf.vocab_size), []
+    cfg = updated(TrainConfig(), max_steps=1, eval_every=30.0)
+    with pytest.raises(TrainError) as e:
+        build(cfg, Dist(), stored, samples=samples, log=lines.append)
+    assert "\n" not in str(e.value) and "--eval-target" in str(e.value) and "--eval-every" in str(e.value)
+    # Without --eval-every only the final evaluation is missing, and the start says so.
+    parts = build(updated(cfg, eval_every=0.0), Dist(), stored, samples=samples, log=lines.append)
+    assert parts.verifier is None and any("no final evaluation" in line for line in lines)
+    # --eval-target names a model that decodes; one of another shape is refused in one line.
+    parts = build(updated(cfg, eval_target="tiny"), Dist(), stored, samples=samples, log=lines.append)
+    assert isinstance(parts.verifier, HFTarget) and parts.verifier.layer_ids == hf.layer_ids
+    other = make_target_dir(tmp_path / "other", "qwen3", layers=6)
+    with pytest.raises(TrainError, match="is not the target") as e:
+        build(updated(cfg, eval_target=str(other)), Dist(), stored, samples=samples, log=lines.append)
+    assert "\n" not in str(e.value)
+    # An in-process target is its own verifier.
+    assert build(cfg, Dist(), hf, samples=samples, log=lines.append).verifier is hf

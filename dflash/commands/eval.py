@@ -86,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _trained_against(drafter: str) -> str:
-    """The target named in the drafter's run config (said on stderr, so --json output stays one
-    object), or the built-in one where there is no run around the drafter."""
+    """The target named in the drafter's run config, its --eval-target first (said on stderr, so --json
+    output stays one object), or the built-in one where there is no run around the drafter."""
     from dflash.train.config import ConfigError
     from dflash.train.schema import config_beside
 
@@ -97,6 +97,10 @@ def _trained_against(drafter: str) -> str:
         raise CliError(f"{e}; give --target to say which target the drafter is for") from None
     if cfg is None:
         return "tiny"
+    if cfg.eval.eval_target is not None:
+        print(f"dflash eval: target {cfg.eval.eval_target} (the one its run evaluated with; --target to change)",
+              file=sys.stderr)
+        return cfg.eval.eval_target
     print(f"dflash eval: target {cfg.run.target} (the one its run trained against; --target to change)",
           file=sys.stderr)
     return cfg.run.target

@@ -39,6 +39,7 @@ class Components:
     """The parts of a run, as `build` made them."""
 
     target: Target  # the first target replica: its tokenizer reads the data and the evaluation prompts
+    verifier: Any  # what evaluates the drafter (an HFTarget: the target itself or --eval-target); None: nothing can
     targets: list[TargetStage]  # one per target worker (one "trainer" stage in sync mode)
     drafter: DrafterStage
     dcfg: Any  # the drafter's DrafterConfig, saved in every checkpoint
@@ -90,6 +91,7 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
         devices = [resolve(d) for d in cfg.pipeline.target_devices]
         drafter_device = resolve(cfg.pipeline.drafter_device)
         replicas = {dev: target.replica(dev) for dev in dict.fromkeys(devices)}  # CPU workers share one
+        verifier = evaluator(cfg, replicas[devices[0]], log)
         if samples is None:
             data_path = resolve_data(cfg.run.data)
             if tok is None:
@@ -148,7 +150,29 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     source = BatchSource(samples, cfg.data.batch_size, cfg.data.seed, pad, dist.rank, dist.world_size,
                          block_size=dcfg.block_size, num_anchors=cfg.model.num_anchors, pin=cuda)
     limit_epochs(cfg, source.per_epoch, log)
-    return Components(first, targets, drafter, dcfg, source, stats, generator, data_path, len(samples))
+    return Components(first, verifier, targets, drafter, dcfg, source, stats, generator, data_path, len(samples))
+
+
+def evaluator(cfg: TrainConfig, target: Target, log: Callable[[str], None]) -> Any:
+    """What evaluates the drafter: --eval-target when given, else the target if it can decode. A target
+    that only supplies hidden states (a cache) cannot: in-training evaluation is refused before anything
+    runs, and the final one is skipped with a line saying so."""
+    from dflash.targets import load_target
+
+    if cfg.eval.eval_target is None:
+        if target.verifier is None and cfg.eval.eval_prompts > 0:
+            if cfg.eval.eval_every > 0:
+                raise TrainError(f"--eval-every: target {cfg.run.target!r} only supplies hidden states and cannot "
+                                 "decode; give --eval-target MODEL_DIR (the target's model) or drop --eval-every")
+            log(f"no final evaluation: target {cfg.run.target!r} cannot decode (give --eval-target MODEL_DIR)")
+        return target.verifier
+    verifier = load_target(cfg.eval.eval_target, device=target.device, layer_ids=target.layer_ids)
+    mine, theirs = (target.num_layers, target.hidden_size, target.vocab_size), \
+        (verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
+    if mine != theirs:
+        raise TrainError(f"--eval-target {cfg.eval.eval_target!r} is not the target: (layers, hidden, vocab) "
+                         f"{theirs} against the target's {mine}")
+    return verifier
 
 
 def limit_epochs(cfg: TrainConfig, per_epoch: int, log: Callable[[str], None]) -> None:

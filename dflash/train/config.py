@@ -118,6 +118,8 @@ class EvalSettings:
     eval_every: float = setting(0.0, "seconds between in-training evaluations (0: only at the end)")
     eval_prompts: int = setting(8, "prompts in each evaluation (0: none)")
     eval_max_new_tokens: int = setting(64, "tokens generated per evaluation prompt (default 64)")
+    eval_target: str | None = setting(None, "HF model directory or 'tiny' that evaluates the drafter (default: "
+                                      "the target itself; needed when the target only supplies hidden states)")
 
 
 @dataclass

@@ -47,7 +47,7 @@ class Evaluations:
 
         on_prompt(0, len(prompts))
         with parts.drafter.tel.span("eval"):  # evaluate() restores the drafter's train/eval mode itself
-            result = evaluate(parts.drafter.drafter, parts.target, prompts,
+            result = evaluate(parts.drafter.drafter, parts.verifier, prompts,
                               max_new_tokens=cfg.eval.eval_max_new_tokens, on_prompt=on_prompt)
         summary = {**result.to_dict(), "step": step}
         with self.log_path.open("a") as f:

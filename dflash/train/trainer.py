@@ -246,7 +246,8 @@ class Trainer:
             self.report.problem(self.nonfinite.stop_line)
             self.report.event("error", self.nonfinite.stop_line)
             return 1
-        if not self.stop_requested.is_set() and self.cfg.eval.eval_prompts > 0 and self.dist.is_main:
+        if (not self.stop_requested.is_set() and self.cfg.eval.eval_prompts > 0 and self.dist.is_main
+                and self.parts.verifier is not None):
             self.evaluate()
         return code
 
