@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def tiny():
-    from dflash.model.target import load_target
+    from dflash.targets import load_target
 
     return load_target("tiny")
 

@@ -23,7 +23,7 @@ def cache_dir(tmp_path_factory):
 
 
 def test_the_cache_holds_the_targets_states(cache_dir):
-    from dflash.model.target import load_target
+    from dflash.targets import load_target
 
     target = load_target("tiny")
     meta = CacheMeta.read(cache_dir)

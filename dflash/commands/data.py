@@ -73,7 +73,7 @@ def _cache(args: argparse.Namespace) -> int:
     from dflash.data import load_samples, resolve_data
     from dflash.data.cache_format import CacheMeta, read_rows, rows_ready, write_rows
     from dflash.data.cache_writer import meta_for, rank_share, write_cache
-    from dflash.model.target import load_target
+    from dflash.targets import load_target
     from dflash.telemetry import ProfileStats
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
