@@ -168,7 +168,8 @@ def test_one_agreed_checkpoint_per_interval(setup, tmp_path):
     periodic = steps[:-1]
     gaps = [b - a for a, b in zip(periodic, periodic[1:], strict=False)]
     assert min(gaps) > 1, f"checkpoints on back-to-back steps: {steps}"
-    assert out.count("replicas in sync at step") == len(steps), out[-3000:]
+    # The replicas' digest is compared once, at the final checkpoint (checkpointer.py says why).
+    assert out.count("replicas in sync at step") == 1 and f"replicas in sync at step {steps[-1]}" in out, out[-3000:]
 
 
 def test_killing_a_rank_ends_the_job_with_a_clear_message(setup, tmp_path):

@@ -94,9 +94,18 @@ def _atomic_write(final: Path, write: Callable[[Any], Any]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, final)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise
     _fsync_dir(final.parent)
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a failed write's temporary file, if it got as far as existing: the cleanup must not raise
+    an error of its own over the write's (a path whose directory is a file fails again here)."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _fsync_dir(d: Path) -> None:
@@ -221,7 +230,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int,
         os.replace(tmp, final)
         _fsync_dir(d)
     except Exception as e:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         free = _free_bytes(d)
         where = f"in {run_dir} ({_mb(free)} free, this checkpoint needs ~{_mb(need)})" if free >= 0 else f"in {run_dir}"
         if _no_space(e):

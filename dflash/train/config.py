@@ -106,7 +106,8 @@ class PipelineSettings:
 class CheckpointSettings:
     """checkpoints"""
 
-    checkpoint_every: float = setting(60.0, "seconds between checkpoints (default 60)")
+    checkpoint_every: float | None = setting(None, "seconds between checkpoints (default: one minute per GB of "
+                                             "checkpoint, at least 60)")
     keep_checkpoints: int = setting(3, "newest checkpoints kept (default 3; older ones go first when disk is "
                                     "short)")
 

@@ -22,7 +22,7 @@ import torch
 
 from dflash.train import distributed
 from dflash.train.build import Components, TrainError, build, restore, run_target
-from dflash.train.checkpointer import Checkpointer, checkpoint_to_resume
+from dflash.train.checkpointer import Checkpointer, checkpoint_bytes, checkpoint_to_resume, default_interval
 from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.control import Interval, StepControl
 from dflash.train.devices import bind_thread, thread_device
@@ -121,7 +121,7 @@ class Trainer:
         monitoring."""
         cfg, d, parts, report = self.cfg, self.dist, self.parts, self.report
         agreement = distributed.Agreement(d) if d.enabled else None
-        self.control = StepControl(cfg.run.max_steps, cfg.run.max_time, cfg.checkpoint.checkpoint_every,
+        self.control = StepControl(cfg.run.max_steps, cfg.run.max_time, self._checkpoint_interval(),
                                    cfg.eval.eval_every,
                                    is_main=d.is_main, agreement=agreement, trained=self.state.train_time)
         self.pipeline = Pipeline(parts.source, parts.targets, parts.drafter, cfg, parts.stats, self.state,
@@ -132,6 +132,16 @@ class Trainer:
         self.nonfinite = NonFiniteWatch(parts.drafter.guard, parts.stats, report.event,
                                         Interval(cfg.run.log_every, time.monotonic))
         self.monitoring = Monitoring(cfg, d, parts.stats, report, self.device)
+
+    def _checkpoint_interval(self) -> float:
+        """--checkpoint-every, or the default derived from the checkpoint's size (said in the log)."""
+        every = self.cfg.checkpoint.checkpoint_every
+        if every is None:
+            size = checkpoint_bytes(self.parts.drafter.drafter)
+            every = default_interval(size)
+            self.report.log(f"checkpoints: every {every:.0f} s in the background ({size / 1e9:.2f} GB each: "
+                            "one minute per GB, at least one; --checkpoint-every to change)")
+        return every
 
     # --- the drafter thread's per-step hook -----------------------------------------------------------
 
@@ -196,6 +206,7 @@ class Trainer:
         finally:
             stalled = self.monitoring.stall is not None
             self.pipeline.shutdown(timeout=1.0 if stalled else 10.0)  # a stalled worker will not stop
+            self.checkpoints.close()  # a save still being written is finished, not cut off
             # Prometheus gets its last scrape after a run that ended on its own, not after a start that
             # failed or a signal that asked the run to end now
             self.monitoring.close(failed=code != 0 or not supervised,
