@@ -34,7 +34,7 @@ def make_wide_target(out: Path, hidden: int, layers: int) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.model.tiny import tiny_target_dir
+    from dflash.targets.tiny import tiny_target_dir
 
     tiny = tiny_target_dir()
     cfg = AutoConfig.from_pretrained(tiny)
