@@ -75,7 +75,7 @@ def test_files_use_the_reference_names_and_config_fields(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 12 and cfg["num_hidden_layers"] == 2
-    assert cfg["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": [1, 5, 9]}
+    assert cfg["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": [1, 5, 9], "block_size": 8}
     assert cfg["dtype"] == "bfloat16"
     d2 = load_exported(out)
     assert d2.fc.weight.dtype == torch.bfloat16 and d2.config == d.config
@@ -146,7 +146,7 @@ def test_load_drafter_errors_are_one_line(tmp_path):
     torch.save({"model": {}}, tmp_path / "other.pt")
     export_drafter(make_drafter(num_layers=1), tmp_path / "short")
     cfg = json.loads((tmp_path / "short" / "config.json").read_text())
-    cfg["num_hidden_layers"] = 2  # weights for one layer, config for two
+    cfg["num_hidden_layers"], cfg["layer_types"] = 2, ["full_attention"] * 2  # weights for one layer, config for two
     (tmp_path / "short" / "config.json").write_text(json.dumps(cfg))
     for path, needle in [(tmp_path / "missing", "no such file"), (tmp_path / "empty", "neither an export"),
                          (tmp_path / "bad.pt", "not a readable checkpoint"),
@@ -224,6 +224,6 @@ def test_exported_files_share_permissions_and_the_message_counts_right(tmp_path,
     """safetensors writes 0600; config.json follows the umask: the pair must be equally readable."""
     torch.save(checkpoint_dict(make_drafter(num_layers=1)), tmp_path / "ckpt.pt")
     assert main(["export", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "out")]) == 0
-    assert "(1 layer, block" in capsys.readouterr().out
+    assert "(1 layer, full attention, block" in capsys.readouterr().out
     modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "out").iterdir()}
     assert modes["model.safetensors"] == modes["config.json"], modes

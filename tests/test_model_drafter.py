@@ -97,7 +97,7 @@ def test_incremental_context_cache_equals_full_context():
       cache=cache)  # an earlier round's block: must leave no trace
     inc = d(block, ctx[:, 12:], pos, torch.arange(12, 20)[None], cache=cache)
     torch.testing.assert_close(inc, full, rtol=1e-10, atol=1e-12)
-    assert cache[0][0][0].shape[2] == 20  # only context keys are cached
+    assert cache[0][0].k.shape[2] == 20  # only context keys are cached
 
 
 def test_zero_mask_embedding_is_rejected():

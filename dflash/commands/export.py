@@ -22,7 +22,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from dflash.model.export import DrafterLoadError, export_drafter, load_drafter
-    from dflash.words import plural
 
     _check_out(Path(args.out).expanduser(), args.force)
     try:
@@ -35,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise CliError(f"cannot write {args.out}: {e.strerror or e}") from e
     c = drafter.config
-    print(f"exported {drafter.num_parameters() / 1e6:.2f}M-parameter drafter ({plural(c.num_layers, 'layer')}, block "
+    print(f"exported {drafter.num_parameters() / 1e6:.2f}M-parameter drafter ({c.describe_layers()}, block "
           f"{c.block_size}, taps {c.target_layer_ids}, mask id {c.mask_token_id}) from {drafter.loaded_from} to {out}")
     return 0
 

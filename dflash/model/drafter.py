@@ -12,6 +12,10 @@ What makes it a *DFlash* drafter rather than a small language model:
   the block's queries attend to, next to the block's own keys and values. The context feature never
   flows through the layers itself; it only ever appears as keys/values.
 * Inside a block attention is bidirectional, so all masked slots are predicted in one pass.
+* A layer is ``full_attention`` or ``sliding_attention`` (``DrafterConfig.layer_types``). A sliding layer
+  sees what the serving engines compute for it (vLLM and SGLang run it as a causal window of
+  ``sliding_window`` positions, its own included): a query at position p sees the keys at positions
+  p-W+1 .. p, context and block alike (picture in masks.py). Full layers are unchanged.
 
 Parameter names match the public reference (z-lab/dflash ``DFlashDraftModel``) one to one, so
 ``state_dict()`` *is* the exported ``model.safetensors`` (see export.py).
@@ -69,6 +73,24 @@ def _cfg(config, name: str, default=None):
     return getattr(config, name, default)
 
 
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn")  # the scalings the drafter trains, evaluates and exports
+
+
+def rope_scaling_of(config) -> dict | None:
+    """The target's RoPE scaling (``rope_parameters`` in transformers 5, ``rope_scaling`` in 4.x) without
+    its base, or None for plain RoPE: the drafter rotates its queries and keys as the target does."""
+    params = _cfg(config, "rope_parameters") or _cfg(config, "rope_scaling")
+    if not isinstance(params, dict):
+        return None
+    params = {k: v for k, v in params.items() if k != "rope_theta"}
+    kind = params.pop("type", None) or params.get("rope_type") or "default"
+    if kind == "default":
+        return None
+    return {**params, "rope_type": kind}
+
+
 def rope_theta_of(config) -> float:
     """RoPE base of a transformers config: ``rope_parameters`` (transformers 5) or ``rope_theta`` (4.x)."""
     params = _cfg(config, "rope_parameters") or _cfg(config, "rope_scaling") or {}
@@ -101,9 +123,29 @@ class DrafterConfig:
     max_position_embeddings: int = 40960
     attention_bias: bool = False
     initializer_range: float = 0.02
+    # None: every layer full attention; else one of LAYER_TYPES per layer
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None  # W of the sliding layers: the positions a query sees, its own included
+    rope_scaling: dict | None = None  # None: plain RoPE; else transformers' rope parameters, e.g. {"rope_type": "yarn", ...}
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.layer_types = list(self.layer_types) if self.layer_types else [FULL] * self.num_layers
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} drafter layers")
+        bad_type = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad_type:
+            raise ValueError(f"layer type {bad_type[0]!r} is not one of {', '.join(LAYER_TYPES)}")
+        if SLIDING in self.layer_types and (self.sliding_window is None or int(self.sliding_window) < 1):
+            raise ValueError(f"sliding_attention layers need a sliding_window of at least 1 (got {self.sliding_window})")
+        if self.sliding_window is not None:
+            self.sliding_window = int(self.sliding_window)
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ROPE_TYPES:
+                raise ValueError(f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+            if kind == "default":
+                self.rope_scaling = None
         if self.gamma is None:
             self.gamma = default_gamma(self.block_size)
         if self.block_size < 2:
@@ -155,7 +197,19 @@ class DrafterConfig:
             rms_norm_eps=float(_cfg(target_config, "rms_norm_eps") or 1e-6),
             rope_theta=rope_theta_of(target_config),
             max_position_embeddings=int(_cfg(target_config, "max_position_embeddings") or 40960),
+            rope_scaling=rope_scaling_of(target_config),
         )
+
+    def describe_layers(self) -> str:
+        """The layers in a few words: "5 layers, full attention" or "4 layers, 3 sliding (window 2048)"."""
+        n_sliding = self.layer_types.count(SLIDING)
+        what = f"{n_sliding} sliding (window {self.sliding_window})" if n_sliding else "full attention"
+        rope = f", RoPE {self.rope_scaling['rope_type']}" if self.rope_scaling else ""
+        return f"{self.num_layers} layer{'s' if self.num_layers != 1 else ''}, {what}{rope}"
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of drafter layer ``layer``, None for a full-attention layer."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
     @classmethod
     def from_dict(cls, d: dict) -> DrafterConfig:
@@ -185,32 +239,59 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Default RoPE (no scaling), cos/sin for arbitrary integer positions.
+    """RoPE as the target applies it: plain, or scaled (linear, dynamic NTK, YaRN), for arbitrary positions.
+
+    The scaled frequencies and YaRN's attention factor come from transformers' own RoPE functions fed
+    the drafter's ``rope_scaling``, so they are the reference's bit for bit (its ``Qwen3RotaryEmbedding``
+    calls the same functions). Dynamic NTK stretches the base once positions pass
+    ``max_position_embeddings``; its frequencies then depend on the longest position of the call.
 
     The frequencies are float32 whatever dtype the drafter is cast to: ``.to(bfloat16)`` would round
     them by up to 2^-9 relative, an angle error of about position x 2^-9 rad (radians wrong by position
     4000). cos/sin are computed in float32 and only then cast to the activations' dtype.
     """
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
-        self.register_buffer("inv_freq", self._frequencies(), persistent=False)
+        self.head_dim, self.theta, self.scaling = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+        self.max_positions = cfg.max_position_embeddings
+        self.dynamic = bool(self.scaling) and self.scaling["rope_type"] == "dynamic"
+        inv_freq, self.attention_scaling = self._frequencies()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def _frequencies(self) -> torch.Tensor:
+    def _frequencies(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
         # Computed on the CPU, as transformers' Qwen3 rotary does, so every device gets the same bits.
-        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+        if self.scaling is None or (self.dynamic and (seq_len or 0) <= self.max_positions):
+            exps = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+            return 1.0 / (self.theta ** exps), 1.0
+        from transformers import Qwen3Config
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf = Qwen3Config(head_dim=self.head_dim, hidden_size=self.head_dim, num_attention_heads=1,
+                         max_position_embeddings=self.max_positions,
+                         rope_parameters={**self.scaling, "rope_theta": self.theta})
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[self.scaling["rope_type"]](hf, "cpu", seq_len=seq_len)
+        return inv_freq.float(), float(factor)
 
     def _apply(self, fn, recurse: bool = True):
         # Every .to()/.cuda()/.half() ends here: follow the move, undo the cast.
         super()._apply(fn, recurse)
-        self.inv_freq = self._frequencies().to(self.inv_freq.device)
+        self.inv_freq = self._frequencies()[0].to(self.inv_freq.device)
         return self
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq  # [B, S, head_dim/2], float32
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, S, head_dim] for positions [B, S]. ``seq_len`` (dynamic NTK only): one more than
+        the largest position of the pass, as transformers counts it; read from ``positions`` if not given."""
+        inv_freq = self.inv_freq
+        if self.dynamic:
+            seq_len = seq_len if seq_len is not None else int(positions.max()) + 1
+            if seq_len > self.max_positions:
+                inv_freq = self._frequencies(seq_len)[0].to(inv_freq.device)
+        freqs = positions[..., None].float() * inv_freq  # [B, S, head_dim/2], float32
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, S, head_dim]
+        cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -237,12 +318,56 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-class Attention(nn.Module):
-    """Block self-attention whose keys/values are [context feature ; block], as in the reference."""
+def window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """Bool [B, 1, Q, K] (True = visible): a sliding layer's query at position p sees keys at p-W+1 .. p.
 
-    def __init__(self, cfg: DrafterConfig):
+    The form for incremental decoding, where keys are the cached context then the block: what a
+    serving engine's causal sliding window computes. Training's packed blocks use masks.py instead.
+    """
+    q, k = q_positions[:, None, :, None], k_positions[:, None, None, :]
+    return (k <= q) & (k > q - window)
+
+
+@dataclass
+class LayerCache:
+    """One layer's context keys/values kept between decoding rounds, and the positions they hold."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor  # [B, C]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.positions = torch.cat([self.positions, positions], dim=1)
+
+    def drop_before(self, position: int) -> None:
+        """Forget the keys before ``position`` (positions are ascending: a prefix goes)."""
+        n = int((self.positions[0] < position).sum())
+        if n:
+            self.k, self.v, self.positions = self.k[:, :, n:], self.v[:, :, n:], self.positions[:, n:]
+
+
+@dataclass
+class Positions:
+    """Where a pass's queries and context sit, and their RoPE cos/sin, shared by every layer."""
+
+    q: torch.Tensor  # [B, Q] the block tokens' positions
+    ctx: torch.Tensor  # [B, C] the (new) context's positions
+    rope_q: tuple[torch.Tensor, torch.Tensor]
+    rope_ctx: tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    """Block self-attention whose keys/values are [context feature ; block], as in the reference.
+
+    ``window`` (a sliding layer's W, None for full attention) limits what a query sees when no mask is
+    given (decoding) and what the layer's cache keeps.
+    """
+
+    def __init__(self, cfg: DrafterConfig, window: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.window = window
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
@@ -257,22 +382,30 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, ctx, rope_q, rope_ctx, mask, cache: list | None = None) -> torch.Tensor:
+    def forward(self, x, ctx, pos: Positions, mask, cache: list | None = None) -> torch.Tensor:
         """x: block states [B, Q, H]; ctx: context feature [B, C, H] (C may be 0).
 
-        With ``cache`` (a one-element list holding this layer's context keys/values, or None), the new
-        context's keys/values are appended to it and the block attends to all cached context: the
-        incremental form used while decoding. The block's own keys/values are never cached.
+        With ``cache`` (a one-element list holding this layer's LayerCache, or None), the new context's
+        keys/values are appended to it and the block attends to all cached context: the incremental form
+        used while decoding. The block's own keys/values are never cached; a sliding layer's cache
+        drops the keys no later query can see (queries only move forward).
         """
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, *rope_q)
-        k_blk, v_blk = self._kv(x, *rope_q)
-        k_ctx, v_ctx = self._kv(ctx, *rope_ctx)
+        q = apply_rope(q, *pos.rope_q)
+        k_blk, v_blk = self._kv(x, *pos.rope_q)
+        k_ctx, v_ctx = self._kv(ctx, *pos.rope_ctx)
+        ctx_positions = pos.ctx
         if cache is not None:
-            if cache[0] is not None:
-                k_ctx, v_ctx = torch.cat([cache[0][0], k_ctx], dim=2), torch.cat([cache[0][1], v_ctx], dim=2)
-            cache[0] = (k_ctx, v_ctx)
+            if cache[0] is None:
+                cache[0] = LayerCache(k_ctx, v_ctx, ctx_positions)
+            else:
+                cache[0].append(k_ctx, v_ctx, ctx_positions)
+            if self.window is not None:
+                cache[0].drop_before(int(pos.q[0].min()) - self.window + 1)
+            k_ctx, v_ctx, ctx_positions = cache[0].k, cache[0].v, cache[0].positions
+        if mask is None and self.window is not None:
+            mask = window_mask(pos.q, torch.cat([ctx_positions, pos.q], dim=1), self.window)
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
         # Under autocast the norms/RoPE promote q and k to float32 while v stays bf16; attention
         # kernels (flex in particular, which autocast does not cover) need one dtype.
@@ -293,15 +426,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, index: int):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.layer_type = cfg.layer_types[index]
+        self.self_attn = Attention(cfg, cfg.window_of(index))
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_ctx, mask, cache=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_ctx, mask, cache)
+    def forward(self, x, ctx, pos: Positions, mask, cache=None) -> torch.Tensor:
+        if isinstance(mask, dict):
+            mask = mask[self.layer_type]
+        x = x + self.self_attn(self.input_layernorm(x), ctx, pos, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -317,11 +453,11 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_layers)])
         self.fc = nn.Linear(len(config.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.rotary = Rotary(config.head_dim, config.rope_theta)
+        self.rotary = Rotary(config)
         self.apply(self._init)
 
     def _init(self, m: nn.Module) -> None:
@@ -351,6 +487,7 @@ class DFlashDrafter(nn.Module):
         ctx_positions: torch.Tensor,
         mask=None,
         cache: list | None = None,
+        seq_len: int | None = None,
     ) -> torch.Tensor:
         """Final hidden states [B, Q, H] for the block tokens (apply the target's LM head for logits).
 
@@ -359,20 +496,27 @@ class DFlashDrafter(nn.Module):
         target_hidden: [B, C, L*H] tap-layer hidden states of the context positions
         positions:     [B, Q]     absolute positions of the block tokens (anchor position + slot)
         ctx_positions: [B, C]     absolute positions of the context
-        mask:          None (every query sees every key), bool [B, 1, Q, C+Q] (True = visible; keys are
-                       context first, then block tokens), or a FlexAttention BlockMask of that layout
+        mask:          None (full layers: every query sees every key; sliding layers: the window over
+                       the positions), bool [B, 1, Q, C+Q] (True = visible; keys are context first, then
+                       block tokens), or a FlexAttention BlockMask of that layout; or a dict of such
+                       masks by layer type (training's packed blocks: masks.py builds one per type)
         cache:         list from ``new_cache()`` for incremental decoding; the given context is appended
+        seq_len:       dynamic NTK RoPE only: one more than the largest position (read from the positions,
+                       a host read, if not given)
         """
         x = noise_embeds.to(self.fc.weight.dtype)
         ctx = self.context_feature(target_hidden)
-        rope_q = self.rotary(positions, x.dtype)
-        rope_ctx = self.rotary(ctx_positions, x.dtype)
+        if self.rotary.dynamic and seq_len is None:  # one length for queries and context alike
+            seq_len = int(torch.cat([positions, ctx_positions], dim=1).max()) + 1
+        pos = Positions(positions, ctx_positions, self.rotary(positions, x.dtype, seq_len),
+                        self.rotary(ctx_positions, x.dtype, seq_len))
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, rope_q, rope_ctx, mask, None if cache is None else cache[i])
+            x = layer(x, ctx, pos, mask, None if cache is None else cache[i])
         return self.norm(x)
 
     def new_cache(self) -> list:
-        """Per-layer context key/value cache for decoding (block keys/values are never kept)."""
+        """Per-layer context key/value cache for decoding (block keys/values are never kept; a sliding
+        layer keeps only the last W-1 context positions, all a later block can see)."""
         return [[None] for _ in self.layers]
 
     def num_parameters(self) -> int:

@@ -4,8 +4,11 @@ Export directory (what SGLang/vLLM and z-lab's ``DFlashDraftModel.from_pretraine
 
     config.json        a Qwen3 config (the drafter's own layers) plus ``architectures:
                        ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers`` and
-                       ``dflash_config: {mask_token_id, target_layer_ids}``; training-only settings
-                       (gamma) go under ``dflash_trainer``, which other readers ignore.
+                       ``dflash_config: {mask_token_id, target_layer_ids, block_size}``; the layers'
+                       ``layer_types`` with ``sliding_window`` / ``use_sliding_window`` /
+                       ``max_window_layers``, and the target's RoPE scaling (``rope_parameters``, and
+                       ``rope_scaling`` for transformers 4.x readers); training-only settings (gamma)
+                       go under ``dflash_trainer``, which other readers ignore.
     model.safetensors  the drafter's state_dict as is: ``layers.N.self_attn.q_proj.weight``, ...,
                        ``fc.weight``, ``hidden_norm.weight``, ``norm.weight`` (no embedding, no LM
                        head: those are the target's).
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.model.drafter import DFlashDrafter, DrafterConfig, default_gamma
+from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig, default_gamma, rope_scaling_of
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -35,8 +38,16 @@ class DrafterLoadError(ValueError):
 
 
 def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
-    """The reference's config.json for a drafter (Qwen3 fields + DFlash fields)."""
-    return {
+    """The reference's config.json for a drafter (Qwen3 fields + DFlash fields).
+
+    ``block_size`` is written at the top level (the reference's model.py reads it there) and inside
+    ``dflash_config`` (where newer releases put it). ``max_window_layers`` counts the leading
+    full-attention layers, so a reader that derives layer types from it (Qwen3's rule: layers from
+    that index on slide) gets the usual full-then-sliding pattern right; ``layer_types`` says it exactly.
+    """
+    sliding = SLIDING in cfg.layer_types
+    rope = {"rope_theta": cfg.rope_theta, "rope_type": "default", **(cfg.rope_scaling or {})}
+    out = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "attention_bias": cfg.attention_bias,
@@ -46,17 +57,17 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
         "hidden_size": cfg.hidden_size,
         "initializer_range": cfg.initializer_range,
         "intermediate_size": cfg.intermediate_size,
-        "layer_types": ["full_attention"] * cfg.num_layers,
+        "layer_types": list(cfg.layer_types),
         "max_position_embeddings": cfg.max_position_embeddings,
-        "max_window_layers": cfg.num_layers,
+        "max_window_layers": cfg.layer_types.index(SLIDING) if sliding else cfg.num_layers,
         "num_attention_heads": cfg.num_attention_heads,
         "num_hidden_layers": cfg.num_layers,
         "num_key_value_heads": cfg.num_key_value_heads,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "rope_parameters": rope,
         "rope_theta": cfg.rope_theta,  # transformers 4.x readers
-        "sliding_window": None,
-        "use_sliding_window": False,
+        "sliding_window": cfg.sliding_window if sliding else None,
+        "use_sliding_window": sliding,
         "tie_word_embeddings": False,
         "use_cache": True,
         "vocab_size": cfg.vocab_size,
@@ -64,15 +75,39 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
         "torch_dtype": str(dtype).removeprefix("torch."),
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+                          "block_size": cfg.block_size},
         "dflash_trainer": {"gamma": cfg.gamma},
     }
+    if cfg.rope_scaling:
+        out["rope_scaling"] = dict(cfg.rope_scaling)  # transformers 4.x readers
+    return out
+
+
+def layer_types_from_hf(d: dict, num_layers: int) -> tuple[list[str], int | None]:
+    """(layer_types, sliding_window) as a reference-format config.json states them.
+
+    ``layer_types`` when present; else Qwen3's older rule, where ``use_sliding_window`` with a
+    ``sliding_window`` makes the layers from ``max_window_layers`` on slide; else all full attention.
+    """
+    window = d.get("sliding_window")
+    window = int(window) if window else None
+    types = d.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list):
+            raise DrafterLoadError("config.json: layer_types is not a list")
+        return [str(t) for t in types], window
+    if d.get("use_sliding_window") and window:
+        first = int(d.get("max_window_layers", 0) or 0)
+        return [FULL if i < first else SLIDING for i in range(num_layers)], window
+    return [FULL] * num_layers, window
 
 
 def config_from_hf(d: dict) -> DrafterConfig:
     """DrafterConfig from a reference-format config.json (ours or z-lab's released drafters).
 
-    DFlash fields are read from ``dflash_config`` first, then the top level, as the reference does.
+    DFlash fields are read from ``dflash_config`` first, then the top level, as the reference does;
+    ``block_size`` too (newer releases keep it only inside ``dflash_config``).
     """
     dc = d.get("dflash_config") or {}
 
@@ -84,11 +119,13 @@ def config_from_hf(d: dict) -> DrafterConfig:
     layer_ids = pick("target_layer_ids")
     if layer_ids is None:
         raise DrafterLoadError("config.json has no dflash_config.target_layer_ids")
+    num_layers = int(d["num_hidden_layers"])
+    layer_types, window = layer_types_from_hf(d, num_layers)
     rope = d.get("rope_parameters") or {}
     return DrafterConfig(
         hidden_size=int(d["hidden_size"]),
         intermediate_size=int(d["intermediate_size"]),
-        num_layers=int(d["num_hidden_layers"]),
+        num_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=int(d.get("num_key_value_heads") or heads),
         head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
@@ -103,6 +140,9 @@ def config_from_hf(d: dict) -> DrafterConfig:
         max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
         attention_bias=bool(d.get("attention_bias", False)),
         initializer_range=float(d.get("initializer_range", 0.02)),
+        layer_types=layer_types,
+        sliding_window=window if SLIDING in layer_types else None,
+        rope_scaling=rope_scaling_of(d),
     )
 
 

@@ -4,6 +4,23 @@ Layout (see objective.py): queries are the N*B slots of N packed blocks; keys ar
 N*B block slots]``. Query slot of block n sees context position j iff ``j < anchors[n]`` (and
 ``ctx_valid[j]``), and the block keys of block n itself; nothing of any other block.
 
+Sliding-window layers (``window`` W) see what vLLM and SGLang compute when they serve such a drafter:
+the layer runs as a *causal* window of W positions, its own included (SGLang's ``window_left = W-1``,
+vLLM's ``(W-1, 0)``). Slot s of the block at anchor a sits at position p = a+s and sees, of the above,
+only the keys at positions p-W+1 .. p: context positions a+s-W+1 .. a-1 and the block's slots
+max(0, s-W+1) .. s. For W=4, B=4, anchor a (``#`` seen, ``.`` not, ``-`` never: after the anchor)::
+
+    key position   a-4 a-3 a-2 a-1 | a  a+1 a+2 a+3
+    slot 0 (a)      .   #   #   #  | #   -   -   -
+    slot 1 (a+1)    .   .   #   #  | #   #   -   -
+    slot 2 (a+2)    .   .   .   #  | #   #   #   -
+    slot 3 (a+3)    .   .   .   .  | .   #   #   #
+
+Full-attention layers keep the bidirectional block above. (The reference's transformers code passes
+``sliding_window`` to flash-attention as a symmetric, non-causal window and its SDPA path ignores it:
+neither is what the engines serve.) A context shorter than the window changes nothing: the window
+only ever hides positions, never adds any.
+
 At the recipe's size (512 anchors x block 16 over 4096 tokens) the dense mask has Q x KV = 8192 x 12288
 = 100M entries per sequence (and SDPA's float bias from it is 4x that), rebuilt every step. The CUDA
 path therefore never builds it: ``flex_block_mask`` derives FlexAttention's tile metadata (which
@@ -32,21 +49,29 @@ TILE = 128  # FlexAttention's default sparse block: the granularity at which emp
 
 
 def block_attention_mask(
-    anchors: torch.Tensor, block_size: int, ctx_len: int, ctx_valid: torch.Tensor | None = None
+    anchors: torch.Tensor, block_size: int, ctx_len: int, ctx_valid: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Dense boolean mask [Bsz, 1, N*B, ctx_len + N*B] (True = may attend): the CPU/SDPA form.
 
-    Allocates Q x KV booleans, which is fine at the CPU path's sizes and is exactly what the CUDA
-    path avoids (see ``flex_block_mask``).
+    ``window``: a sliding layer's W (see the module docstring), None for full attention. Allocates
+    Q x KV booleans, which is fine at the CPU path's sizes and is exactly what the CUDA path avoids
+    (see ``flex_block_mask``).
     """
     bsz, n = anchors.shape
     dev = anchors.device
     q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [Bsz, Q]
-    sees_ctx = torch.arange(ctx_len, device=dev)[None, None, :] < q_anchor[:, :, None]  # [Bsz, Q, T]
+    ctx_pos = torch.arange(ctx_len, device=dev)[None, None, :]
+    sees_ctx = ctx_pos < q_anchor[:, :, None]  # [Bsz, Q, T]
     if ctx_valid is not None:
         sees_ctx = sees_ctx & ctx_valid.bool()[:, None, :]
     block_of = torch.arange(n, device=dev).repeat_interleave(block_size)
     sees_block = (block_of[:, None] == block_of[None, :]).expand(bsz, -1, -1)  # [Bsz, Q, Q]
+    if window is not None:
+        slot = torch.arange(block_size, device=dev).repeat(n)
+        sees_ctx = sees_ctx & (ctx_pos > (q_anchor + slot)[:, :, None] - window)
+        lag = slot[:, None] - slot[None, :]  # query slot - key slot
+        sees_block = sees_block & (lag >= 0) & (lag < window)
     return torch.cat([sees_ctx, sees_block], dim=-1)[:, None]
 
 
@@ -62,7 +87,7 @@ def _tiles(q_len: int, kv_len: int, tile: int) -> tuple[int, int]:
 
 def block_mask_mod(
     anchors: torch.Tensor, block_size: int, ctx_len: int, ctx_valid: torch.Tensor | None = None,
-    tile: int = TILE,
+    tile: int = TILE, window: int | None = None,
 ) -> Callable:
     """The mask as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` reading two small lookup tables.
 
@@ -70,7 +95,9 @@ def block_mask_mod(
     exceeds), for block key k of block m ``-1 - m``. ``q_anchor[b, n]``: the anchor of block n. A query
     of block n then sees key k iff ``0 <= code < anchor[n]`` or ``code == -1 - n``. Both tables are
     padded to whole tiles so the kernel's out-of-range indices in a ragged last tile stay in bounds
-    without a clamp (a clamp bound would be a Python int, recompiling per length).
+    without a clamp (a clamp bound would be a Python int, recompiling per length). With a ``window``
+    a third table, ``key_pos``, holds every key's position (a context key's own, block key t of block
+    m at ``anchor[m] + t``) for the window test against the query's position.
     """
     bsz, n = anchors.shape
     dev = anchors.device
@@ -91,7 +118,19 @@ def block_mask_mod(
         blk = q_idx // block_size
         return ((c >= 0) & (c < q_anchor[b, blk])) | (c == -1 - blk)
 
-    return mask_mod
+    if window is None:
+        return mask_mod
+    key_pos = torch.zeros((bsz, kv_pad), dtype=torch.long, device=dev)
+    key_pos[:, :ctx_len] = torch.arange(ctx_len, device=dev)
+    key_pos[:, ctx_len:kv_len] = anchors.repeat_interleave(block_size, dim=1) + torch.arange(block_size, device=dev).repeat(n)
+
+    def window_mod(b, h, q_idx, kv_idx):
+        blk = q_idx // block_size
+        p = q_anchor[b, blk] + q_idx - blk * block_size
+        k = key_pos[b, kv_idx]
+        return mask_mod(b, h, q_idx, kv_idx) & (k <= p) & (k > p - window)
+
+    return window_mod
 
 
 def _ordered(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,35 +141,60 @@ def _ordered(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def block_tiles(
     anchors: torch.Tensor, block_size: int, ctx_len: int, ctx_valid: torch.Tensor | None = None,
-    tile: int = TILE,
+    tile: int = TILE, window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial, full) bool grids [Bsz, 1, Q/tile, KV/tile] of the mask, computed from the anchors.
 
     A tile (query tile i, key tile j) is *full* when every query in it sees every key in it, *partial*
-    when some but not all do (resolved by ``mask_mod`` in the kernel), else skipped. Exactly what
-    ``create_block_mask`` would derive from the dense mask (ragged last tiles are never full), but from
-    per-tile extremes: context keys [ks, ke) are all visible to every query of the tile iff
-    ``ke <= min anchor`` and all are valid (a prefix count of ``ctx_valid`` answers that), some are
-    visible iff a valid key lies below the tile's largest anchor; block keys are visible iff the
-    tile's query blocks and key blocks overlap, and all visible iff both are one and the same block.
+    when some but not all do (resolved by ``mask_mod`` in the kernel), else skipped. Every query sees
+    an interval of context positions (those of them that are valid) and an interval of block keys:
+
+        context  [lo, a)   a its anchor; lo = 0, or with a window a+s-W+1 (s its slot)
+        block    [blo, bhi) in block-key index: its own block; with a window [max(block start, q-W+1), q+1)
+
+    Block intervals only move forward with the query index, so a tile's queries reach exactly the
+    union [blo(first), bhi(last)) and all see the intersection [blo(last), bhi(first)). A tile is full
+    iff its key range lies inside what every query sees (largest lo, smallest anchor), so full tiles
+    are exactly those ``create_block_mask`` derives from the dense mask (ragged last tiles are never
+    full). Partial is exact without a window; with one a tile's context reach is taken as
+    [smallest lo, largest anchor), which counts a key tile between two far-apart blocks of one query
+    tile as partial (the kernel then skips it key by key): never wrong, and rare when anchors are dense.
+    "Valid" questions over a key range are answered by a prefix count of ``ctx_valid``.
     """
     bsz, n = anchors.shape
     dev = anchors.device
     q_len = n * block_size
     kv_len = ctx_len + q_len
     nq, nk = _tiles(q_len, kv_len, tile)
-    big = ctx_len + 1
+    big = kv_len + 1
 
-    # Per query tile: smallest/largest anchor and first/last block among its real queries.
+    # Per query: its context interval [lo, a); per query tile: the extremes over its real queries.
     q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [Bsz, Q]
+    slot = torch.arange(block_size, device=dev).repeat(n)
+    lo = torch.zeros_like(q_anchor) if window is None else (q_anchor + slot - window + 1).clamp(min=0)
+    sees = lo < q_anchor  # queries that see any context position at all
     pad = nq * tile - q_len
-    a_min = F.pad(q_anchor, (0, pad), value=big).view(bsz, nq, tile).amin(-1)
-    a_max = F.pad(q_anchor, (0, pad), value=0).view(bsz, nq, tile).amax(-1)
+
+    def per_tile(x: torch.Tensor, fill: int, reduce: str) -> torch.Tensor:
+        return getattr(F.pad(x, (0, pad), value=fill).view(bsz, nq, tile), reduce)(-1)
+
+    a_min, a_max = per_tile(q_anchor, big, "amin"), per_tile(q_anchor, 0, "amax")
+    lo_max, lo_min = per_tile(lo, 0, "amax"), per_tile(torch.where(sees, lo, big), big, "amin")
+
+    # Per query tile: its first and last real query, and their block intervals.
     qi = torch.arange(nq, device=dev)
-    q_lo = qi * tile
-    q_hi = torch.clamp((qi + 1) * tile, max=q_len)  # exclusive
-    n_lo, n_hi = q_lo // block_size, (q_hi - 1) // block_size
+    q_first = qi * tile
+    q_last = torch.clamp((qi + 1) * tile, max=q_len) - 1
     q_whole = ((qi + 1) * tile <= q_len)[:, None]
+
+    def block_interval(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start = q - q % block_size
+        if window is None:
+            return start, start + block_size
+        return torch.maximum(start, q - window + 1), q + 1
+
+    reach_lo, reach_hi = block_interval(q_first)[0], block_interval(q_last)[1]  # union over the tile
+    all_lo, all_hi = block_interval(q_last)[0], block_interval(q_first)[1]  # seen by every query
 
     # Per key tile: its context part [ks, ke) and its block part [bs, be) (relative to the block keys).
     kj = torch.arange(nk, device=dev)
@@ -144,17 +208,18 @@ def block_tiles(
     # Context part: prefix counts of valid positions answer "any"/"all valid in a range" per tile pair.
     valid = torch.ones(bsz, ctx_len, dtype=torch.int32, device=dev) if ctx_valid is None else ctx_valid.to(torch.int32)
     cs = F.pad(valid.cumsum(-1, dtype=torch.int32), (1, 0))  # [Bsz, T+1]
-    top = torch.minimum(ke[None, None, :], a_max[:, :, None])  # [Bsz, nq, nk] visible ctx keys end here
-    top = torch.maximum(top, ks[None, None, :])
-    n_vis = torch.gather(cs, 1, top.view(bsz, -1)).view(bsz, nq, nk) - cs[:, ks][:, None, :]
+    top = torch.minimum(ke[None, None, :], a_max[:, :, None])  # [Bsz, nq, nk] reachable ctx keys end here
+    bottom = torch.clamp(torch.maximum(ks[None, None, :], lo_min[:, :, None]), max=ctx_len)
+    top = torch.maximum(top, bottom)
+    n_vis = (torch.gather(cs, 1, top.view(bsz, -1)) - torch.gather(cs, 1, bottom.view(bsz, -1))).view(bsz, nq, nk)
     ctx_any = has_ctx[None, None, :] & (n_vis > 0)
     all_valid = (cs[:, ke] - cs[:, ks]) == (ke - ks)[None, :]  # [Bsz, nk]
-    ctx_all = (ke[None, None, :] <= a_min[:, :, None]) & all_valid[:, None, :]
+    ctx_all = ((ke[None, None, :] <= a_min[:, :, None]) & (ks[None, None, :] >= lo_max[:, :, None])
+               & all_valid[:, None, :])
 
-    # Block part: block ranges of the query tile and of the key tile.
-    m_lo, m_hi = bs // block_size, (be - 1) // block_size
-    blk_any = (q_hi > q_lo)[:, None] & has_blk[None, :] & (m_lo[None, :] <= n_hi[:, None]) & (n_lo[:, None] <= m_hi[None, :])
-    blk_all = (n_lo == n_hi)[:, None] & (m_lo == m_hi)[None, :] & (n_lo[:, None] == m_lo[None, :])
+    # Block part: the key tile's range against the tile's reach and against what all its queries see.
+    blk_any = has_blk[None, :] & (bs[None, :] < reach_hi[:, None]) & (be[None, :] > reach_lo[:, None])
+    blk_all = (bs[None, :] >= all_lo[:, None]) & (be[None, :] <= all_hi[:, None])
 
     any_ = ctx_any | blk_any[None]
     full = (q_whole & k_whole)[None] & (ctx_all | ~has_ctx[None, None, :]) & (blk_all | ~has_blk[None, :])[None]
@@ -164,23 +229,24 @@ def block_tiles(
 
 def flex_block_mask(
     anchors: torch.Tensor, block_size: int, ctx_len: int, ctx_valid: torch.Tensor | None = None,
-    tile: int = TILE,
+    tile: int = TILE, window: int | None = None,
 ):
     """The mask as a FlexAttention ``BlockMask`` built from tile metadata: no Q x KV tensor anywhere.
 
     Its sequence lengths are the query and key counts rounded up to whole tiles: attention pads q, k, v
     to them (padded keys are invisible, padded query rows are dropped), so the compiled kernel only
-    ever sees tile multiples and does not specialise on ragged lengths. Everything runs on the anchors' device with no host synchronisation (the tile counts are only
-    ever tensors).
+    ever sees tile multiples and does not specialise on ragged lengths. Everything runs on the anchors'
+    device with no host synchronisation (the tile counts are only ever tensors). ``window``: a sliding
+    layer's W (module docstring); whole tiles outside it are skipped.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    partial, full = block_tiles(anchors, block_size, ctx_len, ctx_valid, tile)
+    partial, full = block_tiles(anchors, block_size, ctx_len, ctx_valid, tile, window)
     kv_num, kv_idx = _ordered(partial)
     full_num, full_idx = _ordered(full)
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile,
-        mask_mod=block_mask_mod(anchors, block_size, ctx_len, ctx_valid, tile),
+        mask_mod=block_mask_mod(anchors, block_size, ctx_len, ctx_valid, tile, window),
         seq_lengths=(partial.shape[-2] * tile, partial.shape[-1] * tile),
     )
 

@@ -16,7 +16,8 @@ accuracy and useless drafts; tests/test_model_objective.py pins both.
 
 All blocks of a sequence are packed into one drafter pass: queries are the N*B block slots, keys are
 [T context positions ; N*B block slots], and the mask above is built explicitly (SDPA, CPU) or as a
-FlexAttention BlockMask from tile metadata (CUDA; masks.py).
+FlexAttention BlockMask from tile metadata (CUDA; masks.py); sliding-window layers get their own mask
+(the window of masks.py), full-attention layers the one above.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from dflash.model.drafter import DFlashDrafter
+from dflash.model.drafter import SLIDING, DFlashDrafter
 from dflash.model.masks import block_attention_mask, flex_block_mask, use_flex
 
 
@@ -264,16 +265,18 @@ def forward_blocks(
     device = input_ids.device
     block_ids, positions, _ = build_blocks(input_ids, anchors, bs, drafter.config.mask_token_id)
     backend = attn_backend if attn_backend != "auto" else ("flex" if use_flex(device) else "sdpa")
-    if backend == "flex":
-        mask = flex_block_mask(anchors, bs, t, attention_mask)
-    elif backend == "sdpa":
-        mask = block_attention_mask(anchors, bs, t, attention_mask)
-    else:
+    if backend not in ("flex", "sdpa"):
         raise ValueError(f"attn_backend must be auto, sdpa or flex (got {attn_backend!r})")
+    build = flex_block_mask if backend == "flex" else block_attention_mask
+    # one mask per kind of layer: full attention, and the sliding window if any layer slides
+    cfg = drafter.config
+    masks = {kind: build(anchors, bs, t, attention_mask, window=cfg.sliding_window if kind == SLIDING else None)
+             for kind in dict.fromkeys(cfg.layer_types)}
     with torch.no_grad():
         noise = embed_tokens(block_ids)
     ctx_positions = torch.arange(t, device=device).expand(bsz, t)
-    hidden = drafter(noise, target_hidden, positions, ctx_positions, mask)  # [Bsz, N*B, H]
+    # every position of the pass is below t: the length dynamic RoPE scales by, known without a read
+    hidden = drafter(noise, target_hidden, positions, ctx_positions, masks, seq_len=t)  # [Bsz, N*B, H]
     return hidden.view(bsz, n, bs, -1)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +66,16 @@ def run_target(cfg: TrainConfig) -> Target:
     """The target the settings name, on the first target worker's device (build replicates it). The
     data path is checked first: a typo in it should not wait for a large target to load."""
     from dflash.data import DataError, resolve_data
+    from dflash.model.export import DrafterLoadError
+    from dflash.model.released import release_config
     from dflash.targets import make_target
 
     try:
         resolve_data(cfg.run.data)
+        if cfg.model.init_from and cfg.model.target_layer_ids is None:  # tap what the release was trained on
+            cfg.model.target_layer_ids = release_config(cfg.model.init_from).target_layer_ids
         return make_target(cfg, resolve(cfg.pipeline.target_devices[0]))
-    except (DataError, TargetError) as e:
+    except (DataError, TargetError, DrafterLoadError) as e:
         raise TrainError(str(e)) from None
 
 
@@ -106,6 +110,7 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     first = replicas[devices[0]]
     pad = 0 if tok is None else tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
+    start = None  # the weights a fresh run starts from (--init-from), else random
     if ckpt is not None:
         try:
             dcfg = DrafterConfig.from_dict(ckpt["drafter_config"])
@@ -113,13 +118,16 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
         except (DrafterLoadError, TypeError, ValueError, KeyError, AttributeError) as e:
             raise TrainError(f"--resume: the checkpoint's drafter does not load: {e}") from None
     else:
-        dcfg = DrafterConfig.for_target(
-            first.config, num_layers=cfg.model.drafter_layers or len(first.layer_ids), block_size=cfg.model.block_size,
-            target_layer_ids=first.layer_ids, mask_token_id=first.default_mask_token_id(), gamma=cfg.model.gamma,
-        )
+        try:
+            dcfg, start = new_drafter_config(cfg, first)
+        except (DrafterLoadError, ValueError) as e:
+            raise TrainError(str(e)) from None
     torch.manual_seed(cfg.data.seed)
     random.seed(cfg.data.seed)
     model = DFlashDrafter(dcfg)
+    if ckpt is None and start is not None:
+        model.load_state_dict(start)
+        log(f"drafter initialised from {cfg.model.init_from} ({dcfg.describe_layers()})")
     if cfg.model.init_from_target and ckpt is None:
         if first.verifier is None:
             raise TrainError("--init-from-target needs the target's layers, which this target does not load: "
@@ -173,6 +181,25 @@ def evaluator(cfg: TrainConfig, target: Target, log: Callable[[str], None]) -> A
         raise TrainError(f"--eval-target {cfg.eval.eval_target!r} is not the target: (layers, hidden, vocab) "
                          f"{theirs} against the target's {mine}")
     return verifier
+
+
+def new_drafter_config(cfg: TrainConfig, target: Any) -> tuple[Any, dict | None]:
+    """A fresh run's DrafterConfig, and the weights to start from (None: random): the release's with
+    --init-from (checked against the target), else shaped like the target; the layer settings apply to both."""
+    from dflash.model.drafter import DrafterConfig
+    from dflash.model.released import start_from_release
+
+    m = cfg.model
+    if m.init_from:
+        return start_from_release(m.init_from, target, block_size=m.block_size, gamma=m.gamma,
+                                  num_layers=m.drafter_layers, layer_types=m.drafter_layer_types,
+                                  sliding_window=m.drafter_sliding_window)
+    dcfg = DrafterConfig.for_target(
+        target.config, num_layers=m.drafter_layers or len(m.drafter_layer_types or target.layer_ids),
+        block_size=m.block_size,
+        target_layer_ids=target.layer_ids, mask_token_id=target.default_mask_token_id(), gamma=m.gamma,
+    )
+    return replace(dcfg, layer_types=m.drafter_layer_types, sliding_window=m.drafter_sliding_window), None
 
 
 def limit_epochs(cfg: TrainConfig, per_epoch: int, log: Callable[[str], None]) -> None:

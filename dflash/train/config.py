@@ -64,6 +64,34 @@ class ModelSettings:
                                                  "drafter reads (default: spread evenly)", metavar="IDS")
     # not in the reference recipe, which starts from random weights; it speeds up short runs a lot
     init_from_target: bool = setting(False, "start the drafter's layers as copies of the target's top layers")
+    drafter_layer_types: list[str] | None = setting(None, "comma-separated, one per drafter layer: full_attention "
+                                                    "or sliding_attention (default: all full, or --init-from's)",
+                                                    metavar="TYPES")
+    drafter_sliding_window: int | None = setting(None, "positions a sliding_attention layer sees, its own included "
+                                                 "(the reference's Qwen3.6 drafters: 2048)", metavar="W")
+    init_from: str | None = setting(None, "start from a released drafter in the reference format (config.json + "
+                                    "model.safetensors, e.g. from `dflash export`), checked against the target",
+                                    metavar="DIR")
+
+
+    def check_layers(self) -> None:
+        """Layer types against the layer count and the window (what --init-from leaves open stays open)."""
+        if self.init_from is not None and self.init_from_target:
+            raise ConfigError("--init-from and --init-from-target both set the drafter's weights: keep one")
+        kinds = ("full_attention", "sliding_attention")  # dflash.model.drafter.LAYER_TYPES, without torch
+        types, window = self.drafter_layer_types, self.drafter_sliding_window
+        if window is not None and window < 1:
+            raise ConfigError(f"drafter_sliding_window must be at least 1, got {window}")
+        if types is None:
+            return
+        bad = [t for t in types if t not in kinds]
+        if bad:
+            raise ConfigError(f"drafter_layer_types: {bad[0]!r} is not a layer type; use {' or '.join(kinds)}")
+        if self.drafter_layers is not None and len(types) != self.drafter_layers:
+            raise ConfigError(f"drafter_layer_types names {len(types)} layer(s) for {self.drafter_layers} drafter "
+                              "layers: give one type per layer")
+        if "sliding_attention" in types and window is None and self.init_from is None:
+            raise ConfigError("sliding_attention layers need a window: add --drafter-sliding-window W")
 
 
 @dataclass
@@ -235,6 +263,7 @@ class TrainConfig:
             raise ConfigError(f"nonfinite_limit must be at least 1, got {health.nonfinite_limit}")
         if not 0 <= self.optim.warmup_ratio < 1:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.optim.warmup_ratio}")
+        self.model.check_layers()
 
 
 def check_device(dev: str) -> None:

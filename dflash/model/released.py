@@ -1,0 +1,91 @@
+"""Starting a run from a released drafter (``--init-from DIR``): the reference format, checked against
+the target before any training step.
+
+A released drafter (z-lab's, another trainer's, or our own ``dflash export``) only makes sense on the
+target it was trained for: its ``fc`` reads that target's tap layers, its output feeds that target's LM
+head, its masked slots hold that target's mask-token embedding. A mismatch would train without an
+error and produce nonsense, so each of these is compared first and the first disagreement is refused
+in one line. The release's layer types and sliding window carry over unless the run overrides them
+(the weights do not depend on either); block size and gamma are the run's (neither do they).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from dflash.model.drafter import DFlashDrafter, DrafterConfig, mask_token_embedding_ok
+from dflash.model.export import CONFIG_NAME, WEIGHTS_NAME, DrafterLoadError, config_from_hf, load_exported
+
+
+class ReleaseMismatch(DrafterLoadError):
+    """The released drafter was made for another target; the message names the first difference."""
+
+
+def release_config(path: str | Path) -> DrafterConfig:
+    """The DrafterConfig of a reference-format directory, read from its config.json alone (no weights)."""
+    import json
+
+    p = Path(path).expanduser()
+    if not (p / CONFIG_NAME).is_file() or not (p / WEIGHTS_NAME).is_file():
+        raise DrafterLoadError(f"--init-from {str(path)!r}: not a drafter in the reference format (needs "
+                               f"{CONFIG_NAME} and {WEIGHTS_NAME}; `dflash export` writes one from a run)")
+    try:
+        return config_from_hf(json.loads((p / CONFIG_NAME).read_text()))
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise DrafterLoadError(f"--init-from {str(path)!r}: {CONFIG_NAME} is not a drafter config ({e})") from None
+
+
+def check_against_target(cfg: DrafterConfig, target: Any, where: str) -> None:
+    """Refuse a drafter made for another target: taps, hidden size, vocabulary, mask token, in that order.
+
+    ``target`` is the run's target (``layer_ids``, ``num_layers``, ``hidden_size``, ``vocab_size``,
+    ``embed_tokens``); the mask token must be a row of its embedding that is not zero.
+    """
+    checks = [
+        ("target layer count", cfg.num_target_layers, target.num_layers),
+        ("target_layer_ids (taps)", list(cfg.target_layer_ids), list(target.layer_ids)),
+        ("hidden_size", cfg.hidden_size, target.hidden_size),
+        ("vocab_size", cfg.vocab_size, target.vocab_size),
+    ]
+    for name, theirs, ours in checks:
+        if theirs != ours:
+            hint = (f"; pass --target-layer-ids {','.join(map(str, theirs))}"
+                    if name.startswith("target_layer_ids") else "")
+            raise ReleaseMismatch(f"{where}: made for another target: its {name} is {theirs}, the target's "
+                                  f"is {ours}{hint}")
+    if not mask_token_embedding_ok(target.embed_tokens.weight, cfg.mask_token_id):
+        raise ReleaseMismatch(f"{where}: its mask_token_id {cfg.mask_token_id} has a zero embedding row in the "
+                              "target: made for another target or tokenizer")
+
+
+def start_from_release(
+    path: str | Path,
+    target: Any,
+    *,
+    block_size: int,
+    gamma: float | None = None,
+    num_layers: int | None = None,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+) -> tuple[DrafterConfig, dict]:
+    """(config, state_dict) for a run starting from the released drafter at ``path``.
+
+    ``num_layers`` (the run's --drafter-layers, if given) must match the release; ``layer_types`` and
+    ``sliding_window`` replace the release's when given.
+    """
+    where = f"--init-from {str(path)!r}"
+    cfg = release_config(path)
+    if num_layers is not None and num_layers != cfg.num_layers:
+        raise ReleaseMismatch(f"{where}: it has {cfg.num_layers} layer(s), the run asks for {num_layers}: "
+                              "drop --drafter-layers")
+    check_against_target(cfg, target, where)
+    try:
+        cfg = replace(cfg, block_size=block_size, gamma=gamma,
+                      layer_types=layer_types or cfg.layer_types,
+                      sliding_window=sliding_window if sliding_window is not None else cfg.sliding_window)
+    except ValueError as e:
+        raise DrafterLoadError(f"{where}: {e}") from None
+    drafter: DFlashDrafter = load_exported(path)
+    return cfg, drafter.state_dict()  # load_state_dict casts to the run's dtype

@@ -1,0 +1,161 @@
+"""Sliding-window drafter layers: what a block query sees, in training (dense and tile-sparse masks) and
+in decoding (the incremental cache), against a reference built here position by position.
+
+The reference is the engines' rule written out with loops: slot s of the block at anchor a sits at
+p = a+s and, in a sliding layer with window W, sees a key at position k iff k <= p and k > p-W, on top
+of DFlash's own rule (valid context strictly before the anchor, its own block, no other block).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
+from test_model_masks import _materialise
+from torch.nn.attention.flex_attention import create_block_mask
+
+from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig
+from dflash.model.masks import block_attention_mask, flex_block_mask
+from dflash.model.objective import forward_blocks
+
+
+def reference_mask(anchors, bs, t, valid, window, lengths=None) -> torch.Tensor:
+    """[Bsz, 1, Q(+pad), KV(+pad)] from the rule above, one entry at a time."""
+    bsz, n = anchors.shape
+    q_len, kv_len = lengths or (n * bs, t + n * bs)
+    out = torch.zeros(bsz, 1, q_len, kv_len, dtype=torch.bool)
+    for b in range(bsz):
+        for blk in range(n):
+            a = int(anchors[b, blk])
+            for s in range(bs):
+                p = a + s
+
+                def in_window(k, p=p):
+                    return window is None or (k <= p and k > p - window)
+
+                for j in range(t):
+                    ok = j < a and (valid is None or bool(valid[b, j]))
+                    out[b, 0, blk * bs + s, j] = ok and in_window(j)
+                for u in range(bs):  # the block's own keys, at positions a+u
+                    out[b, 0, blk * bs + s, t + blk * bs + u] = in_window(a + u)
+    return out
+
+
+def _cases():
+    """Tiles of 4/8/16, blocks that do and do not divide them, windows of one position, below a block,
+    below / at / above a tile, and above the whole context; anchors on tile edges; padded context."""
+    g = torch.Generator().manual_seed(1)
+    for i in range(24):
+        tile = (4, 8, 16)[i % 3]
+        bs = (2, 3, 4, 6)[i % 4]
+        t = int(torch.randint(bs + 2, 48, (), generator=g))
+        window = (1, 2, bs - 1, bs + 1, tile - 1, tile, tile + 1, 2 * tile + 3, t + 5)[i % 9]
+        n = int(torch.randint(1, 7, (), generator=g))
+        anchors = torch.randint(0, t - bs + 1, (2, n), generator=g).sort(-1).values
+        if t - bs >= tile:
+            anchors[0, 0] = tile  # anchor exactly on a tile edge
+        valid = None
+        if i % 2:
+            valid = torch.ones(2, t, dtype=torch.long)
+            valid[1, t - int(torch.randint(1, t // 2 + 1, (), generator=g)):] = 0
+        yield tile, bs, t, max(1, window), anchors, valid
+
+
+def test_dense_training_mask_is_the_window_rule():
+    for tile, bs, t, w, anchors, valid in _cases():
+        assert torch.equal(block_attention_mask(anchors, bs, t, valid, window=w),
+                           reference_mask(anchors, bs, t, valid, w)), (tile, bs, t, w, anchors.tolist())
+    anchors = torch.tensor([[3, 9]])
+    assert torch.equal(block_attention_mask(anchors, 4, 14), reference_mask(anchors, 4, 14, None, None))
+
+
+def test_tile_mask_is_the_window_rule_and_skips_tiles_outside_it():
+    """Entry for entry the rule; full tiles exactly torch's own derivation from the dense mask; every tile
+    torch would visit is visited, and for sorted, dense anchors no other."""
+    for tile, bs, t, w, anchors, valid in _cases():
+        case = (tile, bs, t, w, anchors.tolist(), valid is not None)
+        bm = flex_block_mask(anchors, bs, t, valid, tile=tile, window=w)
+        ref = reference_mask(anchors, bs, t, valid, w, bm.seq_lengths)
+        assert torch.equal(_materialise(bm), ref), case
+        want = create_block_mask(lambda b, h, q, k, ref=ref: ref[b, 0, q, k], 2, None, *bm.seq_lengths,
+                                 device="cpu", BLOCK_SIZE=tile)
+        assert torch.equal(bm.full_kv_num_blocks, want.full_kv_num_blocks), case
+        visited, needed = bm.to_dense().bool(), want.to_dense().bool()
+        assert not (needed & ~visited).any(), case
+    # one anchor every other position (the recipe's density): exactly the tiles torch would visit
+    anchors = torch.arange(0, 120, 2)[None].expand(2, -1).contiguous()
+    for w in (3, 8, 40):
+        bm = flex_block_mask(anchors, 4, 128, tile=16, window=w)
+        ref = reference_mask(anchors, 4, 128, None, w, bm.seq_lengths)
+        want = create_block_mask(lambda b, h, q, k, ref=ref: ref[b, 0, q, k], 2, None, *bm.seq_lengths,
+                                 device="cpu", BLOCK_SIZE=16)
+        assert torch.equal(bm.to_dense(), want.to_dense()), w
+        assert bm.to_dense().sum() < flex_block_mask(anchors, 4, 128, tile=16).to_dense().sum()
+
+
+def _config(layer_types, window, **kw) -> DrafterConfig:
+    base = dict(hidden_size=32, intermediate_size=64, num_layers=len(layer_types), num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, vocab_size=50, num_target_layers=8, target_layer_ids=[1, 5],
+                mask_token_id=49, block_size=4, layer_types=layer_types, sliding_window=window)
+    base.update(kw)
+    return DrafterConfig(**base)
+
+
+def _reference_decode_mask(q_pos: list[int], k_pos: list[int], window: int | None) -> torch.Tensor:
+    return torch.tensor([[window is None or (k <= p and k > p - window) for k in k_pos] for p in q_pos])[None, None]
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 6, 64])
+def test_decoding_cache_sees_the_window_and_keeps_only_what_it_can_see_again(window):
+    """Rounds of decoding through the cache equal one pass over the whole context under the reference
+    mask; a sliding layer's cache holds at most W-1 positions, a full layer's all of them. Windows
+    below, at and above the block (4), and one longer than the context."""
+    torch.manual_seed(0)
+    cfg = _config([SLIDING, FULL, SLIDING], window)
+    d = DFlashDrafter(cfg).double().eval()
+    ctx = torch.randn(1, 30, 64, dtype=torch.float64)
+    cache, fed = d.new_cache(), 0
+    for anchor in (9, 10, 15, 22, 29):  # accepted runs of 0, 4, 6 and 6 tokens
+        block = torch.randn(1, 4, 32, dtype=torch.float64)
+        pos = torch.arange(anchor, anchor + 4)[None]
+        inc = d(block, ctx[:, fed:anchor], pos, torch.arange(fed, anchor)[None], cache=cache)
+        fed = anchor
+        k_pos = list(range(anchor)) + pos[0].tolist()
+        masks = {SLIDING: _reference_decode_mask(pos[0].tolist(), k_pos, window),
+                 FULL: _reference_decode_mask(pos[0].tolist(), k_pos, None)}
+        whole = d(block, ctx[:, :anchor], pos, torch.arange(anchor)[None], masks)
+        torch.testing.assert_close(inc, whole, rtol=1e-10, atol=1e-12)
+        kept = [c[0].positions[0].tolist() for c in cache]
+        assert kept[1] == list(range(anchor))
+        for sliding in (kept[0], kept[2]):
+            assert sliding == list(range(max(0, anchor - window + 1), anchor))
+
+
+@pytest.mark.parametrize("window", [2, 5, 16, 100])
+def test_training_blocks_see_what_decoding_shows_the_drafter(window):
+    """A packed training pass (dense SDPA masks, one per layer type) gives each block exactly the hidden
+    states the decoding path computes for that anchor from the context before it."""
+    torch.manual_seed(1)
+    cfg = _config([SLIDING, FULL], window, block_size=5)
+    d = DFlashDrafter(cfg).double().eval()
+    embed = torch.nn.Embedding(50, 32).double()
+    t = 40
+    ids = torch.randint(0, 48, (1, t))
+    hidden = torch.randn(1, t, 64, dtype=torch.float64)
+    anchors = torch.tensor([[0, 3, 17, 18, 30, 35]])
+    packed = forward_blocks(d, embed, ids, hidden, anchors, attn_backend="sdpa")
+    for n, a in enumerate(anchors[0].tolist()):
+        block = torch.full((1, 5), cfg.mask_token_id)
+        block[0, 0] = ids[0, a]
+        one = d(embed(block), hidden[:, :a], torch.arange(a, a + 5)[None], torch.arange(a)[None])
+        torch.testing.assert_close(packed[:, n], one, rtol=1e-9, atol=1e-11)
+
+
+def test_layer_settings_are_checked():
+    with pytest.raises(ValueError, match="sliding_window of at least 1"):
+        _config([SLIDING], None)
+    with pytest.raises(ValueError, match="not one of"):
+        _config(["chunked_attention"], 8)
+    with pytest.raises(ValueError, match="2 entries for 3"):
+        _config([FULL, SLIDING], 8, num_layers=3)
+    assert _config([FULL, SLIDING], 8).describe_layers() == "2 layers, 1 sliding (window 8)"
