@@ -110,6 +110,11 @@ def test_a_run_is_evaluated_against_the_target_it_trained_against(setup, capsys,
         out, err = capsys.readouterr()
         assert json.loads(out)["lossless"] is True
         assert f"target {target_dir} (the one its run trained against" in err
+    # a run that trained from hidden states alone names the model that evaluates it (--eval-target)
+    updated(TrainConfig(), target="/no/such/cache", eval_target=str(target_dir), run_dir=str(run)).save(
+        run / "config.json")
+    assert main(["eval", "--drafter", str(run), *args]) == 0
+    assert f"target {target_dir} (the one its run evaluated with" in capsys.readouterr().err
     # an export's config.json is the drafter's own; a loose checkpoint file has no run around it
     assert config_beside(root / "export") is None and config_beside(root / "ckpt.pt") is None
     # a run whose config.json does not read is one clear line, not a silent guess

@@ -17,6 +17,7 @@ from dflash.targets import (
     make_target,
 )
 from dflash.targets.hf import HFTarget
+from dflash.telemetry.vocab import Role
 from dflash.train.build import TrainError, build
 from dflash.train.config import TrainConfig
 from dflash.train.distributed import Dist
@@ -106,14 +107,14 @@ class StoredStates(Target):
         return out
 
 
-def step_loss(target: Target, samples: list[Sample], **settings) -> tuple[float, dict]:
+def step_loss(target: Target, samples: list[Sample], **settings):
     cfg = updated(TrainConfig(), max_steps=1, batch_size=3, num_anchors=4, block_size=4, drafter_layers=2,
                   **settings)
     parts = build(cfg, Dist(), target, samples=samples, log=lambda s: None)
     assert parts.target is target and parts.targets[0].target is target
     hb = parts.targets[0](parts.source(0))
     loss = float(parts.drafter.step(hb, 0.0).out.loss.detach())
-    return loss, parts.stats.drain().workers
+    return loss, parts.stats.drain()
 
 
 def test_build_takes_any_target(targets):
@@ -122,11 +123,15 @@ def test_build_takes_any_target(targets):
     hf = load_target("tiny", num_draft_layers=2)
     samples = rows(hf.vocab_size)
     stored = {i: hf.tap_states(torch.tensor([s.input_ids]))[0] for i, s in enumerate(samples)}
-    online, online_workers = step_loss(hf, samples)
-    cached, cached_workers = step_loss(StoredStates(hf, stored), samples)
+    online, online_summary = step_loss(hf, samples)
+    cached, cached_summary = step_loss(StoredStates(hf, stored), samples)
     assert cached == pytest.approx(online, rel=1e-5)
-    assert "target_forward" in online_workers["target-0"] and "cache_read" in cached_workers["target-0"]
-    assert "target_forward" not in cached_workers["target-0"]
+    assert "target_forward" in online_summary.workers["target-0"]
+    assert "cache_read" in cached_summary.workers["target-0"]
+    assert "target_forward" not in cached_summary.workers["target-0"]
+    # Roles come from the vocabulary, registered with the workers, whatever the first stage does.
+    want = {"batch-producer": Role.DATA, "target-0": Role.TARGET, "drafter-0": Role.DRAFTER}
+    assert online_summary.roles == cached_summary.roles == want
 
 
 def test_init_from_target_needs_a_verifier(targets):
