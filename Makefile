@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_tui.py
 	$(BIN)/python scripts/bench_distributed.py
 	$(BIN)/python scripts/bench_gil.py
+	$(BIN)/python scripts/bench_eval.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check dflash dflash_tui tests scripts

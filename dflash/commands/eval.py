@@ -21,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--no-lossless-check", action="store_true", help="skip the plain greedy decode comparison")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the threads per "
+                   "worker of the drafter's run, from its config.json; else torch's default)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,9 +32,12 @@ def run(args: argparse.Namespace) -> int:
     from dflash.model.export import DrafterLoadError, load_drafter
     from dflash.targets import TargetError, load_target
     from dflash.train.config import ConfigError, check_device
+    from dflash.train.evaluation import threads_text, torch_threads
 
     if args.max_new_tokens < 1 or args.num_prompts < 1:
         raise CliError("--max-new-tokens and --num-prompts must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise CliError("--threads must be at least 1")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         check_device(device)
@@ -42,8 +47,9 @@ def run(args: argparse.Namespace) -> int:
         drafter = load_drafter(args.drafter)
     except DrafterLoadError as e:
         raise CliError(str(e)) from e
+    run_cfg = _run_config(args.drafter)
     if args.target is None:
-        args.target = _trained_against(args.drafter)
+        args.target = _trained_against(run_cfg)
     bs = args.block_size or drafter.config.block_size
     if not 2 <= bs <= drafter.config.block_size:
         raise CliError(f"--block-size must be between 2 and the drafter's {drafter.config.block_size}")
@@ -64,9 +70,14 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise CliError(f"no prompts in {args.data!r}")
     drafter = drafter.to(device=target.device, dtype=target.dtype)
+    threads, source = args.threads, "--threads"
+    if threads is None and run_cfg is not None and run_cfg.pipeline.threads_per_worker:
+        threads, source = run_cfg.pipeline.threads_per_worker, "as each worker of its run; --threads to change"
     try:
-        result = evaluate(drafter, target, prompts, args.max_new_tokens,
-                          check_lossless=not args.no_lossless_check, block_size=bs)
+        with torch_threads(threads) as n:
+            print(f"dflash eval: {threads_text(n, source if threads else None)}", file=sys.stderr)
+            result = evaluate(drafter, target, prompts, args.max_new_tokens,
+                              check_lossless=not args.no_lossless_check, block_size=bs)
     except ValueError as e:
         raise CliError(str(e)) from e
 
@@ -85,16 +96,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _trained_against(drafter: str) -> str:
-    """The target named in the drafter's run config, its --eval-target first (said on stderr, so --json
-    output stays one object), or the built-in one where there is no run around the drafter."""
+def _run_config(drafter: str):
+    """The training config of the run the drafter comes from (its target and threads), None where
+    there is no run around it."""
     from dflash.train.config import ConfigError
     from dflash.train.schema import config_beside
 
     try:
-        cfg = config_beside(drafter)
+        return config_beside(drafter)
     except ConfigError as e:
         raise CliError(f"{e}; give --target to say which target the drafter is for") from None
+
+
+def _trained_against(cfg) -> str:
+    """The target named in the drafter's run config, its --eval-target first (said on stderr, so --json
+    output stays one object), or the built-in one where there is no run around the drafter."""
     if cfg is None:
         return "tiny"
     if cfg.eval.eval_target is not None:

@@ -9,8 +9,10 @@ trackers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,33 @@ from dflash.train.progress import EvalProgress
 from dflash.train.reporting import Reporter
 from dflash.train.trackers import eval_scalars
 from dflash.words import plural
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[int]:
+    """Run the block with `n` torch intra-op threads (None: torch's as they are) and yield the count in
+    effect. Decoding one sequence is a chain of small matmuls: more threads than the workers use only
+    adds contention (measured on 2 shared cores: 27-37 s with torch's default against ~2 s with one,
+    scripts/bench_eval.py). The count is per thread, so this also reaches the main thread's final
+    evaluation, which the pipeline's per-worker setting never did."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def threads_text(n: int, source: str | None) -> str:
+    """`1 torch thread (as each worker)`: the count an evaluation runs with and where it came from
+    (`source` None: nothing chose it)."""
+    return f"{plural(n, 'torch thread')} ({source or TORCH_DEFAULT})"
+
+
+TORCH_DEFAULT = "torch's default"
 
 
 class Evaluations:
@@ -35,20 +64,23 @@ class Evaluations:
         cfg, parts, stats = self.cfg, self.parts, self.parts.stats
         prompts = load_prompts(cfg.run.data, parts.target.tokenizer, limit=cfg.eval.eval_prompts)
         what = "evaluation" if in_training else "final evaluation"
-        self.report.event("phase", f"{what}: {plural(len(prompts), 'prompt')} x {cfg.eval.eval_max_new_tokens} "
-                          "new tokens, speculative decoding against the target's own greedy output")
-        t0 = time.monotonic()
+        threads = cfg.pipeline.threads_per_worker
+        with torch_threads(threads) as n:
+            self.report.event("phase", f"{what}: {plural(len(prompts), 'prompt')} x {cfg.eval.eval_max_new_tokens} "
+                              "new tokens, speculative decoding against the target's own greedy output, "
+                              + threads_text(n, "as each worker" if threads else None))
+            t0 = time.monotonic()
 
-        def on_prompt(done: int, total: int) -> None:
-            p = EvalProgress(done, total, time.monotonic() - t0)
-            for name, value in p.gauges().items():
-                stats.gauge(name, value)
-            self.report.log(f"[{what}] {p.text()}")
+            def on_prompt(done: int, total: int) -> None:
+                p = EvalProgress(done, total, time.monotonic() - t0)
+                for name, value in p.gauges().items():
+                    stats.gauge(name, value)
+                self.report.log(f"[{what}] {p.text()}")
 
-        on_prompt(0, len(prompts))
-        with parts.drafter.tel.span("eval"):  # evaluate() restores the drafter's train/eval mode itself
-            result = evaluate(parts.drafter.drafter, parts.verifier, prompts,
-                              max_new_tokens=cfg.eval.eval_max_new_tokens, on_prompt=on_prompt)
+            on_prompt(0, len(prompts))
+            with parts.drafter.tel.span("eval"):  # evaluate() restores the drafter's train/eval mode itself
+                result = evaluate(parts.drafter.drafter, parts.verifier, prompts,
+                                  max_new_tokens=cfg.eval.eval_max_new_tokens, on_prompt=on_prompt)
         summary = {**result.to_dict(), "step": step}
         with self.log_path.open("a") as f:
             f.write(json.dumps(summary) + "\n")
