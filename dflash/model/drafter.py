@@ -477,8 +477,14 @@ class DFlashDrafter(nn.Module):
         return self.config.mask_token_id
 
     def context_feature(self, target_hidden: torch.Tensor) -> torch.Tensor:
-        """[B, C, len(taps) * H] concatenated tap states -> [B, C, H] context feature."""
-        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+        """[B, C, len(taps) * H] concatenated tap states -> [B, C, H] context feature.
+
+        Under autocast the states go into `fc` as the target gave them (bf16 on a GPU): casting them
+        to the fp32 weight's dtype first would make a copy twice their size that autocast at once
+        casts back, keeping a second bf16 copy for backward."""
+        if not torch.is_autocast_enabled(target_hidden.device.type):
+            target_hidden = target_hidden.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(target_hidden))
 
     def forward(
         self,

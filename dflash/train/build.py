@@ -25,6 +25,7 @@ from dflash.train.config import TrainConfig
 from dflash.train.devices import resolve
 from dflash.train.distributed import Dist
 from dflash.train.faults import FaultPlan
+from dflash.train.memory import RecipeError, size_to_device
 from dflash.train.pipeline import TrainCounters
 from dflash.train.stages import BatchSource, DrafterStage, TargetStage
 from dflash.words import plural
@@ -154,6 +155,10 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
         role = Role.TARGET if cfg.pipeline.enabled else None  # one thread doing both stages has no role
         targets.append(TargetStage(replicas[dev], drafter_device, stats.worker(name, role), name, faults=faults,
                                    index=i))
+    try:
+        size_to_device(cfg, drafter, first, devices, dist, log)
+    except RecipeError as e:
+        raise TrainError(str(e)) from None
     cuda = drafter_device.type == "cuda" or any(t.device.type == "cuda" for t in targets)
     source = BatchSource(samples, cfg.data.batch_size, cfg.data.seed, pad, dist.rank, dist.world_size,
                          block_size=dcfg.block_size, num_anchors=cfg.model.num_anchors, pin=cuda)

@@ -11,6 +11,7 @@ from typing import Any
 
 from dflash.train.config import TrainConfig
 from dflash.train.control import Interval
+from dflash.train.memory import AllocatorRetries, allocator_gauges
 from dflash.train.metrics import StepMetrics, Totals
 from dflash.train.pipeline import Pipeline, TrainCounters
 from dflash.train.progress import Progress
@@ -27,6 +28,7 @@ class LogLines:
         self.cfg, self.state, self.stats, self.metrics, self.pipeline = cfg, state, stats, metrics, pipeline
         self.latest, self.verdict, self.report = latest, verdict, report
         self.cuda = list(dict.fromkeys(d for d in devices if d.type == "cuda"))
+        self.retries = AllocatorRetries()  # an event each time the allocator had to retry (CUDA only)
         self.clock = clock
         self.logs = Interval(cfg.run.log_every, clock)
         self.harvests = Interval(cfg.telemetry.telemetry_interval, clock)
@@ -62,15 +64,11 @@ class LogLines:
             s.gauge("grad_norm", t["grad_norm"])
             for name in ("accuracy", "sim_tau", "block_tau", "per_position_acc"):
                 s.metric(name, t[name])
-        if self.cuda:
-            import torch
-
-            for d in self.cuda:
-                m = torch.cuda.memory_stats(d)
-                i = d.index if d.index is not None else torch.cuda.current_device()
-                self.stats.gauge(f"cuda{i}_allocated_bytes", m.get("allocated_bytes.all.current", 0))
-                self.stats.gauge(f"cuda{i}_reserved_bytes", m.get("reserved_bytes.all.current", 0))
-                self.stats.gauge(f"cuda{i}_alloc_retries", m.get("num_alloc_retries", 0))
+        for i, counters in allocator_gauges(self.cuda).items():
+            for name, value in counters.items():
+                self.stats.gauge(f"cuda{i}_{name}", value)
+            if (line := self.retries.rose(i, counters["alloc_retries"])) is not None:
+                self.report.event("anomaly", line, device=f"cuda:{i}", retries=counters["alloc_retries"])
 
     def write(self, final: bool = False) -> None:
         """The log line for the steps since the last one (nothing when no step was made: a line per

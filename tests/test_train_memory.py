@@ -1,0 +1,142 @@
+"""Sizing the step to the device: the activation model measured on a real drafter, the batch and anchors
+fitted to given free-memory figures, the target states cast once, and the allocator's retries (absent
+on the host). No GPU here: the fitting is driven with the free bytes a device would report."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model_helpers import one_thread  # noqa: F401
+
+from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.objective import dflash_loss, plan_blocks
+from dflash.telemetry import ProfileStats
+from dflash.train.distributed import Dist
+from dflash.train.memory import (
+    GIB,
+    HEADROOM,
+    AllocatorRetries,
+    RecipeError,
+    allocator_gauges,
+    first_step_bytes,
+    fit_recipe,
+    fit_to_device,
+    measure_activations,
+    saved_bytes,
+    size_to_device,
+)
+from dflash.train.schema import make_config
+from dflash.train.stages import DrafterStage
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+H, VOCAB, SEQ = 128, 512, 192
+
+
+def _stage(autocast: bool) -> DrafterStage:
+    """A real drafter stage on the host, two layers of a Qwen3-shaped drafter; `autocast`: bf16 as on CUDA."""
+    torch.manual_seed(0)
+    dcfg = DrafterConfig(hidden_size=H, intermediate_size=3 * H, num_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, num_target_layers=4,
+                         target_layer_ids=[1, 2])
+    embed = torch.nn.Embedding(VOCAB, H).requires_grad_(False)
+    head = torch.nn.Linear(H, VOCAB, bias=False).requires_grad_(False)
+    cfg = make_config({}, dict(max_steps=1, max_seq_len=SEQ, batch_size=8, num_anchors=64))
+    stage = DrafterStage(DFlashDrafter(dcfg), embed, head, torch.device("cpu"), cfg, ProfileStats().worker("d"),
+                         torch.Generator())
+    stage.autocast = autocast
+    return stage
+
+
+def _saved(stage: DrafterStage, batch: int, anchors: int, dtype: torch.dtype) -> int:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (batch, SEQ), generator=gen)
+    plan = plan_blocks(ids, torch.ones_like(ids, dtype=torch.bool), 16, anchors, gen)
+    hidden = torch.randn(batch, SEQ, 2 * H, generator=gen).to(dtype)
+    params = {p.untyped_storage().data_ptr() for m in (stage.drafter, stage.embed, stage.lm_head)
+              for p in m.parameters()} | {hidden.untyped_storage().data_ptr()}
+
+    def forward():
+        with torch.autocast("cpu", torch.bfloat16, enabled=stage.autocast):
+            return dflash_loss(stage.drafter, stage.embed, stage.lm_head, ids, hidden, plan=plan).loss
+
+    return saved_bytes(forward, params)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_measured_activation_model_predicts_other_batches_and_anchor_counts(autocast):
+    stage = _stage(autocast)
+    dtype = torch.bfloat16 if autocast else torch.float32
+    model = measure_activations(stage, 2 * H, dtype, SEQ)
+    assert model.layers == 2 and model.per_query_token > 0 and model.per_sample > 0
+    for batch, anchors in ((3, 10), (2, 5)):
+        predicted = model.per_step + batch * model.sample_bytes(anchors, 16)
+        assert predicted == pytest.approx(_saved(stage, batch, anchors, dtype), rel=0.05), (batch, anchors)
+    if autocast:  # bf16 activations: fewer bytes per query token than the fp32 step keeps
+        assert model.per_query_token < measure_activations(_stage(False), 2 * H, torch.float32, SEQ).per_query_token
+
+
+def test_the_target_states_enter_the_projection_without_a_copy_under_autocast():
+    """bf16 states under bf16 autocast: what `fc` keeps for backward is the states themselves, not an
+    fp32 copy cast back to bf16 (twice their size made and dropped, and their size again kept)."""
+    drafter = _stage(True).drafter
+    hidden = torch.randn(2, SEQ, 2 * H).to(torch.bfloat16)
+    kept: list[torch.Tensor] = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+        drafter.context_feature(hidden)
+    inputs = [t for t in kept if t.numel() == hidden.numel()]  # fc keeps its input as a [B*C, W] view
+    assert inputs and all(t.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr() for t in inputs)
+
+
+def _per_sample(anchors: int) -> float:
+    """The issue's figures: 294 KB per query token per layer, 5 layers, block 16, plus 40 MB per sample."""
+    return 40e6 + anchors * 16 * 294e3 * 5
+
+
+def test_the_recipe_is_kept_when_it_fits_and_the_batch_lowered_when_it_does_not():
+    fixed = 38 * GIB
+    assert (f := fit_recipe(300 * GIB, fixed, _per_sample, 8, 512)).batch == 8 and f.anchors == 512  # never raised
+    f = fit_recipe(139 * GIB, fixed, _per_sample, 8, 512)  # an H200: 8 x 512 needs ~128 GiB
+    assert (f.batch, f.anchors) == (7, 512)
+    assert f.need <= HEADROOM * 139 * GIB < fixed + 8 * _per_sample(512)
+    f = fit_recipe(50 * GIB, fixed, _per_sample, 8, 512)  # not even one sample of 512 anchors
+    assert f.batch == 1 and 1 <= f.anchors < 512
+    assert fixed + _per_sample(f.anchors) <= HEADROOM * 50 * GIB < fixed + _per_sample(f.anchors + 1)
+    with pytest.raises(RecipeError, match=r"not even batch 1 with 1 anchor fits: 30.0 GiB free, 38.0 GiB"):
+        fit_recipe(30 * GIB, fixed, _per_sample, 8, 512)
+
+
+def test_fitting_a_real_drafter_to_given_free_memory():
+    stage = _stage(True)
+    cfg = stage.cfg
+    fixed = first_step_bytes(stage.drafter)
+    assert fixed == 3 * 4 * sum(p.numel() for p in stage.drafter.parameters())
+    big, _ = fit_to_device(cfg, stage, 2 * H, torch.bfloat16, in_flight=4, free=64 * GIB)
+    assert (big.batch, big.anchors) == (8, 64)
+    budget = fixed + 3.5 * big.per_sample  # room for three and a half samples (before the headroom)
+    small, model = fit_to_device(cfg, stage, 2 * H, torch.bfloat16, in_flight=4, free=budget / HEADROOM)
+    assert (small.batch, small.anchors) == (3, 64)
+    assert small.per_sample == pytest.approx(model.sample_bytes(64, 16) + 4 * SEQ * 2 * H * 2)  # + bf16 states
+
+
+def test_the_host_is_not_sized_and_has_no_allocator_gauges(capsys):
+    stage = _stage(False)
+    before = (stage.cfg.data.batch_size, stage.cfg.model.num_anchors)
+    lines: list[str] = []
+    size_to_device(stage.cfg, stage, target=None, target_devices=[torch.device("cpu")], dist=Dist(), log=lines.append)
+    assert (stage.cfg.data.batch_size, stage.cfg.model.num_anchors) == before and not lines
+    assert allocator_gauges([torch.device("cpu")]) == {}  # N/A on the host: no gauge at all, not a zero
+
+
+def test_a_rise_in_allocator_retries_is_reported_once_per_rise():
+    r = AllocatorRetries()
+    assert r.rose(0, 0) is None and r.rose(0, 0) is None
+    line = r.rose(0, 3)
+    assert line is not None and "cuda:0 allocator retried 3 allocation(s) (3 in all)" in line
+    assert "lower --batch-size or --num-anchors" in line
+    assert r.rose(0, 3) is None and r.rose(1, 5) is None  # another device's first reading is its baseline
+    assert "retried 1 allocation(s) (4 in all)" in r.rose(0, 4)
