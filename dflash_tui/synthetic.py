@@ -46,15 +46,17 @@ _MEAN = {"target_forward": 0.0120, "pack_hidden": 0.0018, "hs_queue_put": 0.0009
 def worker_names(n: int) -> list[str]:
     """Half target workers, then drafters; from 6 workers on the last is the batch producer, whose
     name is the longest a real run has (panels must show it whole)."""
-    half = max(1, n // 2)
-    names = [f"target-{i}" for i in range(half)] + [f"drafter-{i}" for i in range(n - half)]
-    return names[:-1] + ["batch-producer"] if n >= 6 else names
+    return list(worker_roles(n))
 
 
 def worker_roles(n: int) -> dict[str, str]:
-    """Each of `worker_names(n)` with the role its name was made from (what a trainer registers)."""
-    return {w: str(vocab.Role.DATA if w == "batch-producer" else vocab.Role(w.split("-")[0]))
-            for w in worker_names(n)}
+    """The `n` workers by name, each with the role a trainer registers for it (see worker_names)."""
+    half = max(1, n // 2)
+    roles = [(f"target-{i}", vocab.Role.TARGET) for i in range(half)]
+    roles += [(f"drafter-{i}", vocab.Role.DRAFTER) for i in range(n - half)]
+    if n >= 6:
+        roles[-1] = ("batch-producer", vocab.Role.DATA)
+    return {name: str(role) for name, role in roles}
 
 
 def hello(run: str = "demo", pid: int = 4242, host: str = "trainbox", workers: int = 4,
@@ -89,8 +91,9 @@ def snapshot(seq: int, *, workers: int = 4, categories: int = 12, interval_s: fl
     ws: dict[str, dict[str, CategoryStats]] = {}
     untracked: dict[str, float] = {}
     wave = 0.5 + 0.5 * math.sin(seq / 15)
+    roles = worker_roles(workers)
     for w in worker_names(workers):
-        base = _TARGET if w.startswith("target") else _DATA if w == "batch-producer" else _DRAFTER
+        base = {vocab.Role.TARGET: _TARGET, vocab.Role.DATA: _DATA}.get(roles[w], _DRAFTER)
         shares = {c: base.get(c, 0.004) * rng.uniform(0.85, 1.15) * (1.1 - 0.2 * wave) for c in cats}
         covered = sum(shares.values())
         if covered > 0.97:
@@ -100,7 +103,7 @@ def snapshot(seq: int, *, workers: int = 4, categories: int = 12, interval_s: fl
         untracked[w] = 1.0 - covered
     steps = seq * 4
     tokens = steps * 4096.0
-    threads = [ThreadSample(tid=pid + 10 + i, name=w, cpu_percent=round((93.0 if w.startswith("target") else 41.0)
+    threads = [ThreadSample(tid=pid + 10 + i, name=w, cpu_percent=round((93.0 if roles[w] == vocab.Role.TARGET else 41.0)
                                                                       * rng.uniform(0.8, 1.05), 1))
                for i, w in enumerate(worker_names(workers))]
     threads += [ThreadSample(tid=pid, name="MainThread", cpu_percent=round(rng.uniform(1, 4), 1)),
@@ -111,9 +114,10 @@ def snapshot(seq: int, *, workers: int = 4, categories: int = 12, interval_s: fl
                           process_mem=int((56 + 10 * wave) * 2**30)) for i in range(gpus)]
     system = SystemSample(cpu_percent=round(sum(th.cpu_percent for th in threads), 1), rss_bytes=int(3.2 * 2**30),
                           threads=threads, gpus=gpu_list, gpu_error=None if gpus else gpu_error)
-    target_share = sum(ws[w]["target_forward"].share for w in ws if w.startswith("target") and "target_forward" in ws[w])
-    n_target = max(1, sum(1 for w in ws if w.startswith("target")))
-    wait = [ws[w]["hs_queue_wait"].share for w in ws if w.startswith("drafter") and "hs_queue_wait" in ws[w]]
+    target_share = sum(ws[w]["target_forward"].share for w in ws
+                       if roles[w] == vocab.Role.TARGET and "target_forward" in ws[w])
+    n_target = max(1, sum(1 for w in ws if roles[w] == vocab.Role.TARGET))
+    wait = [ws[w]["hs_queue_wait"].share for w in ws if roles[w] == vocab.Role.DRAFTER and "hs_queue_wait" in ws[w]]
     bottleneck = Bottleneck(verdict="target-bound",
                             reason="drafters wait on hidden states while target workers are busy in target_forward",
                             evidence={"target_busy_share": round(target_share / n_target, 3),
@@ -122,8 +126,7 @@ def snapshot(seq: int, *, workers: int = 4, categories: int = 12, interval_s: fl
     # what each worker is in now: targets in a forward, drafters waiting for hidden states
     inflight = {}
     for i, w in enumerate(worker_names(workers)):
-        cat = ("target_forward" if w.startswith("target") else "hs_queue_wait" if w.startswith("drafter")
-               else "batch_queue_put")
+        cat = {vocab.Role.TARGET: "target_forward", vocab.Role.DRAFTER: "hs_queue_wait"}.get(roles[w], "batch_queue_put")
         elapsed = round(_MEAN.get(cat, 0.01) * (0.2 + 0.7 * ((seq + i) % 5) / 4), 4)
         inflight[w] = OpenSpan(category=cat, start=round(t - elapsed, 4), elapsed=elapsed)
     return Snapshot(seq=seq, t=t, interval_s=interval_s, workers=ws, untracked=untracked, inflight=inflight,
@@ -133,7 +136,7 @@ def snapshot(seq: int, *, workers: int = 4, categories: int = 12, interval_s: fl
                             "lr": 3e-4, "hs_queue_depth": 0.0, **progress_gauges(steps, seq * interval_s)},
                     metrics={"sim_tau": round(1.2 + 2.4 * (1 - math.exp(-seq / 60)), 3),
                              "per_position_acc": [round(0.9 * 0.85**k, 3) for k in range(15)]},
-                    system=system, bottleneck=bottleneck, roles=worker_roles(workers))
+                    system=system, bottleneck=bottleneck, roles=roles)
 
 
 def progress_gauges(steps: int, elapsed: float, max_steps: int = 1000) -> dict[str, float]:
@@ -164,8 +167,9 @@ def cluster(seq: int, world_size: int = 2, *, workers: int = 4, interval_s: floa
             socket=f"/run/user/1000/dflash/demo-{4242 + r}-r{r}.sock"))
     live = [r for r in range(world_size) if r not in stale]
     categories = []
+    roles = worker_roles(workers)
     for worker in worker_names(workers):
-        base = _TARGET if worker.startswith("target") else _DRAFTER
+        base = _TARGET if roles[worker] == vocab.Role.TARGET else _DRAFTER
         for cat, share in base.items():
             # compute stretches on the straggler; waiting shrinks there (it is the one waited for)
             factor = 1.25 if cat.endswith(("forward", "backward")) else 0.6 if cat.endswith("wait") else 1.0
