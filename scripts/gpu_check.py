@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py --json gpu_check.json         # on the GPU box
     python scripts/gpu_check.py --cpu-smoke --json smoke.json # every check that can run on CPU, tiny
+    python scripts/gpu_check.py --plan                        # the checks and their budgets, as JSON
 
 Each check is an independent function with its own time budget. On CUDA each runs in its own child
 process (a sticky CUDA error, a hang or the CUDA sanitizer stay inside it; the budget is a hard
@@ -9,8 +10,15 @@ timeout); with ``--cpu-smoke`` they run in this process at tiny shapes, to prove
 before a GPU is lent. A failing check never hides the others: every result lands in the report.
 Without CUDA (and without ``--cpu-smoke``) the script prints one line and exits 0.
 
-Checks (see README "GPU check"): sync_free, flex_vs_sdpa, compile_count, mask_build, side_stream_copy,
-cuda_spans, verdicts, nvml, ddp_resume, eval_lossless, throughput.
+The checks run by importance, so that a run cut short still answers the questions that matter most,
+and their budgets sum to the total. The first, ``prewarm``, compiles FlexAttention forward and
+backward into an Inductor cache directory (``--cache-dir``, default a fresh one per run) that every
+child process shares: the compile-heavy checks then load kernels instead of compiling them cold.
+
+Checks (see README "GPU check"; ``--plan`` lists them with their budgets): prewarm, flex_uneven,
+host_gap, sync_free, thread_device, device_shares, flex_vs_sdpa, memory_recipe, throughput,
+checkpoint_1b, side_stream_copy, cuda_spans, ddp_resume, compile_count, verdicts, eval_lossless,
+mask_build, nvml.
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,26 +214,26 @@ def _grads_of(drafter) -> list:
     return [p.grad.detach().float().clone() for p in drafter.parameters()]
 
 
-def check_flex_vs_sdpa(ctx: Ctx) -> dict:
-    """Loss and gradients of the packed-block drafter under compiled FlexAttention (block mask from
-    tile metadata) vs SDPA (dense mask), in bf16 autocast. CPU: forward only (no flex backward there)."""
+def _flex_against_sdpa(ctx: Ctx, target, dstage, seq: int, n: int, pad: int, seed: int) -> dict:
+    """Loss and gradients of the drafter on one batch of 2 rows (row 1 padded by ``pad`` tokens, one
+    anchor on a tile edge) under compiled FlexAttention vs SDPA, in bf16 autocast on CUDA; CPU: the
+    forward only (torch has no flex backward there)."""
     import torch
     import torch.nn.functional as F
 
     from dflash.model.objective import forward_blocks
 
-    target = make_target(ctx, TINY if ctx.smoke else {**QWEN3_8B, "vocab_size": 32768}, layers=2 if ctx.smoke else 8)
-    seq, n = (96, 6) if ctx.smoke else (1024, 48)
-    source, _, dstage, _, _ = make_parts(ctx, target, 1 if ctx.smoke else 2, seq, n, 2)
     dev = torch.device(ctx.device)
-    b = source(0)
-    ids = b.input_ids.to(dev)
-    hidden = target.tap_states(b.input_ids.to(target.device), None).to(dev)
-    g = torch.Generator().manual_seed(3)
-    anchors = torch.stack([torch.randperm(seq // 2 - 16, generator=g)[:n].sort().values + seq // 2 for _ in range(2)]).to(dev)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.vocab_size - 1, (2, seq), generator=g).to(dev)
+    with torch.no_grad():
+        hidden = target.tap_states(ids.to(target.device)).to(dev)
+    anchors = torch.stack([torch.randperm(seq // 2 - 16, generator=g)[:n].sort().values + seq // 2
+                           for _ in range(2)]).to(dev)
     anchors[0, 0] = 128 if seq > 200 else anchors[0, 0]  # an anchor on a tile boundary
-    attn = b.attention_mask.to(dev)
-    attn[1, -5:] = 0  # a padded tail in row 1
+    attn = torch.ones(2, seq, dtype=torch.long, device=dev)
+    if pad:
+        attn[1, -pad:] = 0  # a padded tail in row 1
     bs = dstage.drafter.config.block_size
     labels = torch.gather(ids, 1, (anchors[:, :, None] + torch.arange(1, bs, device=dev)).view(2, -1)).view(2, n, bs - 1)
     out = {}
@@ -241,11 +250,35 @@ def check_flex_vs_sdpa(ctx: Ctx) -> dict:
     loss_rel = float((lf - ls).abs() / ls.abs().clamp(min=1e-6))
     grad_rel = max((float((a - b_).norm() / b_.norm().clamp(min=1e-12))
                     for a, b_ in zip(out["flex"][1], out["sdpa"][1], strict=True)), default=0.0)
+    return {"seq": seq, "anchors": n, "pad": pad, "loss_sdpa": float(ls), "loss_flex": float(lf),
+            "loss_rel_diff": loss_rel, "max_grad_rel_diff": grad_rel,
+            "ok": loss_rel < 1e-2 and grad_rel < 5e-2}
+
+
+def check_flex_vs_sdpa(ctx: Ctx) -> dict:
+    """Loss and gradients of the packed-block drafter under compiled FlexAttention (block mask from
+    tile metadata) vs SDPA (dense mask), in bf16 autocast. CPU: forward only (no flex backward there)."""
     from dflash.model import masks
 
-    ok = loss_rel < 1e-2 and grad_rel < 5e-2 and masks._flex_failed is None
-    return {"ok": ok, "loss_sdpa": float(ls), "loss_flex": float(lf), "loss_rel_diff": loss_rel,
-            "max_grad_rel_diff": grad_rel, "backward_compared": ctx.cuda, "flex_fallback": masks._flex_failed}
+    target = make_target(ctx, TINY if ctx.smoke else {**QWEN3_8B, "vocab_size": 32768}, layers=2 if ctx.smoke else 8)
+    seq, n = (96, 6) if ctx.smoke else (1024, 48)
+    _, _, dstage, _, _ = make_parts(ctx, target, 1 if ctx.smoke else 2, seq, n, 2)
+    r = _flex_against_sdpa(ctx, target, dstage, seq, n, pad=5, seed=3)
+    ok = r.pop("ok") and masks._flex_failed is None
+    return {"ok": ok, **r, "backward_compared": ctx.cuda, "flex_fallback": masks._flex_failed}
+
+
+def check_flex_uneven(ctx: Ctx) -> dict:
+    """Flex vs SDPA, forward and backward in bf16, where tiles and shapes do not line up: anchor counts
+    not a multiple of 8, lengths not a multiple of 128, padded rows; and no fallback to SDPA."""
+    from dflash.model import masks
+
+    target = make_target(ctx, TINY if ctx.smoke else {**QWEN3_8B, "vocab_size": 32768}, layers=2 if ctx.smoke else 4)
+    shapes = [(97, 5, 3), (150, 7, 11)] if ctx.smoke else [(1000, 37, 13), (1537, 101, 129), (2001, 250, 1)]
+    _, _, dstage, _, _ = make_parts(ctx, target, 1 if ctx.smoke else 2, shapes[0][0], shapes[0][1], 2, samples=2)
+    runs = [_flex_against_sdpa(ctx, target, dstage, seq, n, pad, seed=i) for i, (seq, n, pad) in enumerate(shapes)]
+    ok = all(r.pop("ok") for r in runs) and masks._flex_failed is None
+    return {"ok": ok, "shapes": runs, "backward_compared": ctx.cuda, "flex_fallback": masks._flex_failed}
 
 
 def check_compile_count(ctx: Ctx) -> dict:
@@ -468,6 +501,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def one_rank_world() -> Iterator[type]:
+    """torchrun's environment for a world of one rank (restored afterwards); yields a Dist class whose
+    multi-rank path (DDP, agreement, process groups) is on with that one rank."""
+    from dflash.train import distributed
+
+    class WorldOfOne(distributed.Dist):
+        @property
+        def enabled(self) -> bool:
+            return True
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield WorldOfOne
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def check_ddp_resume(ctx: Ctx) -> dict:
     """The trainer's multi-rank path (DDP, agreed stops, process groups) with one rank, NCCL on CUDA
     (gloo on CPU): 6 steps straight equal stop after a few, resume, run to 6 (drafter weights)."""
@@ -477,23 +535,14 @@ def check_ddp_resume(ctx: Ctx) -> dict:
     from dflash.train.schema import make_config
     from dflash.train.trainer import Trainer
 
-    class WorldOfOne(distributed.Dist):
-        @property
-        def enabled(self) -> bool:  # the multi-rank path (DDP, agreement, process groups) with one rank
-            return True
-
     class OneRankTrainer(Trainer):
         def join_ranks(self) -> None:
-            self.dist = d = WorldOfOne()
+            self.dist = d = world()
             pipe = self.cfg.pipeline
             pipe.target_devices, pipe.drafter_device = distributed.place_devices(
                 pipe.target_devices, pipe.drafter_device, d, torch.cuda.device_count())
             distributed.init(d, torch.device(self.cfg.pipeline.drafter_device).type == "cuda", 120.0)
 
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     dev = "cuda" if ctx.cuda else "cpu"
 
     def cfg(run: str):
@@ -511,8 +560,7 @@ def check_ddp_resume(ctx: Ctx) -> dict:
     def params(t) -> dict:
         return {k: v.detach().float().cpu() for k, v in t.drafter.drafter.state_dict().items()}
 
-    try:
-        os.environ["MASTER_PORT"] = str(_free_port())
+    with one_rank_world() as world:
         straight = OneRankTrainer(cfg("a"), log=lambda s: None)
         assert straight.run() == 0
         os.environ["MASTER_PORT"] = str(_free_port())
@@ -522,12 +570,6 @@ def check_ddp_resume(ctx: Ctx) -> dict:
         os.environ["MASTER_PORT"] = str(_free_port())
         second = OneRankTrainer(cfg("b"), resume=True, log=lambda s: None)
         assert second.run() == 0 and second.state.step == 6
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     a, b = params(straight), params(second)
     diff = max(float((a[k] - b[k]).abs().max()) for k in a)
     scale = max(float(v.abs().max()) for v in a.values())
@@ -602,30 +644,276 @@ def check_throughput(ctx: Ctx) -> dict:
         out[f"{key}_mfu"] = round(flops / dt / H200_BF16_DENSE_FLOPS, 4) if ctx.cuda else None
     out["pipelined_over_sync"] = round(out["pipelined_tokens_per_s"] / out["sync_tokens_per_s"], 3)
     out["step_tflop"] = round(flops / 1e12, 2)
+    from dflash.model import masks
+
+    out["flex_fallback"] = masks._flex_failed  # a silent fall back to SDPA would make these SDPA's figures
     if ctx.cuda:
         out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
-    out["ok"] = True
+    out["ok"] = masks._flex_failed is None
     return out
 
 
-CHECKS: dict[str, tuple[Callable[[Ctx], dict], float]] = {  # in running order, with budgets (s)
-    "nvml": (check_nvml, 30),
-    "mask_build": (check_mask_build, 30),
-    "cuda_spans": (check_cuda_spans, 30),
-    "side_stream_copy": (check_side_stream_copy, 60),
-    "flex_vs_sdpa": (check_flex_vs_sdpa, 90),
-    "throughput": (check_throughput, 200),
-    "sync_free": (check_sync_free, 90),
-    "compile_count": (check_compile_count, 120),
-    "verdicts": (check_verdicts, 100),
-    "ddp_resume": (check_ddp_resume, 60),
-    "eval_lossless": (check_eval_lossless, 45),
+def check_prewarm(ctx: Ctx) -> dict:
+    """Compiles FlexAttention forward and backward for the drafter's layer shapes once, into the
+    Inductor cache every later check's child process shares (graphs are dynamic in sequence length and
+    anchor count, so one compile serves them all): the compile-heavy checks then load, not compile."""
+    import torch
+
+    from dflash.model.objective import forward_blocks
+
+    target = make_target(ctx, TINY if ctx.smoke else {**QWEN3_8B, "vocab_size": 32768}, layers=2)
+    seq, n = (96, 6) if ctx.smoke else (1000, 37)
+    _, _, dstage, _, _ = make_parts(ctx, target, 1 if ctx.smoke else 2, seq, n, 1, samples=1)
+    dev = torch.device(ctx.device)
+    ids = torch.randint(0, target.vocab_size - 1, (1, seq)).to(dev)
+    with torch.no_grad():
+        hidden = target.tap_states(ids)
+    anchors = torch.arange(n, device=dev)[None] * ((seq - 16) // n)
+    t0 = time.perf_counter()
+    with torch.autocast(dev.type, torch.bfloat16, enabled=ctx.cuda), torch.set_grad_enabled(ctx.cuda):
+        h = forward_blocks(dstage.drafter, dstage.embed, ids, hidden, anchors, attn_backend="flex")
+    if ctx.cuda:
+        h.float().square().mean().backward()
+    _sync(ctx)
+    from dflash.model import masks
+
+    return {"ok": masks._flex_failed is None, "compile_s": round(time.perf_counter() - t0, 1),
+            "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "flex_fallback": masks._flex_failed}
+
+
+def _device_ms(window, worker: str, cats: tuple[str, ...]) -> tuple[float, float]:
+    """(device share, device seconds) of ``worker``'s ``cats`` in a drained window."""
+    share = secs = 0.0
+    for c in cats:
+        st = window.workers.get(worker, {}).get(c)
+        if st is not None and st.device is not None:
+            share += st.device.share
+            secs += st.device.total
+    return share, secs
+
+
+def check_device_shares(ctx: Ctx) -> dict:
+    """Target and drafter on one GPU, each worker on its own stream: the two stages' device shares sum
+    to at most 1.05, and each stage's device ms per step pipelined matches that stage alone (sync mode:
+    one thread, one stream, the stages one after the other, so each span times only its own kernels)."""
+    from dflash.telemetry.analysis import DRAFTER_BUSY, TARGET_BUSY
+
+    if not ctx.cuda:
+        raise Skip("device time needs CUDA events")
+    target = make_target(ctx, {**QWEN3_8B, "vocab_size": 32768}, layers=12)
+    parts = make_parts(ctx, target, 2, 2048, 128, 2)
+    stats = parts[-1]
+    out: dict = {}
+    for mode in (False, True):
+        run_pipeline(*parts, steps=3, pipeline=mode)  # warm-up (compilation, allocator)
+        _sync(ctx)
+        stats.drain()
+        steps = 12
+        run_pipeline(*parts, steps=steps, pipeline=mode)
+        _sync(ctx)
+        w = stats.drain()
+        t_share, t_s = _device_ms(w, "target-0", TARGET_BUSY)
+        d_share, d_s = _device_ms(w, "drafter-0", DRAFTER_BUSY)
+        out["pipelined" if mode else "alone"] = {"target_ms_per_step": round(t_s / steps * 1e3, 2),
+                                                 "drafter_ms_per_step": round(d_s / steps * 1e3, 2),
+                                                 "target_share": round(t_share, 3), "drafter_share": round(d_share, 3),
+                                                 "share_sum": round(t_share + d_share, 3)}
+    p, a = out["pipelined"], out["alone"]
+    ratios = {k: round(p[k] / a[k], 3) if a[k] else None for k in ("target_ms_per_step", "drafter_ms_per_step")}
+    ok = p["share_sum"] <= 1.05 and all(r is not None and 0.8 <= r <= 1.25 for r in ratios.values())
+    return {"ok": ok, **out, "pipelined_over_alone": ratios}
+
+
+def check_memory_recipe(ctx: Ctx) -> dict:
+    """The default recipe's shapes (batch 8, 512 anchors x block 16, 4096 tokens, 5 drafter layers,
+    Qwen3-8B-shaped target): peak memory, the allocator's retries (each one synchronises the device)
+    and MFU; or the out-of-memory error that says the recipe does not fit."""
+    import torch
+
+    shape = TINY if ctx.smoke else QWEN3_8B
+    seq, n, bsz = (128, 8, 2) if ctx.smoke else (4096, 512, 8)
+    target = make_target(ctx, shape, layers=2 if ctx.smoke else int(os.environ.get("GPU_CHECK_TARGET_LAYERS", "36")))
+    parts = make_parts(ctx, target, 1 if ctx.smoke else 5, seq, n, bsz, samples=bsz * 2)
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    warm, steps = (1, 2) if ctx.smoke else (2, 5)
+    stamps = run_pipeline(*parts, steps=warm + steps, pipeline=True, timeout_s=240)
+    _sync(ctx)
+    dt = (stamps[-1] - stamps[warm - 1]) / steps
+    flops = step_flops(target, parts[2].drafter.config, bsz, seq, n)
+    out = {"batch": bsz, "anchors": n, "seq_len": seq, "step_s": round(dt, 4),
+           "tokens_per_s": round(bsz * seq / dt, 1)}
+    if not ctx.cuda:
+        return {"ok": None, **out, "note": "ran on CPU: memory and MFU need CUDA"}
+    mem = torch.cuda.memory_stats()
+    out.update(peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1),
+               peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 1),
+               device_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+               alloc_retries=int(mem.get("num_alloc_retries", 0)), ooms=int(mem.get("num_ooms", 0)),
+               mfu=round(flops / dt / H200_BF16_DENSE_FLOPS, 4))
+    return {"ok": out["alloc_retries"] == 0 and out["ooms"] == 0, **out}
+
+
+def check_host_gap(ctx: Ctx) -> dict:
+    """The whole trainer in steady state as it really runs: telemetry on (publisher resolving events,
+    recorder, monitors) and DDP with one rank, under set_sync_debug_mode("error") past iteration 100
+    (DDP's own logger reads CUDA events on iterations 1-10 and every 100th; the debug mode misses that
+    sync, a host gap shows it). Reports the drafter thread's largest gap between two steps against the
+    median, and the step it happened at."""
+    import contextlib
+
+    from dflash.train import distributed
+    from dflash.train.schema import make_config
+    from dflash.train.steady import cuda_sync_errors, run_steady
+
+    dev = "cuda" if ctx.cuda else "cpu"
+    warm, steady = (2, 4) if ctx.smoke else (12, 100)
+    cfg = make_config({}, dict(target="tiny", data="demo", run_dir=str(ctx.tmp / "host-gap"), batch_size=4,
+                               num_anchors=16, max_steps=1, drafter_layers=1, target_devices=[dev],
+                               drafter_device=dev, max_seq_len=256, socket_dir=str(ctx.tmp / "socks")))
+    stamps: list[tuple[int, float]] = []
+
+    def join_ranks(trainer) -> None:  # (called inside the `with` below, where `world` is bound)
+        trainer.dist = d = world()
+        distributed.init(d, ctx.cuda, 120.0)
+
+    def on_step(trainer, step: int) -> None:
+        stamps.append((step, time.perf_counter()))
+
+    with one_rank_world() as world:
+        try:
+            run_steady(cfg, warm, steady, cuda_sync_errors if ctx.cuda else contextlib.nullcontext, telemetry=True,
+                       join_ranks=join_ranks, after_step=on_step)
+            result = "no sync"
+        except RuntimeError as e:
+            result = str(e).strip().splitlines()[-1][:400]
+    steady_stamps = [(s, t) for s, t in stamps if s > warm]
+    gaps = sorted(((t1 - t0) * 1e3, s1) for (_, t0), (s1, t1) in zip(steady_stamps, steady_stamps[1:], strict=False))
+    out: dict = {"sync_debug": result, "steady_steps": steady, "ddp_world": 1, "telemetry": True}
+    if gaps:
+        median = gaps[len(gaps) // 2][0]
+        worst, at = gaps[-1]
+        out.update(median_step_ms=round(median, 2), largest_step_ms=round(worst, 2), largest_at_step=at,
+                   largest_over_median=round(worst / max(median, 1e-9), 2))
+    if not ctx.cuda:
+        return {"ok": None, **out, "note": "ran on CPU: the sync assertion needs CUDA"}
+    return {"ok": result == "no sync" and out.get("largest_over_median", 99) < 3.0, **out}
+
+
+def check_checkpoint_1b(ctx: Ctx) -> dict:
+    """One asynchronous save of a 1B-parameter drafter (5 layers at Qwen3-8B's shapes, with its Adam
+    state): the step times around it against the median step, the save's own duration and size."""
+    try:
+        from dflash.train.checkpoint_writer import CheckpointWriter, HostSnapshot
+    except ImportError:
+        raise Skip("no asynchronous checkpoint writer in this checkout") from None
+    from dflash.train import devices
+    from dflash.train.checkpoint import save_checkpoint
+
+    shape = TINY if ctx.smoke else {**QWEN3_8B, "vocab_size": 32768}
+    target = make_target(ctx, shape, layers=2)
+    source, tstage, dstage, cfg, stats = make_parts(ctx, target, 1 if ctx.smoke else 5, 512 if not ctx.smoke else 96,
+                                                    32 if not ctx.smoke else 6, 1, samples=4)
+    params = sum(p.numel() for p in dstage.drafter.parameters())
+    run_dir = ctx.tmp / "ckpt-1b"
+    done: list = []
+    writer = CheckpointWriter(lambda step, state: save_checkpoint(run_dir, step, state, keep=1), done.append,
+                              devices.thread_device(dstage.device))
+    snapshot = HostSnapshot()
+    save_at, steps = 6, 16
+    handed: list[float] = []
+
+    def on_step(step: int) -> None:
+        if step == save_at:
+            t0 = time.perf_counter()
+            state = {"drafter": dstage.drafter.state_dict(), "optimizer": dstage.optimizer.state_dict(), "step": step}
+            host, ready = snapshot.take(state)
+            writer.submit(step, host, ready, snapshot.nbytes)
+            handed.append(time.perf_counter() - t0)
+
+    stamps = run_pipeline(source, tstage, dstage, cfg, stats, steps=steps, pipeline=True, on_step_extra=on_step,
+                          timeout_s=240)
+    writer.close()
+    step_s = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    median = sorted(step_s[2:])[len(step_s[2:]) // 2]
+    around = step_s[save_at - 1:save_at + 3]  # the step that handed the save over and the next ones
+    w = done[0] if done else None
+    out = {"drafter_params": params, "bytes": w.nbytes if w else None, "save_s": round(w.seconds, 2) if w else None,
+           "error": str(w.error) if w and w.error else None, "handover_s": round(handed[0], 3) if handed else None,
+           "median_step_s": round(median, 4), "steps_around_save_s": [round(x, 4) for x in around],
+           "longest_step_around_save_vs_median": round(max(around) / median, 2) if around else None}
+    ok = w is not None and w.error is None and out["longest_step_around_save_vs_median"] <= 2.0
+    return {"ok": ok if ctx.cuda else None, **out}
+
+
+def check_thread_device(ctx: Ctx) -> dict:
+    """The device every CUDA-touching thread of a real run bound (devices.bindings()): the pipeline's
+    workers, the telemetry publisher, the main thread (evaluation, checkpoints) and the checkpoint
+    writer; all must be the trainer's GPU (on a multi-GPU rank, never GPU 0 by default)."""
+    from dflash.train import devices
+    from dflash.train.schema import make_config
+    from dflash.train.trainer import Trainer
+
+    dev = "cuda:0" if ctx.cuda else "cpu"
+    cfg = make_config({}, dict(target="tiny", data="demo", run_dir=str(ctx.tmp / "threads"), batch_size=2,
+                               num_anchors=8, max_steps=6, log_every=1e9, eval_prompts=0, checkpoint_every=1e9,
+                               drafter_layers=1, target_devices=[dev], drafter_device=dev, max_seq_len=128,
+                               socket_dir=str(ctx.tmp / "socks-t"), metrics_linger=0.0))
+    trainer = Trainer(cfg, log=lambda s: None)
+    code = trainer.run()
+    bound = devices.bindings()
+    expected = ["MainThread", "batch-producer", "target-0", "drafter-0", "dflash-telemetry"]
+    try:
+        from dflash.train.checkpoint_writer import WRITER_THREAD
+
+        expected.append(WRITER_THREAD)
+    except ImportError:
+        pass
+    wrong = {name: bound.get(name) for name in expected if bound.get(name) != dev}
+    return {"ok": code == 0 and not wrong, "expected": dev, "bindings": bound, "wrong": wrong}
+
+
+CHECKS: dict[str, tuple[Callable[[Ctx], dict], float]] = {  # by importance (running order), budgets (s)
+    "prewarm": (check_prewarm, 40),  # fills the Inductor cache the others share: it runs first
+    "flex_uneven": (check_flex_uneven, 30),
+    "host_gap": (check_host_gap, 35),
+    "sync_free": (check_sync_free, 30),
+    "thread_device": (check_thread_device, 15),
+    "device_shares": (check_device_shares, 40),
+    "flex_vs_sdpa": (check_flex_vs_sdpa, 20),
+    "memory_recipe": (check_memory_recipe, 45),
+    "throughput": (check_throughput, 55),
+    "checkpoint_1b": (check_checkpoint_1b, 35),
+    "side_stream_copy": (check_side_stream_copy, 15),
+    "cuda_spans": (check_cuda_spans, 10),
+    "ddp_resume": (check_ddp_resume, 20),
+    "compile_count": (check_compile_count, 25),
+    "verdicts": (check_verdicts, 35),
+    "eval_lossless": (check_eval_lossless, 10),
+    "mask_build": (check_mask_build, 10),
+    "nvml": (check_nvml, 10),
 }
+
+
+def plan() -> dict:
+    """The checks in running order with their budgets (what --plan prints)."""
+    return {"checks": [{"name": name, "budget_s": budget} for name, (_, budget) in CHECKS.items()],
+            "total_s": TOTAL_BUDGET_S}
 
 
 # --------------------------------------------------------------------------------------------------
 # Running
 # --------------------------------------------------------------------------------------------------
+
+
+def share_inductor_cache(directory: Path) -> None:
+    """Point this process and the children it starts at one Inductor cache, with compiled graphs
+    (FX graph cache) and their backward (AOT autograd cache) kept there: what ``prewarm`` compiles,
+    the later checks load."""
+    directory.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
 
 
 def run_in_process(name: str, ctx: Ctx) -> dict:
@@ -666,7 +954,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-process", action="store_true", help="run checks in this process (default on CPU)")
     ap.add_argument("--isolate", action="store_true", help="one child process per check (default on CUDA)")
     ap.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="seconds for the whole run")
+    ap.add_argument("--plan", action="store_true", help="print the checks with their budgets as JSON and exit")
+    ap.add_argument("--cache-dir", help="Inductor cache shared by the checks (default: a fresh one for this run)")
     args = ap.parse_args(argv)
+    if args.plan:
+        print(json.dumps(plan()))
+        return 0
     names = [n.strip() for n in args.only.split(",")] if args.only else list(CHECKS)
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
@@ -685,6 +978,7 @@ def main(argv: list[str] | None = None) -> int:
                     "mode": "cpu-smoke" if args.cpu_smoke else "cuda", "checks": {}}
     with tempfile.TemporaryDirectory(prefix="gpu-check-runs-") as tmp:
         ctx = Ctx(device=device, smoke=args.cpu_smoke, tmp=Path(tmp))
+        share_inductor_cache(Path(args.cache_dir) if args.cache_dir else Path(tmp) / "inductor")
         for name in names:
             left = args.budget - (time.monotonic() - start)
             if left < 5:

@@ -39,8 +39,15 @@ def test_cpu_smoke_runs_every_check_without_errors(tmp_path: Path) -> None:
     failed = {k: v for k, v in checks.items() if v["status"] == "fail" and k != "verdicts"}
     assert not failed, failed
     assert proc.returncode == (0 if report["ok"] else 1)
-    for name in ("mask_build", "side_stream_copy", "flex_vs_sdpa", "ddp_resume", "eval_lossless", "throughput"):
+    for name in ("prewarm", "flex_uneven", "thread_device", "mask_build", "side_stream_copy", "flex_vs_sdpa",
+                 "ddp_resume", "eval_lossless", "throughput"):
         assert checks[name]["status"] == "pass", (name, checks[name])
+    # every thread of a real run bound the run's device (cpu here: none touches CUDA)
+    assert set(checks["thread_device"]["bindings"]) >= {"MainThread", "target-0", "drafter-0", "dflash-telemetry"}
+    # the whole trainer with telemetry on and a one-rank DDP ran its steady steps (the sync assertion is CUDA's)
+    assert checks["host_gap"]["status"] == "skip" and checks["host_gap"]["sync_debug"] == "no sync"
+    assert checks["host_gap"]["largest_at_step"] > 0
+    assert checks["flex_uneven"]["shapes"][0]["anchors"] % 8 and checks["flex_uneven"]["shapes"][0]["seq"] % 128
     assert checks["ddp_resume"]["ddp"] == "DistributedDataParallel" and checks["ddp_resume"]["bitwise"]
     assert checks["mask_build"]["dense_mask_bytes"] == 2 * 8192 * 12288
     assert checks["nvml"]["status"] == "skip" and "NVML" in checks["nvml"]["reason"]
@@ -66,3 +73,16 @@ def test_without_cuda_it_skips_in_one_line_and_bad_names_are_refused() -> None:
     assert proc.returncode == 0 and proc.stdout.count("\n") == 1 and "skipped" in proc.stdout
     proc = _run("--only", "nvml,bogus")
     assert proc.returncode == 2 and "bogus" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_plan_lists_every_check_by_importance_within_the_total_budget() -> None:
+    proc = _run("--plan", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = json.loads(proc.stdout)
+    names = [c["name"] for c in plan["checks"]]
+    assert names[0] == "prewarm"  # fills the shared compile cache before anything compiles
+    assert {"flex_uneven", "device_shares", "memory_recipe", "host_gap", "checkpoint_1b", "thread_device",
+            "sync_free", "flex_vs_sdpa", "throughput"} <= set(names)
+    assert len(names) == len(set(names))
+    assert sum(c["budget_s"] for c in plan["checks"]) <= 480 == plan["total_s"]
+    assert all(c["budget_s"] > 0 for c in plan["checks"])

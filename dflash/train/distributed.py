@@ -254,6 +254,9 @@ def wrap_ddp(module: torch.nn.Module, device: torch.device, stats, bucket_mb: fl
     ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb,
               **no_buffer_sync)
     ddp.config = module.config  # the objective reads block size and mask token from the module it runs
+    # DDP's logger times iterations 1-10 and then every 100th with CUDA events that it reads back, a
+    # host sync in the step (which set_sync_debug_mode does not see): after the warm-up, never.
+    ddp._set_ddp_runtime_logging_sample_rate(2**31 - 1)
     world = dist.get_world_size()
     timer = StepAllReduce(stats)
 
