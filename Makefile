@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_distributed.py
 	$(BIN)/python scripts/bench_gil.py
 	$(BIN)/python scripts/bench_eval.py
+	$(BIN)/python scripts/bench_masks.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check dflash dflash_tui tests scripts

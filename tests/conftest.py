@@ -3,6 +3,7 @@ line-oriented Unix-socket client."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -45,6 +46,15 @@ def run_python() -> Callable[..., str]:
         return r.stdout
 
     return run
+
+
+def bench_quick(script: str, timeout: float = 600) -> dict:
+    """The JSON report of `scripts/<script> --quick --json`, run from the repository root (a smoke run
+    of a benchmark: its figures mean nothing); a non-zero exit fails with the script's stderr."""
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--quick", "--json"], cwd=REPO,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
 
 
 @pytest.fixture

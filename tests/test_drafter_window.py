@@ -159,3 +159,18 @@ def test_layer_settings_are_checked():
     with pytest.raises(ValueError, match="2 entries for 3"):
         _config([FULL, SLIDING], 8, num_layers=3)
     assert _config([FULL, SLIDING], 8).describe_layers() == "2 layers, 1 sliding (window 8)"
+
+
+def test_flex_attention_under_the_window_equals_sdpa():
+    """The tile-sparse masks drive FlexAttention (uncompiled on CPU) to SDPA's result under the dense ones."""
+    torch.manual_seed(2)
+    cfg = _config([SLIDING, FULL, SLIDING], 6, block_size=4)
+    d = DFlashDrafter(cfg).double().eval()
+    embed = torch.nn.Embedding(50, 32).double()
+    ids = torch.randint(0, 48, (2, 70))
+    hidden = torch.randn(2, 70, 64, dtype=torch.float64)
+    anchors = torch.tensor([[0, 5, 31, 33, 60], [2, 3, 40, 41, 66]])
+    with torch.no_grad():
+        sdpa = forward_blocks(d, embed, ids, hidden, anchors, attn_backend="sdpa")
+        flex = forward_blocks(d, embed, ids, hidden, anchors, attn_backend="flex")
+    torch.testing.assert_close(flex, sdpa, rtol=1e-9, atol=1e-11)
