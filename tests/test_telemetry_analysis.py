@@ -209,3 +209,13 @@ def test_device_shares_that_sum_past_one_are_judged_by_the_time_each_stage_ran_a
     # apart: no overlap claimed
     b = analyze(gpu_pipeline(0.6, 0.3))
     assert b.evidence["device.overlap"] == 0.0 and "both at once" not in b.reason
+
+
+def test_each_stages_device_ms_per_step_when_the_window_counts_steps() -> None:
+    """The publisher passes the window's steps: each stage's device time per step is in the evidence,
+    and in the reason where the stages shared the GPU. One window of 1 s, 10 steps, two workers per
+    stage: the targets' 2 x 0.97 s of device time is 194 ms per step, the drafters' 2 x 0.55 s 110 ms."""
+    b = analyze(gpu_pipeline(0.97, 0.55), steps=10)
+    assert b.evidence["target.device_ms_per_step"] == 194.0 and b.evidence["drafter.device_ms_per_step"] == 110.0
+    assert "per step the target's kernels spanned 194.0 ms, the drafter's 110.0 ms" in b.reason
+    assert "target.device_ms_per_step" not in analyze(gpu_pipeline(0.97, 0.55)).evidence  # no steps: no figure

@@ -79,10 +79,11 @@ def _busy(cats: Mapping[str, CategoryStats], names: tuple[str, ...]) -> float:
 
 def analyze(
     workers: Mapping[str, Mapping[str, CategoryStats]], roles: Mapping[str, str] | None = None,
-    threshold: float = THRESHOLD,
+    threshold: float = THRESHOLD, steps: float | None = None,
 ) -> Bottleneck:
     """The bottleneck verdict for one window (or a merged range) of per-worker stats; `roles` maps each
-    worker to its Role (a snapshot's or summary's `roles`)."""
+    worker to its Role (a snapshot's or summary's `roles`); `steps`: the training steps in the same
+    window, for each stage's device milliseconds per step."""
     by_role: dict[Role, list[Mapping[str, CategoryStats]]] = {r: [] for r in Role}
     for name, role in roles_of(workers, roles).items():
         if role is not None:
@@ -138,7 +139,7 @@ def analyze(
     has_device = any(_device(c, TARGET_BUSY) is not None for c in targets) or any(
         _device(c, DRAFTER_BUSY) is not None for c in drafters)
     if targets and drafters and has_device:
-        return _by_device_time(targets, drafters, threshold, evidence)
+        return _by_device_time(targets, drafters, threshold, evidence, steps)
     if max(drafter_starve, target_blocked) >= threshold:
         if drafters and drafter_starve >= target_blocked:
             return Bottleneck(
@@ -228,8 +229,13 @@ def gil_bound(b: Bottleneck, contention: float | None, cpu_percent: float | None
     )
 
 
+def _device_seconds(workers: list[Mapping[str, CategoryStats]], names: tuple[str, ...]) -> float:
+    """Device time the workers' streams spent in these categories, all workers together."""
+    return sum(c[n].device.total for c in workers for n in names if n in c and c[n].device is not None)
+
+
 def _by_device_time(targets: list[Mapping[str, CategoryStats]], drafters: list[Mapping[str, CategoryStats]],
-                    threshold: float, evidence: dict[str, float]) -> Bottleneck:
+                    threshold: float, evidence: dict[str, float], steps: float | None = None) -> Bottleneck:
     """The verdict once device time exists: the stage whose device is busier by ``threshold`` bounds
     the pipeline (the other one idles that much of the time waiting for it).
 
@@ -248,6 +254,12 @@ def _by_device_time(targets: list[Mapping[str, CategoryStats]], drafters: list[M
     if overlap > 0:
         figures += (f", both at once at least {overlap:.0%} of it (on a shared GPU each stage counts that time; "
                     f"apart from it the target ran {t_busy - overlap:.0%}, the drafter {d_busy - overlap:.0%})")
+    if steps:
+        t_ms = _device_seconds(targets, TARGET_BUSY) / steps * 1e3
+        d_ms = _device_seconds(drafters, DRAFTER_BUSY) / steps * 1e3
+        evidence.update({"target.device_ms_per_step": round(t_ms, 3), "drafter.device_ms_per_step": round(d_ms, 3)})
+        if overlap > 0:
+            figures += f"; per step the target's kernels spanned {t_ms:.1f} ms, the drafter's {d_ms:.1f} ms"
     if t_busy - d_busy >= threshold:
         return Bottleneck(verdict=vocab.TARGET_BOUND.name, reason=f"{figures}: the target forward limits throughput; add "
                           "target workers/GPUs (--target-devices) or batch the target more", evidence=evidence)

@@ -396,7 +396,8 @@ class TelemetryServer:
                         log.warning("system sample failed: %s", e)
                         self._sampler_failed = True
             self._seq += 1
-            verdict = self.verdict.update(gil_bound(analyze(summary.workers, summary.roles), summary.gauges.get(Gauge.GIL_CONTENTION),
+            judged = analyze(summary.workers, summary.roles, steps=summary.counters.get("steps"))
+            verdict = self.verdict.update(gil_bound(judged, summary.gauges.get(Gauge.GIL_CONTENTION),
                                                     system.cpu_percent if system is not None else None))
             snap = to_snapshot(summary, self._seq, self.interval_s, system, verdict)
             if self._cluster_view is not None:
