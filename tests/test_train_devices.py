@@ -176,3 +176,17 @@ def test_an_older_torch_is_refused_at_start_in_one_line(monkeypatch, tmp_path, c
     assert err == ("dflash train: error: torch 2.4.1+cu121 is too old: dflash trains with torch>=2.13,<2.14 "
                    "(pip install 'torch>=2.13,<2.14')")
     assert not (tmp_path / "run").exists()  # nothing started, nothing left behind
+
+
+def test_the_checkpoint_writer_binds_the_trainers_gpu(monkeypatch, tmp_path) -> None:
+    """The writer thread waits on the snapshot's CUDA event: bound to the trainer's GPU first, like
+    every thread that touches CUDA (a CPU state here: nothing to wait for, the binding is the point)."""
+    from dflash.train.checkpoint_writer import WRITER_THREAD, CheckpointWriter
+
+    calls = CudaCalls(monkeypatch)
+    done: list = []
+    writer = CheckpointWriter(lambda step, state: tmp_path / f"{step}", done.append, G1)
+    writer.submit(1, {"w": torch.zeros(2)}, None, 8)
+    writer.close()
+    assert done and done[0].error is None
+    assert calls.device == {WRITER_THREAD: G1} and WRITER_THREAD not in calls.streams
