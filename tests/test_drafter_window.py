@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
-from test_model_masks import _materialise
+from test_model_masks import _LargestOutput, _materialise
 from torch.nn.attention.flex_attention import create_block_mask
 
 from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig
@@ -174,3 +174,20 @@ def test_flex_attention_under_the_window_equals_sdpa():
         sdpa = forward_blocks(d, embed, ids, hidden, anchors, attn_backend="sdpa")
         flex = forward_blocks(d, embed, ids, hidden, anchors, attn_backend="flex")
     torch.testing.assert_close(flex, sdpa, rtol=1e-9, atol=1e-11)
+
+
+def test_recipe_size_window_mask_has_no_q_by_kv_intermediate_and_no_sync():
+    """512 anchors x block 16 over 4096 tokens with the reference's 2048 window: the build stays near
+    Q + KV elements (the key tables are the biggest), reads nothing back, and visits fewer tiles."""
+    n, bs, t = 512, 16, 4096
+    kv = t + n * bs
+    g = torch.Generator().manual_seed(0)
+    anchors = torch.randperm(t - bs, generator=g)[:n].sort().values.expand(2, n).contiguous()
+    valid = torch.ones(2, t, dtype=torch.long)
+    valid[1, 3000:] = 0
+    flex_block_mask(anchors, bs, t, valid, window=2048)  # warm-up (lazy imports)
+    with _LargestOutput() as rec:
+        bm = flex_block_mask(anchors, bs, t, valid, window=2048)
+    assert rec.largest <= 2 * kv, (rec.largest, rec.op)
+    assert rec.syncing == [], rec.syncing
+    assert bm.to_dense().sum() < flex_block_mask(anchors, bs, t, valid).to_dense().sum()

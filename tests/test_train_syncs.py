@@ -98,7 +98,9 @@ def test_the_counter_sees_each_kind_of_read() -> None:
                      "__getitem__": 1, "cpu": 1, "to": 1}, counts
 
 
-def test_steady_state_steps_make_no_syncing_call(setup, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("layers", [{}, {"drafter_layers": 2, "drafter_layer_types": ["sliding_attention", "full_attention"],
+                                     "drafter_sliding_window": 5}], ids=["full", "sliding"])
+def test_steady_state_steps_make_no_syncing_call(setup, tmp_path, monkeypatch, layers) -> None:
     target, data = setup
     # The non-finite guard reads its counters after every step only where that read is free (a CPU
     # tensor); on CUDA it reads them once per log interval. Run it as on CUDA.
@@ -106,7 +108,7 @@ def test_steady_state_steps_make_no_syncing_call(setup, tmp_path, monkeypatch) -
 
     monkeypatch.setattr(NonFiniteGuard, "reads_free", property(lambda self: False))
     counts: collections.Counter = collections.Counter()
-    trainer = run_steady(_cfg(target, data, tmp_path / "run", num_anchors=8), warmup=3, steps=8,
+    trainer = run_steady(_cfg(target, data, tmp_path / "run", num_anchors=8, **layers), warmup=3, steps=8,
                          guard=lambda: count_syncs(counts))
     assert trainer.state.step == 11
     assert sum(counts.values()) == 0, f"{sum(counts.values()) / 8:.1f} syncing calls per step: {dict(counts)}"

@@ -132,7 +132,8 @@ def speculative_generate(
     token afterwards. This is the reference benchmark's loop, so ``acceptance_lengths`` are its numbers.
 
     The drafter's context is incremental: its per-layer cache holds keys/values of the context feature
-    for every verified position; each round appends the hidden states of the tokens just accepted.
+    for every verified position (a sliding-window layer only the last W-1, all a later block can see);
+    each round appends the hidden states of the tokens just accepted.
     """
     stops = set(stop_token_ids or [])
     bs = block_size or drafter.config.block_size
