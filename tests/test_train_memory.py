@@ -140,3 +140,32 @@ def test_a_rise_in_allocator_retries_is_reported_once_per_rise():
     assert "lower --batch-size or --num-anchors" in line
     assert r.rose(0, 3) is None and r.rose(1, 5) is None  # another device's first reading is its baseline
     assert "retried 1 allocation(s) (4 in all)" in r.rose(0, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_drafter_norm_keeps_only_its_input_and_a_scale_per_row_and_matches_qwen3(dtype):
+    from dflash.model.drafter import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 5, 64).to(dtype).requires_grad_()
+    params = {norm.weight.untyped_storage().data_ptr()}
+    kept = saved_bytes(lambda: norm(x), params)
+    assert kept == x.numel() * x.element_size() + 3 * 5 * 4  # the input (kept alive anyway) + rstd
+
+    def qwen3(x, w):  # transformers' Qwen3RMSNorm, through autograd's own graph
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    g = torch.randn(3, 5, 64)
+    y = norm(x)
+    y.backward(g)
+    ours = (y.detach(), x.grad.clone(), norm.weight.grad.clone())
+    x.grad, w = None, norm.weight.detach().clone().requires_grad_()
+    y = qwen3(x, w)
+    y.backward(g)
+    assert torch.equal(ours[0], y.detach())  # the forward bit for bit
+    assert torch.allclose(ours[1].float(), x.grad.float(), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(ours[2], w.grad, rtol=1e-5, atol=1e-5)
