@@ -17,7 +17,7 @@ import msgspec
 
 from dflash.telemetry.protocol import CategoryStats, Cluster, training_shares
 from dflash.telemetry.sockets import default_socket_dir, discover, group_jobs
-from dflash.telemetry.table import category_table
+from dflash.telemetry.table import category_table, evidence_text
 from dflash_tui import fmt
 from dflash_tui.sources import AttachError, Connection, FrameSource, SourceUpdate, open_source, resolve
 from dflash_tui.state import RunState
@@ -105,10 +105,11 @@ def render_text(s: dict[str, Any]) -> str:
                                     "not in the shares)" if s["evaluation_s"] else ""))
     b = s["bottleneck"]
     if b:
-        lines.append(f"bottleneck: {b['verdict']}" + (f" - {b['reason']}" if b.get("reason") else ""))
+        scope = f" ({b['scope']})" if b.get("scope") else ""
+        lines.append(f"bottleneck{scope}: {b['verdict']}" + (f" - {b['reason']}" if b.get("reason") else ""))
         ev = b.get("evidence") or {}
         if ev:
-            lines.append("  evidence: " + "  ".join(f"{k}={_num(v)}" for k, v in ev.items()))
+            lines.append("  evidence: " + evidence_text(ev))
     else:
         lines.append("bottleneck: unknown (no verdict yet)")
     for st in s.get("stalls", []):
@@ -151,10 +152,6 @@ def gpu_line(g: dict[str, Any]) -> str:
     util = fmt.percent(g.get("util_percent"), scale=1)
     return (f"GPU{g['index']} {g['name'][:18]}  util {util}  mem {mem}  {power}  {temp}  SM {clock}"
             f"  trainer {fmt.nbytes(g.get('process_mem'))}")
-
-
-def _num(v: Any) -> str:
-    return fmt.number(v) if isinstance(v, (int, float)) else str(v)
 
 
 def collect(source: FrameSource, timeout: float) -> RunState:

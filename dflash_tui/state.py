@@ -35,6 +35,9 @@ from dflash_tui.sources import Connection, SourceUpdate
 HISTORY = 300
 #: most (worker, category) and GPU series kept: a runaway producer cannot grow us without bound
 MAX_SERIES = 4096
+#: tok/s is taken over at least this many seconds of training windows: a 1 s window holds one drafter
+#: step or two, so a per-window rate jumps between two values and is never the true one
+RATE_SPAN_S = 10.0
 MAX_EVENTS = 500
 MAX_ERRORS = 50
 
@@ -92,6 +95,9 @@ class RunState:
         self.category_share: dict[Key, Ring] = {}
         self.untracked: dict[str, Ring] = {}
         self.tokens_per_s = Ring(history)
+        #: (window seconds, tokens trained in it) of recent training windows, for tokens_rate
+        self._trained: deque[tuple[float, float]] = deque()
+        self._tokens_seen: float | None = None
         self.loss = Ring(history)
         self.tau = Ring(history)
         self.gpu_util: dict[int, Ring] = {}
@@ -182,6 +188,8 @@ class RunState:
             d.clear()
         for r in (self.tokens_per_s, self.loss, self.tau, self.process_cpu):
             r.values.clear()
+        self._trained.clear()
+        self._tokens_seen = None
 
     def _log(self, ev: LoggedEvent) -> None:
         self.events.append(ev)
@@ -217,6 +225,7 @@ class RunState:
         for worker, frac in snap.untracked.items():
             if (r := self._ring(self.untracked, worker)) is not None:
                 r.append(frac)
+        self._count_tokens(snap)
         tps = self.tokens_rate
         if tps is not None:
             self.tokens_per_s.append(tps)
@@ -302,11 +311,25 @@ class RunState:
             return None
         return int(done), int(total)
 
+    def _count_tokens(self, snap: Snapshot) -> None:
+        """Keep the tokens each training window added; evaluation windows (training paused) are left
+        out, so the rate is over training time, as `dflash stats` gives it."""
+        tokens = snap.counters.get("tokens")
+        before, self._tokens_seen = self._tokens_seen, tokens
+        if tokens is None or before is None or tokens < before or self.evaluating is not None:
+            return  # the first window, a restarted trainer, or an evaluation
+        self._trained.append((snap.window_s or snap.interval_s, tokens - before))
+        while len(self._trained) > 1 and sum(s for s, _ in self._trained) - self._trained[0][0] >= RATE_SPAN_S:
+            self._trained.popleft()
+
     @property
     def tokens_rate(self) -> float | None:
-        if self.snapshot is None:
-            return None
-        return self.snapshot.rates.get("tokens")
+        """Tokens trained per second over the last RATE_SPAN_S of training windows (the first window's
+        own rate until there are two to take a difference from)."""
+        seconds = sum(s for s, _ in self._trained)
+        if seconds > 0:
+            return sum(t for _, t in self._trained) / seconds
+        return self.snapshot.rates.get("tokens") if self.snapshot is not None else None
 
     @property
     def loss_value(self) -> float | None:

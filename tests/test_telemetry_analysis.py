@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dflash.telemetry.analysis import analyze, roles_of
+import msgspec
+
+from dflash.telemetry.analysis import agrees_with_evidence, analyze
 from dflash.telemetry.protocol import CategoryStats, DeviceStats, Snapshot
+from dflash.telemetry.vocab import roles_of
 
 
 def cs(share: float, wall: float = 1.0) -> CategoryStats:
@@ -102,8 +105,11 @@ def test_the_verdict_does_not_flip_on_noise_around_a_threshold() -> None:
     shown = [steady.update(b) for b in raw]
     assert {b.verdict for b in shown} == {"target-bound"}  # the first real verdict, then held
     held = shown[1]
-    assert "held: this window looks balanced, 1 of 3 in a row needed to change" in held.reason
-    assert held.evidence == raw[1].evidence  # this window's numbers, not stale ones
+    assert "held: the latest judgement looks balanced, 1 of 3 in a row needed to change" in held.scope
+    # the standing verdict's own numbers: a held verdict never sits beside evidence that says otherwise
+    assert held.evidence == raw[0].evidence and held.reason == raw[0].reason
+    assert all(agrees_with_evidence(b) for b in shown) and not agrees_with_evidence(
+        msgspec.structs.replace(raw[0], evidence=raw[1].evidence))
     # a real change wins after three windows in a row
     calm = analyze(pipeline(t_fwd=0.9, t_batch=0.0, t_put=0.0, d_wait=0.05, d_fwd=0.7))
     assert [steady.update(calm).verdict for _ in range(3)] == ["target-bound", "target-bound", "balanced"]

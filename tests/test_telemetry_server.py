@@ -155,7 +155,9 @@ def test_hello_snapshots_events_bye_and_recording(server: TelemetryServer, conne
     assert last.cumulative["target-0"]["target_forward"].n >= tf.n
     assert last.counters["tokens"] == 100 and last.gauges["loss"] == 2.0
     assert last.system is not None and any(t.name == "target-0" for t in last.system.threads)
-    assert last.bottleneck is not None and last.bottleneck.verdict in {"unknown", "balanced", "data-bound"}
+    # a lone target: nothing waits on it (CPU-starved where other processes hold the cores)
+    assert last.bottleneck is not None and last.bottleneck.verdict in {"unknown", "balanced", "data-bound",
+                                                                       "CPU-starved"}
     assert last.untracked["target-0"] == pytest.approx(max(0.0, 1 - sum(v.share for v in last.workers["target-0"].values())))
 
     server.publish_event("checkpoint", "saved step 100", step=100, path=Path("/x"))

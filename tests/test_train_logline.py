@@ -95,5 +95,9 @@ def test_the_last_line_judges_the_whole_run_not_its_wind_down_window() -> None:
         _step(state, metrics, loss=2.0, tokens=100)
         now[0] += 10.0
         lines.write(final=final)
-    verdicts = [line for line in out if line.startswith("bottleneck:")]
+    verdicts = [line for line in out if line.startswith("bottleneck")]
     assert len(verdicts) == 2 and "84%" in verdicts[0] and "25%" in verdicts[1], verdicts
+    assert verdicts[1].startswith("bottleneck (whole run): drafter-bound")
+    # each verdict line is followed by its own evidence: the wind-down's 84%, then the run's 25%
+    evidence = [line for line in out if line.startswith("  evidence:")]
+    assert "target.hs_queue_put 84.0%" in evidence[0] and "target.hs_queue_put 25.0%" in evidence[1], evidence

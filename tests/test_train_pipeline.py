@@ -84,7 +84,9 @@ def test_pipelined_run_streams_telemetry_and_checkpoints(setup, tmp_path):
     # the final evaluation is a phase of its own, announced, with progress per prompt
     assert "[phase] final evaluation: 2 prompts x 96 new tokens" in out
     assert "[final evaluation] prompt 0/2" in out and "[final evaluation] prompt 2/2 |" in out
-    assert "bottleneck:" in out and "drafter-0/drafter_forward" in out
+    # the verdict names the time it judged, with that time's evidence on the next line
+    assert re.search(r"bottleneck \((last \d+ s|whole run)[^)]*\): \S+ - .*\n  evidence: ", out)
+    assert "drafter-0/drafter_forward" in out
     assert "[eval] step 6: tau" in out
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000006.pt"]
     saved = json.loads((run_dir / "config.json").read_text())  # nested by section, as a human reads it
@@ -101,6 +103,8 @@ def test_pipelined_run_streams_telemetry_and_checkpoints(setup, tmp_path):
     assert {"target-0", "drafter-0", "batch-producer"} <= workers
     last = [f for f in frames if type(f).__name__ == "Snapshot"][-1]
     assert last.counters["steps"] == 6 and last.counters["tokens"] > 0
+    # the last snapshot judges the whole run, grouping the workers by the roles they registered
+    assert last.bottleneck.scope.startswith("whole run") and last.roles["batch-producer"] == "data"
     assert "target_forward" in last.cumulative["target-0"] and "hs_queue_wait" in last.cumulative["drafter-0"]
     assert len(last.metrics["per_position_acc"]) == 15
     assert last.gauges["max_steps"] == 6 and last.gauges["progress"] == 1.0 and last.gauges["train_time_s"] > 0

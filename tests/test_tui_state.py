@@ -6,12 +6,12 @@ import json
 import math
 
 from dflash.telemetry import protocol
+from dflash.telemetry.table import evidence_value
 from dflash_tui import fmt, synthetic
 from dflash_tui.headless import render_text, summarize
 from dflash_tui.ranks import step_rank
 from dflash_tui.sources import Connection, SourceUpdate
 from dflash_tui.state import MAX_EVENTS, RunState
-from dflash_tui.widgets.bottleneck import evidence_value
 from dflash_tui.widgets.cluster import STRAGGLER, cluster_summary, cluster_text, pick_ranks
 from dflash_tui.widgets.timebars import bars_text, split_width
 
@@ -253,3 +253,26 @@ def test_bars_show_what_each_worker_does_now() -> None:
     assert any(sp.start <= start < sp.end and "red" in str(sp.style) for sp in text.spans)
     # too narrow for the column: the bars keep the room
     assert "target_forward 3" not in bars_text(rows, 50, now).plain
+
+
+def test_tok_per_s_is_over_training_time_not_one_window() -> None:
+    """One 1 s window holds one drafter step or two (per-window rates 2,000 or 4,000 tok/s, never the true
+    3,000); the rate over the last 10 s of training is within a few percent of it, and an evaluation
+    (training paused, no tokens) neither drags it down nor shows as a rate of zero."""
+    state = RunState()
+    state.apply(protocol.Hello(proto=protocol.PROTO, run="r", pid=1, host="h"))
+    tokens, t = 0.0, 0.0
+    shown = []
+    for i in range(60):
+        made = 2000.0 if i % 2 else 4000.0
+        tokens, t = tokens + made, t + 1.0
+        state.apply(protocol.Snapshot(seq=i, t=t, interval_s=1.0, window_s=1.0, counters={"tokens": tokens},
+                                      rates={"tokens": made}))
+        shown.append(state.tokens_rate)
+    assert {s for s in shown[:1]} == {4000.0}  # the first window: its own rate, nothing to average yet
+    assert all(abs(s - 3000.0) <= 300.0 for s in shown[12:]), shown
+    for i in range(20):  # an evaluation: training paused
+        t += 1.0
+        state.apply(protocol.Snapshot(seq=100 + i, t=t, interval_s=1.0, window_s=1.0, counters={"tokens": tokens},
+                                      rates={"tokens": 0.0}, gauges={"eval_done": float(i), "eval_total": 30.0}))
+        assert abs(state.tokens_rate - 3000.0) <= 300.0

@@ -27,12 +27,14 @@ def recording(path: Path) -> Path:
     window = {"drafter-0": {"drafter_forward": cat(0.6, 0.6)}, "target-0": {"hs_queue_put": cat(0.5, 0.5)}}
     frames = [Hello(proto=protocol.PROTO, run="r", pid=1, host="h", started=T0)]
     frames.append(Snapshot(seq=1, t=T0 + 100, interval_s=1.0, workers=window, bottleneck=train,
+                           counters={"tokens": 250_000.0},
                            gauges={"step": 100.0, "max_steps": 100.0, "progress": 1.0},
                            cumulative={"drafter-0": {"drafter_forward": cat(60.0, 0.6)},
                                        "target-0": {"hs_queue_put": cat(50.0, 0.5)}}))
     frames.append(Event(t=T0 + 100, kind="phase", message="final evaluation: 2 prompts"))
     frames.append(Snapshot(seq=2, t=T0 + 200, interval_s=1.0, workers={"drafter-0": {"eval": cat(1.0, 1.0)}},
                            bottleneck=paused, gauges={"step": 100.0, "eval_done": 2.0, "eval_total": 2.0},
+                           counters={"tokens": 250_000.0},
                            cumulative={"drafter-0": {"drafter_forward": cat(60.0, 0.3), "eval": cat(100.0, 0.5)},
                                        "target-0": {"hs_queue_put": cat(50.0, 0.25)}}))
     frames.append(Bye(t=T0 + 200, reason="exit"))
@@ -63,5 +65,7 @@ def test_dflash_stats_agrees(tmp_path, capsys):
     s = json.loads(capsys.readouterr().out)
     assert s["evaluation_s"] == 100.0 and "eval" not in s["workers"]["drafter-0"]
     assert s["workers"]["drafter-0"]["drafter_forward"]["share"] == 0.6
+    # 250,000 tokens in 100 s of training: the 100 s evaluation is not in the rate either
+    assert s["rates"]["tokens"] == 2500.0
     assert main(["stats", str(rec)]) == 0
     assert "evaluation: " in capsys.readouterr().out

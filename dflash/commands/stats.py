@@ -23,7 +23,7 @@ from dflash.telemetry.summary import (
     merge_windows,
     untracked_of,
 )
-from dflash.telemetry.table import seconds
+from dflash.telemetry.table import evidence_text, seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +84,7 @@ def summarize(path: Path, last: int | None = None) -> dict[str, Any]:
         wall = sum(s.window_s or s.interval_s for s in window)
         workers: WorkerStats = merge_windows([s.workers for s in window], wall)
         before = snaps[-len(window) - 1].counters if len(snaps) > len(window) else {}
-        rates = {k: (v - before.get(k, 0.0)) / wall for k, v in counters.items()} if wall > 0 else {}
+        made = {k: v - before.get(k, 0.0) for k, v in counters.items()}
         scope = f"last {len(window)} windows"
     else:
         window = snaps
@@ -99,9 +99,12 @@ def summarize(path: Path, last: int | None = None) -> dict[str, Any]:
             for _, seg in segments:  # counters restart with each segment
                 for k, v in seg[-1].counters.items():
                     counters[k] = counters.get(k, 0.0) + v
-        rates = {k: v / wall for k, v in counters.items()} if wall > 0 else {}
+        made = counters
         scope = "whole run" + (f" ({len(segments)} segments)" if len(segments) > 1 else "")
     workers, evaluation_s = training_shares(workers)
+    # per second of training: an evaluation pauses the pipeline, and its time would dilute every rate
+    trained_s = wall - evaluation_s
+    rates = {k: v / trained_s for k, v in made.items()} if trained_s > 0 else {}
     return {
         "recording": str(path),
         "run": hello.run if hello else None,
@@ -117,7 +120,7 @@ def summarize(path: Path, last: int | None = None) -> dict[str, Any]:
         "counters": counters,
         "rates": rates,
         "gauges": dict(snaps[-1].gauges),
-        "bottleneck": analyze(workers, snaps[-1].roles),
+        "bottleneck": msgspec.structs.replace(analyze(workers, snaps[-1].roles), scope=scope),
         "events": len(events),
         "ended": byes[-1].reason if byes else None,
         "malformed_lines": bad,
@@ -156,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
     if data["gauges"]:
         print("gauges (last): " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(data["gauges"].items())))
     b = data["bottleneck"]
-    print(f"bottleneck: {b.verdict}: {b.reason}")
+    print(f"bottleneck ({b.scope}): {b.verdict}: {b.reason}")
+    if b.evidence:
+        print(f"  evidence: {evidence_text(b.evidence)}")
     if data["ended"]:
         print(f"ended: {data['ended']}")
     else:

@@ -24,6 +24,9 @@ time (on the CPU, where compute is synchronous) counts its host time.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+
+import msgspec
 
 from dflash.telemetry import vocab
 from dflash.telemetry.protocol import Bottleneck, CategoryStats
@@ -34,7 +37,7 @@ from dflash.telemetry.vocab import (
     TARGET_BUSY,
     THRESHOLD,
     Role,
-    legacy_role,
+    roles_of,
 )
 
 #: GIL contention (share of a probe thread's time spent waiting for the GIL, dflash/telemetry/gil.py)
@@ -44,14 +47,31 @@ GIL_BOUND = 0.5
 #: GIL run one at a time, so a process using more is computing in parallel, whatever the probe says
 #: (a sleep probe on an oversubscribed machine also counts waiting for a core)
 GIL_BOUND_MAX_CPU = 150.0
+#: ... and on at least this much of one: one thread holds the GIL and runs, so a process far below one
+#: core while its threads "wait" was waiting for a CPU, not for the lock (the probe cannot tell them apart)
+GIL_BOUND_MIN_CPU = 70.0
+#: workers that ran on a CPU less than this fraction of the time they were busy were kept off the cores
+STARVED_RATIO = 0.5
+#: ... by other processes using at least this many cores, with fewer than this many left idle
+STARVED_OTHERS_CORES = 0.5
+STARVED_IDLE_CORES = 0.5
 
 
-def roles_of(workers: Mapping[str, object], roles: Mapping[str, str] | None) -> dict[str, Role | None]:
-    """Each worker's role as it registered it; a recording from before roles were on the wire (no
-    `roles` at all) falls back to the thread names trainers of that time used."""
-    if not roles:
-        return {w: legacy_role(w) for w in workers}
-    return {w: Role(roles[w]) if roles.get(w) in Role.__members__.values() else None for w in workers}
+@dataclass(frozen=True)
+class CpuFigures:
+    """What the machine gave the pipeline over the judged time (dflash.telemetry.system's samples)."""
+
+    #: mean share of wall time a pipeline worker's thread ran on a CPU
+    worker_cpu: float
+    #: mean share of wall time a pipeline worker was busy (in spans that are not queue waits)
+    worker_busy: float
+    cores: int
+    #: cores other processes used, and cores nobody used (means over the judged time)
+    others_cores: float
+    idle_cores: float
+    load1: float = 0.0
+    steal_cores: float | None = None
+
 
 
 def _mean(values: list[float]) -> float:
@@ -173,10 +193,11 @@ def analyze(
 
 
 class SteadyVerdict:
-    """Hysteresis for the per-window verdict: the published verdict changes only once another has won
-    `hold` windows in a row, so shares wobbling around a threshold do not flip it every second. The
-    first real verdict, and any verdict after "unknown" (start-up, an evaluation pause), is taken at
-    once: there is nothing to hold then. The log line and dflash-top both show what this returns."""
+    """Hysteresis for the judged verdict: the published verdict changes only once another has won
+    `hold` judgements in a row, so shares wobbling around a threshold do not flip it. The first real
+    verdict, and any verdict after "unknown" (start-up, an evaluation pause), is taken at once: there is
+    nothing to hold then. A held verdict keeps the reason and evidence it was last judged on (so the
+    two never disagree) and says in its scope what the newer judgements look like."""
 
     def __init__(self, hold: int = HOLD_WINDOWS) -> None:
         self.hold = hold
@@ -198,11 +219,10 @@ class SteadyVerdict:
             self._challenger, self._wins = None, 0
             self.current = raw
             return raw
-        # Held: this window's numbers, the standing verdict and why it stands.
-        return Bottleneck(verdict=cur.verdict,
-                          reason=f"{cur.reason} (held: this window looks {raw.verdict}, "
-                                 f"{self._wins} of {self.hold} in a row needed to change)",
-                          evidence=raw.evidence)
+        # Held: the standing verdict with its own numbers, and why it stands.
+        scope = f"{cur.scope}; " if cur.scope else ""
+        return msgspec.structs.replace(cur, scope=f"{scope}held: the latest judgement looks {raw.verdict}, "
+                                                  f"{self._wins} of {self.hold} in a row needed to change")
 
 
 def gil_bound(b: Bottleneck, contention: float | None, cpu_percent: float | None = None,
@@ -213,7 +233,7 @@ def gil_bound(b: Bottleneck, contention: float | None, cpu_percent: float | None
     processes, would."""
     if contention is None or contention < threshold or b.verdict == vocab.UNKNOWN.name:
         return b
-    if cpu_percent is not None and cpu_percent > GIL_BOUND_MAX_CPU:
+    if cpu_percent is not None and not GIL_BOUND_MIN_CPU <= cpu_percent <= GIL_BOUND_MAX_CPU:
         return b
     evidence = {**b.evidence, "gil_contention": round(contention, 4)}
     if cpu_percent is not None:
@@ -268,3 +288,47 @@ def _by_device_time(targets: list[Mapping[str, CategoryStats]], drafters: list[M
                           "drafter step cheaper (fewer anchors or drafter layers) or add ranks (--nproc, torchrun)",
                           evidence=evidence)
     return Bottleneck(verdict=vocab.BALANCED.name, reason=f"{figures}: within {threshold:.0%} of each other", evidence=evidence)
+
+
+def cpu_starved(b: Bottleneck, cpu: CpuFigures | None) -> Bottleneck:
+    """The verdict, turned into "CPU-starved" when the workers ran on a CPU far less than they were busy
+    while other processes took the cores: the stage that looks slowest is slow because it waits for a
+    core, which neither the pipeline's settings nor the GIL explain. Wins over GIL-bound, whose probe
+    (a sleeping thread's lateness) also counts waiting for a core."""
+    if cpu is None or b.verdict == vocab.UNKNOWN.name or cpu.worker_busy <= 0:
+        return b
+    starved = (cpu.worker_cpu < STARVED_RATIO * cpu.worker_busy and cpu.others_cores >= STARVED_OTHERS_CORES
+               and cpu.idle_cores < STARVED_IDLE_CORES)
+    if not starved:
+        return b
+    evidence = {**b.evidence, "workers.cpu": round(cpu.worker_cpu, 4), "workers.busy": round(cpu.worker_busy, 4),
+                "machine.other_cores": round(cpu.others_cores, 2), "machine.idle_cores": round(cpu.idle_cores, 2),
+                "machine.cores": float(cpu.cores)}
+    return Bottleneck(
+        verdict=vocab.CPU_STARVED.name,
+        reason=(f"other processes use {cpu.others_cores:.1f} of {cpu.cores} cores: the workers ran on a CPU "
+                f"{cpu.worker_cpu:.0%} of the time while busy {cpu.worker_busy:.0%}, so the "
+                f"{b.verdict.removesuffix('-bound')} stage ({b.verdict} by its waits) waits for a core; free "
+                "cores (stop other jobs) or use fewer threads (--threads-per-worker)"),
+        evidence=evidence,
+    )
+
+
+def agrees_with_evidence(b: Bottleneck) -> bool:
+    """Whether the verdict follows from its own evidence by the rules above (for tests and the
+    stability benchmark: a verdict shown beside numbers that say otherwise is a contradiction)."""
+    e, t = b.evidence, b.evidence.get("threshold", THRESHOLD)
+    starve, put, wait = (e.get("target.batch_queue_wait", 0.0), e.get("target.hs_queue_put", 0.0),
+                         e.get("drafter.hs_queue_wait", 0.0))
+    device = e.get("device_time") == 1.0
+    gap = e.get("target.device_busy", 0.0) - e.get("drafter.device_busy", 0.0)
+    checks = {
+        vocab.UNKNOWN.name: True,
+        vocab.DATA_BOUND.name: starve >= t and starve >= put,
+        vocab.TARGET_BOUND.name: gap >= t if device else wait >= t and wait >= put,
+        vocab.DRAFTER_BOUND.name: -gap >= t if device else put >= t and put >= wait,
+        vocab.BALANCED.name: abs(gap) < t if device else max(starve, put, wait) < t,
+        vocab.GIL_BOUND.name: e.get("gil_contention", 0.0) >= GIL_BOUND,
+        vocab.CPU_STARVED.name: e.get("workers.cpu", 1.0) < STARVED_RATIO * e.get("workers.busy", 0.0),
+    }
+    return checks.get(b.verdict, True)

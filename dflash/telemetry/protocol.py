@@ -91,6 +91,21 @@ class GpuSample(msgspec.Struct, omit_defaults=True):
     mig: list[MigSample] = []
 
 
+class MachineSample(msgspec.Struct, omit_defaults=True):
+    """The whole machine, as top and btop see it: whether the trainer gets the cores it asks for."""
+
+    #: logical CPUs of the machine
+    cores: int = 0
+    #: 1-minute load average (runnable and running tasks, all processes)
+    load1: float = 0.0
+    #: CPU time all processes used over the window, percent of one core (0 .. cores x 100)
+    busy_percent: float = 0.0
+    #: ... of which processes other than the trainer
+    others_percent: float = 0.0
+    #: time the hypervisor ran other guests on our virtual CPUs, percent of one core (None: not reported)
+    steal_percent: float | None = None
+
+
 class SystemSample(msgspec.Struct, omit_defaults=True):
     cpu_percent: float = 0.0
     rss_bytes: int = 0
@@ -98,13 +113,18 @@ class SystemSample(msgspec.Struct, omit_defaults=True):
     gpus: list[GpuSample] = []
     #: why `gpus` is empty (e.g. "no NVIDIA driver"); None when GPUs were read
     gpu_error: str | None = None
+    machine: MachineSample | None = None
 
 
 class Bottleneck(msgspec.Struct, omit_defaults=True):
     #: one of dflash.telemetry.vocab.VERDICTS
     verdict: str
     reason: str = ""
+    #: the figures the verdict was decided from, over the same time as the verdict
     evidence: dict[str, float] = {}
+    #: what time the verdict and its evidence cover: "last 10 s (24 steps)", "whole run (training 5:00)";
+    #: a held verdict adds why it still stands ("" in recordings from before the field)
+    scope: str = ""
 
 
 class RankFigures(msgspec.Struct, omit_defaults=True):

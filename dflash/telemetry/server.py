@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from dflash.telemetry.analysis import SteadyVerdict, analyze, gil_bound
 from dflash.telemetry.introspection import ptrace_allow, python_stacks, thread_map
+from dflash.telemetry.judge import PublishedVerdict
 from dflash.telemetry.peers import MAX_REQUEST_BYTES, Client, Peers
 from dflash.telemetry.protocol import (
     PROTO,
@@ -52,7 +52,6 @@ from dflash.telemetry.sockets import (
 from dflash.telemetry.stats import ProfileStats
 from dflash.telemetry.summary import Summary, to_snapshot
 from dflash.telemetry.system import SystemSampler
-from dflash.telemetry.vocab import Gauge
 
 log = logging.getLogger("dflash.telemetry")
 
@@ -160,8 +159,10 @@ class TelemetryServer:
         self._sampler: SystemSampler | None = None
         self._sampler_failed = False
         self._seq = 0
-        #: the published verdict, with hysteresis; the trainer's log line reads `verdict.current`
-        self.verdict = SteadyVerdict()
+        #: the published verdict (recent span, held; the whole run in the last snapshot); the trainer's log
+        #: line reads `verdict.current`
+        self.verdict = PublishedVerdict()
+        self._final_publish = False
         self._last_snapshot: bytes | None = None
         self._latest: Summary | None = None
         self._accept_paused = False
@@ -396,9 +397,8 @@ class TelemetryServer:
                         log.warning("system sample failed: %s", e)
                         self._sampler_failed = True
             self._seq += 1
-            judged = analyze(summary.workers, summary.roles, steps=summary.counters.get("steps"))
-            verdict = self.verdict.update(gil_bound(judged, summary.gauges.get(Gauge.GIL_CONTENTION),
-                                                    system.cpu_percent if system is not None else None))
+            verdict = (self.verdict.final(summary) if self._final_publish
+                       else self.verdict.update(summary, system))
             snap = to_snapshot(summary, self._seq, self.interval_s, system, verdict)
             if self._cluster_view is not None:
                 snap.cluster = self._cluster_view()
@@ -504,6 +504,7 @@ class TelemetryServer:
                 self._listener = None
             self._drain_commands()
             if final:
+                self._final_publish = True  # the last snapshot judges the whole run
                 self._publish()
                 self._drain_commands()  # events the monitors raised in that last publish
             bye = encode(Bye(t=time.time(), reason=self._reason))

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import psutil
 
-from dflash.telemetry.protocol import GpuSample, MigSample, SystemSample, ThreadSample
+from dflash.telemetry.protocol import GpuSample, MachineSample, MigSample, SystemSample, ThreadSample
 
 T = TypeVar("T")
 
@@ -124,6 +124,7 @@ class SystemSampler:
         self._proc.cpu_percent(None)  # primes psutil's delta
         self._last_t = time.monotonic()
         self._last_cpu = self._thread_times()
+        self._last_machine = _machine_times()
         # NVML's first init loads the driver library (tens of ms): pay it at start-up, not in the
         # middle of training
         self._init_nvml()
@@ -172,7 +173,25 @@ class SystemSampler:
         except (psutil.Error, OSError):
             cpu, rss = 0.0, 0
         gpus, err = self._gpus()
-        return SystemSample(cpu_percent=cpu, rss_bytes=rss, threads=threads, gpus=gpus, gpu_error=err)
+        return SystemSample(cpu_percent=cpu, rss_bytes=rss, threads=threads, gpus=gpus, gpu_error=err,
+                            machine=self._machine(wall, cpu))
+
+    def _machine(self, wall: float, own_percent: float) -> MachineSample | None:
+        """The machine's CPU over the same window as the process' (differences of the kernel's counters),
+        so "other processes" is the machine's busy time minus ours, not two clocks compared."""
+        now = _machine_times()
+        last, self._last_machine = self._last_machine, now
+        if now is None or last is None:
+            return None
+        busy = max(0.0, (now[0] - last[0]) / wall * 100.0)
+        steal = None if now[1] is None or last[1] is None else max(0.0, (now[1] - last[1]) / wall * 100.0)
+        try:
+            load1 = os.getloadavg()[0]
+        except OSError:
+            load1 = 0.0
+        return MachineSample(cores=psutil.cpu_count() or 1, load1=round(load1, 2), busy_percent=round(busy, 1),
+                             others_percent=round(max(0.0, busy - own_percent), 1),
+                             steal_percent=None if steal is None else round(steal, 1))
 
     def _init_nvml(self) -> Any:
         if self._nvml is None:
@@ -295,6 +314,17 @@ class SystemSampler:
             self._gpm.clear()
             _na(self._nvml.nvmlShutdown)
             self._nvml = None
+
+
+def _machine_times() -> tuple[float, float | None] | None:
+    """(CPU seconds all processes used, seconds stolen by the hypervisor) since boot, over every core."""
+    try:
+        t = psutil.cpu_times()
+    except (psutil.Error, OSError):
+        return None
+    # user includes guest time on Linux; idle and iowait are not busy; steal is the hypervisor's
+    busy = t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+    return busy, getattr(t, "steal", None)
 
 
 def _float(v: Any) -> float | None:

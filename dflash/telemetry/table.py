@@ -2,7 +2,8 @@
 
 The trainer's log, `dflash stats` and `dflash-top --once` print the same table from here, and
 dflash-top's panels write their numbers with the same ``seconds``/``clock``, so a figure reads the
-same wherever it appears. Pure: it imports only the protocol, and dflash-top may import it.
+same wherever it appears; so do a verdict's evidence and the machine's one-line view. Pure: it imports
+only the protocol and the vocabulary, and dflash-top may import it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from dflash.telemetry.protocol import CategoryStats, DeviceStats
+from dflash.telemetry.protocol import CategoryStats, DeviceStats, MachineSample
+from dflash.telemetry.vocab import WAIT_CATEGORIES, roles_of
 
 NA = "-"
 
@@ -41,6 +43,51 @@ def clock(v: float | None, short: bool = False) -> str:
     h, rem = divmod(int(round(v)), 3600)
     m, sec = divmod(rem, 60)
     return f"{m}:{sec:02d}" if short and not h else f"{h}:{m:02d}:{sec:02d}"
+
+
+#: evidence keys that count things (workers, cores) rather than give a share of time
+COUNT_KEYS = ("targets", "drafters", "workers", "producers", "depth", "count", "_n", "cores", "device_time")
+
+
+def evidence_value(key: str, v: float) -> str:
+    """One figure of a verdict's evidence: shares (fractions of wall time) as percentages, counts and
+    cores as numbers, seconds as durations."""
+    if not isinstance(v, (int, float)) or not math.isfinite(v):
+        return str(v)
+    if key.endswith(COUNT_KEYS):
+        return f"{v:.0f}" if float(v).is_integer() else f"{v:.1f}"
+    if key.endswith(("_s", "_time")):
+        return seconds(v)
+    p = v * 100  # every other figure is a share of wall time (busy can pass 100% on overlap)
+    return f"{p:.0f}%" if p >= 99.5 else f"{p:.1f}%"
+
+
+def evidence_text(evidence: dict[str, float]) -> str:
+    """A verdict's evidence in one line, as the log and dflash-top print it."""
+    return "  ".join(f"{k} {evidence_value(k, v)}" for k, v in evidence.items())
+
+
+def pipeline_cpu(workers: Mapping[str, Mapping[str, CategoryStats]], roles: Mapping[str, str] | None,
+                 thread_cpu: Mapping[str, float]) -> tuple[float, float] | None:
+    """(mean share of wall time a pipeline worker's thread ran on a CPU, mean share it was busy in spans
+    that are not queue waits), from per-thread CPU percent; None without the workers' threads."""
+    pipeline = [w for w, r in roles_of(workers, roles).items() if r is not None and w in thread_cpu]
+    if not pipeline:
+        return None
+    cpu = sum(thread_cpu[w] for w in pipeline) / 100.0
+    busy = sum(st.share for w in pipeline for c, st in workers[w].items() if c not in WAIT_CATEGORIES)
+    return cpu / len(pipeline), busy / len(pipeline)
+
+
+def machine_text(m: MachineSample, process_cpu: float, workers: tuple[float, float] | None = None) -> str:
+    """The machine's view in one line: is the trainer getting the cores it asks for."""
+    steal = f" | steal {m.steal_percent / 100:.1f}" if m.steal_percent is not None else ""
+    idle = max(0.0, m.cores - m.busy_percent / 100)
+    line = (f"machine: load {m.load1:.1f} on {m.cores} cores | other processes {m.others_percent / 100:.1f} cores"
+            f" | idle {idle:.1f}{steal} | trainer {process_cpu / 100:.1f}")
+    if workers is not None:
+        line += f" | workers on a CPU {workers[0]:.0%} of the time, busy {workers[1]:.0%}"
+    return line
 
 
 def merge_category_stats(parts: Sequence[CategoryStats], wall_s: float | None = None) -> CategoryStats:

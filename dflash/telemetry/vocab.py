@@ -7,6 +7,7 @@ imports it, so it imports nothing but the standard library.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -20,6 +21,8 @@ CATEGORIES = ("batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put
 CACHE_CATEGORIES = ("cache_wait", "cache_read", "cache_write")
 #: categories that are not training: time spent in them pauses the pipeline
 PAUSE_CATEGORIES = ("eval",)
+#: waiting on a queue: time a worker is neither working nor asking for a CPU
+WAIT_CATEGORIES = ("batch_queue_wait", "hs_queue_put", "hs_queue_wait")
 #: a role's working share: what it does when it is not waiting on a queue
 TARGET_BUSY = ("target_forward", "cache_read", "pack_hidden", "h2d")
 DRAFTER_BUSY = ("drafter_forward", "drafter_backward", "optimizer_step", "h2d")
@@ -48,13 +51,24 @@ def legacy_role(worker: str) -> Role | None:
     return None
 
 
+def roles_of(workers: Iterable[str], roles: Mapping[str, str] | None) -> dict[str, Role | None]:
+    """Each worker's role as it registered it (a snapshot's `roles`); a recording from before roles were
+    on the wire (no `roles` at all) falls back to its thread names."""
+    if not roles:
+        return {w: legacy_role(w) for w in workers}
+    known = {r.value for r in Role}
+    return {w: Role(roles[w]) if roles.get(w) in known else None for w in workers}
+
+
 # --- the bottleneck verdicts -----------------------------------------------------------------------
 
 #: a wait above this share of a worker's wall time counts as starving/blocked
 THRESHOLD = 0.20
 #: below this much timed work per pipeline worker there is nothing to judge (start-up, eval pauses)
 MIN_TRACKED = 0.05
-#: a new verdict shows once it has won this many smoothed windows in a row
+#: the published verdict judges this many seconds of recent windows merged, not one window
+VERDICT_SPAN_S = 10.0
+#: a new verdict shows once it has won this many judgements (one per window) in a row
 HOLD_WINDOWS = 3
 
 

@@ -92,12 +92,18 @@ class LogLines:
         summary, b = self.latest(), None
         if summary is not None:
             from dflash.telemetry import format_profile_stats
-            from dflash.telemetry.analysis import analyze
+            from dflash.telemetry.judge import whole_run
+            from dflash.telemetry.table import evidence_text
 
             # Cumulative: a 1 s window is too noisy for a line printed every few seconds.
             self.report.log(format_profile_stats(summary, limit=12, cumulative=True))
-            b = (None if final else self.verdict()) or analyze(summary.cumulative, summary.roles)
-            self.report.log(f"bottleneck: {b.verdict}" + (f" - {b.reason}" if b.reason else ""))
+            # The verdict dflash-top shows (the recent span it names), the whole run at the end; its
+            # evidence from that same span, so the line never pairs a verdict with other numbers.
+            b = (None if final else self.verdict()) or whole_run(summary.cumulative, summary.roles, summary.counters.get("steps"))
+            scope = f" ({b.scope})" if b.scope else ""
+            self.report.log(f"bottleneck{scope}: {b.verdict}" + (f" - {b.reason}" if b.reason else ""))
+            if b.evidence:
+                self.report.log(f"  evidence: {evidence_text(b.evidence)}")
         if self.report.trackers is not None:
             self.report.trackers.log(st.step, interval_scalars(
                 loss=m["loss"], accuracy=m["accuracy"], sim_tau=m["sim_tau"], per_position=m["per_position_acc"],

@@ -1,14 +1,15 @@
-"""The bottleneck verdict (target-, drafter-, data-bound, balanced) with the numbers behind it.
+"""The bottleneck verdict with the numbers behind it, the time they cover, and the machine's view.
 
-The verdict is computed by the trainer (dflash.telemetry.analysis); showing its evidence next to it
-lets a reader check the claim instead of trusting it.
+The verdict is computed by the trainer (dflash.telemetry.judge); showing its evidence and scope next to
+it lets a reader check the claim instead of trusting it, and the machine line shows whether the trainer
+gets the cores it asks for (what top and btop would show).
 """
 
 from __future__ import annotations
 
 from rich.text import Text
 
-from dflash_tui import fmt
+from dflash.telemetry.table import evidence_text, machine_text, pipeline_cpu
 from dflash_tui.state import RunState
 from dflash_tui.widgets.base import TextPanel
 
@@ -17,21 +18,6 @@ VERDICT_STYLE = {"target-bound": "bold white on dark_orange3", "drafter-bound": 
                  "input-bound": "bold black on cyan", "GIL-bound": "bold white on red3",
                  "CPU-starved": "bold white on dark_red", "balanced": "bold black on green",
                  "unknown": "bold white on grey35"}
-
-
-#: evidence keys that count things (workers) rather than give a share of time
-COUNT_KEYS = ("targets", "drafters", "workers", "producers", "depth", "count", "_n")
-
-
-def evidence_value(key: str, v: float) -> str:
-    """Shares (the analysis reports fractions of wall time) as percentages, counts as integers."""
-    if not isinstance(v, (int, float)):
-        return str(v)
-    if key.endswith(COUNT_KEYS):
-        return f"{v:.0f}" if float(v).is_integer() else fmt.number(v)
-    if key.endswith("_s") or key.endswith("_time"):
-        return fmt.seconds(v)
-    return fmt.percent(v)  # every other figure is a share of wall time (busy can pass 100% on overlap)
 
 
 def bottleneck_text(state: RunState) -> Text:
@@ -45,12 +31,26 @@ def bottleneck_text(state: RunState) -> Text:
     if b is None:
         return t.append("no verdict yet (needs a few snapshot windows)", style="dim")
     t.append(f" {b.verdict.upper()} ", style=VERDICT_STYLE.get(b.verdict, "bold reverse"))
+    if b.scope:
+        t.append(f" {b.scope}", style="italic")
     if b.reason:
         t.append("  " + b.reason)
     if b.evidence:
         t.append("\n")
-        t.append("  ".join(f"{k} {evidence_value(k, v)}" for k, v in b.evidence.items()), style="dim")
+        t.append(evidence_text(b.evidence), style="dim")
+    line = machine_line(state)
+    if line:
+        t.append("\n" + line + " (last window)", style="dim")
     return t
+
+
+def machine_line(state: RunState) -> str | None:
+    """The machine's view over the latest window, with the pipeline workers' CPU time against their busy time."""
+    snap, sys_ = state.snapshot, state.system
+    if snap is None or sys_ is None or sys_.machine is None:
+        return None
+    threads = {th.name: th.cpu_percent for th in sys_.threads}
+    return machine_text(sys_.machine, sys_.cpu_percent, pipeline_cpu(snap.workers, snap.roles, threads))
 
 
 class BottleneckPanel(TextPanel):

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.binding import Binding
 
-from dflash.telemetry.vocab import HOLD_WINDOWS, VERDICTS
+from dflash.telemetry.vocab import HOLD_WINDOWS, VERDICT_SPAN_S, VERDICTS
 from dflash_tui.widgets.modal import ReportScreen
 
 #: action -> when it works, for keys that depend on the source
@@ -22,8 +22,11 @@ WHEN = {"pause": "replay", "step": "replay", "faster": "replay", "slower": "repl
 
 TERMS = [
     ("window", "the time between two snapshots (the trainer's --telemetry-interval, 1 s by default). The "
-               "bars, the table and the verdict describe the latest window; `dflash stats` and --once on a "
-               "finished run describe the whole run."),
+               "bars and the table describe the latest window; the verdict judges the last "
+               f"{VERDICT_SPAN_S:.0f} s of windows (its scope says which time it covers, and its evidence comes "
+               "from that time); `dflash stats`, --once and the last snapshot of a finished run judge the whole run."),
+    ("machine", "load against cores, CPU used by other processes, steal (a VM's host running other guests), and "
+                "the pipeline workers' CPU time against their busy time: far below it means they wait for a core."),
     ("share", "the fraction of a worker's wall time in the window spent in one category (its spans). A "
               "worker's shares and its untracked part add up to 100%."),
     ("untracked", "the part of a worker's wall time no category covered: Python between spans, the GIL, "
@@ -40,8 +43,9 @@ def verdicts() -> list[tuple[str, str]]:
     return [
         *((v.name, v.meaning) for v in VERDICTS.values()),
         ("EVALUATING", "training paused for an evaluation (speculative decoding against the target)."),
-        ("hysteresis", f"a new verdict shows once it has won {HOLD_WINDOWS} windows in a row; until then the "
-                       "standing one says `held`. After unknown the next verdict shows at once."),
+        ("hysteresis", f"a new verdict shows once it has won {HOLD_WINDOWS} judgements (one per window) in a "
+                       "row; until then the standing one keeps its own evidence and its scope says `held`. After "
+                       "unknown the next verdict shows at once."),
     ]
 
 

@@ -1,0 +1,169 @@
+"""The verdict the trainer publishes, and the time it covers.
+
+One window (a second) holds one or two drafter steps, so its shares swing across the thresholds and a
+verdict judged on it flips every few seconds. The published verdict judges the last VERDICT_SPAN_S of
+windows merged (shares weighted by each window's length), with the GIL probe and the machine's CPU over
+the same span, states that span as its `scope`, and is held against flapping by SteadyVerdict. At the
+end of a run the whole run is judged instead (`whole_run`): the last windows hold the wind-down, when
+every stage waits on another.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import msgspec
+
+from dflash.telemetry.analysis import CpuFigures, SteadyVerdict, analyze, cpu_starved, gil_bound
+from dflash.telemetry.protocol import Bottleneck, CategoryStats, MachineSample, SystemSample, training_shares
+from dflash.telemetry.summary import Summary, WorkerStats
+from dflash.telemetry.table import clock, pipeline_cpu
+from dflash.telemetry.vocab import CPU_STARVED, VERDICT_SPAN_S, Gauge
+
+
+@dataclass
+class _Window:
+    seconds: float
+    workers: WorkerStats
+    #: the steps counter before and after the window (None: the run counts no steps)
+    steps: tuple[float, float] | None
+    contention: float | None
+    process_cpu: float | None
+    #: worker -> its thread's CPU percent
+    thread_cpu: dict[str, float] = field(default_factory=dict)
+    machine: MachineSample | None = None
+
+
+def _mean(pairs: list[tuple[float, float]]) -> float | None:
+    """Mean of (weight, value) pairs, None when there are none."""
+    w = sum(p[0] for p in pairs)
+    return sum(p[0] * p[1] for p in pairs) / w if w > 0 else None
+
+
+def _span_stats(parts: list[tuple[float, CategoryStats]], total_s: float) -> CategoryStats:
+    """One category over the span from its windows' (seconds, stats): counts and times summed, shares
+    weighted by window length; the percentiles are the newest window's (the verdict does not use them)."""
+    last = parts[-1][1]
+    dev_parts = [(s, st.device) for s, st in parts if st.device is not None]
+    dev = last.device
+    if dev is not None:
+        dev = msgspec.structs.replace(dev, n=sum(d.n for _, d in dev_parts), total=sum(d.total for _, d in dev_parts),
+                                      share=sum(s * d.share for s, d in dev_parts) / total_s)
+    return msgspec.structs.replace(last, n=sum(st.n for _, st in parts), total=sum(st.total for _, st in parts),
+                                   share=sum(s * st.share for s, st in parts) / total_s, device=dev)
+
+
+class RecentWindows:
+    """The last `span_s` seconds of published windows, judged together."""
+
+    def __init__(self, span_s: float = VERDICT_SPAN_S) -> None:
+        self.span_s = span_s
+        self._windows: deque[_Window] = deque()
+        self._roles: dict[str, str] = {}
+        self._steps: float | None = None
+
+    def add(self, summary: Summary, system: SystemSample | None) -> None:
+        if summary.window_s <= 0:
+            return
+        self._roles = summary.roles or self._roles
+        steps, before = summary.counters.get("steps"), self._steps
+        self._steps = steps
+        threads = {t.name: t.cpu_percent for t in system.threads} if system is not None else {}
+        self._windows.append(_Window(
+            seconds=summary.window_s, workers=summary.workers,
+            steps=None if steps is None else (steps if before is None else before, steps),
+            contention=summary.gauges.get(Gauge.GIL_CONTENTION),
+            process_cpu=system.cpu_percent if system is not None else None,
+            thread_cpu={w: threads[w] for w in summary.workers if w in threads},
+            machine=system.machine if system is not None else None))
+        # keep the newest windows that cover the span (the oldest one may start before it)
+        while len(self._windows) > 1 and sum(w.seconds for w in self._windows) - self._windows[0].seconds >= self.span_s:
+            self._windows.popleft()
+
+    def merged(self) -> WorkerStats:
+        """Each worker's categories over the span (a worker absent from a window counts as idle there)."""
+        total = sum(w.seconds for w in self._windows)
+        parts: dict[str, dict[str, list[tuple[float, CategoryStats]]]] = {}
+        for win in self._windows:
+            for worker, cats in win.workers.items():
+                for cat, st in cats.items():
+                    parts.setdefault(worker, {}).setdefault(cat, []).append((win.seconds, st))
+        return {worker: {cat: _span_stats(p, total) for cat, p in cats.items()}
+                for worker, cats in parts.items()} if total > 0 else {}
+
+    def cpu_figures(self, workers: WorkerStats) -> CpuFigures | None:
+        """The machine's view over the span; None without machine samples or worker threads."""
+        m = [(w.seconds, w.machine) for w in self._windows if w.machine is not None and w.machine.cores > 0]
+        # each worker's thread CPU over the span, weighted like its shares
+        total = sum(w.seconds for w in self._windows)
+        seen = {name for w in self._windows for name in w.thread_cpu}
+        thread_cpu = {name: sum(w.thread_cpu.get(name, 0.0) * w.seconds for w in self._windows) / total
+                      for name in seen} if total > 0 else {}
+        figures = pipeline_cpu(workers, self._roles, thread_cpu)
+        if not m or figures is None:
+            return None
+        last = m[-1][1]
+        return CpuFigures(
+            worker_cpu=figures[0], worker_busy=figures[1], cores=last.cores,
+            others_cores=_mean([(s, x.others_percent / 100.0) for s, x in m]) or 0.0,
+            idle_cores=_mean([(s, max(0.0, x.cores - x.busy_percent / 100.0)) for s, x in m]) or 0.0,
+            load1=last.load1,
+            steal_cores=_mean([(s, x.steal_percent / 100.0) for s, x in m if x.steal_percent is not None]))
+
+    def steps(self) -> float | None:
+        """Training steps made in the span (None: the run counts no steps)."""
+        steps = [w.steps for w in self._windows if w.steps is not None]
+        return steps[-1][1] - steps[0][0] if steps else None
+
+    def scope(self) -> str:
+        total, steps = sum(w.seconds for w in self._windows), self.steps()
+        return f"last {total:.0f} s" + (f", {steps:.0f} steps" if steps is not None else "")
+
+    def judge(self) -> Bottleneck:
+        """The verdict over the span, with its evidence and the machine's view from the same span."""
+        workers = self.merged()
+        raw = analyze(workers, self._roles, steps=self.steps())
+        cpu = self.cpu_figures(workers)
+        starved = cpu_starved(raw, cpu)
+        if starved.verdict == CPU_STARVED.name:
+            b = starved
+        else:
+            contention = _mean([(w.seconds, w.contention) for w in self._windows if w.contention is not None])
+            process = _mean([(w.seconds, w.process_cpu) for w in self._windows if w.process_cpu is not None])
+            b = gil_bound(raw, contention, process)
+        return msgspec.structs.replace(b, scope=self.scope())
+
+    def clear(self) -> None:
+        """Forget the span (a phase change: what came before says nothing about what comes next)."""
+        self._windows.clear()
+
+
+class PublishedVerdict:
+    """What the trainer publishes in each snapshot and prints in its log line: the recent span judged,
+    held against flapping, or the whole run once it has ended."""
+
+    def __init__(self, span_s: float = VERDICT_SPAN_S) -> None:
+        self.recent = RecentWindows(span_s)
+        self.steady = SteadyVerdict()
+        #: the last verdict published (None before the first window)
+        self.current: Bottleneck | None = None
+
+    def update(self, summary: Summary, system: SystemSample | None) -> Bottleneck:
+        self.recent.add(summary, system)
+        self.current = self.steady.update(self.recent.judge())
+        return self.current
+
+    def final(self, summary: Summary) -> Bottleneck:
+        self.current = whole_run(summary.cumulative, summary.roles, summary.counters.get("steps"))
+        return self.current
+
+
+def whole_run(cumulative: Mapping[str, Mapping[str, CategoryStats]], roles: Mapping[str, str] | None,
+              steps: float | None = None) -> Bottleneck:
+    """The whole run's verdict: every worker's stats since its start, evaluation time taken out."""
+    workers, paused_s = training_shares({w: dict(c) for w, c in cumulative.items()})
+    b = analyze(workers, roles, steps=steps)
+    note = f", evaluation {clock(paused_s, short=True)} apart" if paused_s > 0 else ""
+    return msgspec.structs.replace(b, scope=f"whole run{note}")
