@@ -24,7 +24,7 @@ from test_train_pipeline import _write_data
 
 from dflash.cli import main
 from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig, Rotary
-from dflash.model.export import config_from_hf, export_drafter, hf_config, load_exported
+from dflash.model.export import DrafterLoadError, config_from_hf, export_drafter, hf_config, load_exported
 from dflash.model.released import ReleaseMismatch, start_from_release
 from dflash.targets import load_target
 from dflash.train.schema import make_config
@@ -126,9 +126,22 @@ def test_the_references_current_config_is_written_and_read(setup):
     back = config_from_hf(newer)
     assert (back.block_size, back.layer_types, back.sliding_window) == (4, [FULL, SLIDING, SLIDING], 3)
     assert back.rope_scaling == YARN
-    full = hf_config(replace(cfg, layer_types=None, sliding_window=None, rope_scaling=None), torch.float32)
+    # vLLM's extensions: the window in dflash_config.swa_window_size, use_swa for every layer; a
+    # causality the engines' default does not give is refused
+    swa = {**full_config(cfg), "dflash_config": {**d["dflash_config"], "use_swa": True, "swa_window_size": 7}}
+    assert (config_from_hf(swa).layer_types, config_from_hf(swa).sliding_window) == ([SLIDING] * 3, 7)
+    for causal in ({"is_causal": True}, {"dflash_config": {**d["dflash_config"], "causal": False}}):
+        with pytest.raises(DrafterLoadError, match="dflash trains sliding layers causal"):
+            config_from_hf({**d, **causal})
+    assert config_from_hf({**full_config(cfg), "is_causal": False}).layer_types == [FULL] * 3
+    full = full_config(cfg)
     assert (full["sliding_window"], full["use_sliding_window"], full["max_window_layers"]) == (None, False, 3)
     assert "rope_scaling" not in full and full["rope_parameters"]["rope_type"] == "default"
+
+
+def full_config(cfg: DrafterConfig) -> dict:
+    """config.json of ``cfg`` with every layer full attention and plain RoPE."""
+    return hf_config(replace(cfg, layer_types=None, sliding_window=None, rope_scaling=None), torch.float32)
 
 
 def test_an_export_loads_in_the_references_model_py(setup, reference, tmp_path):
@@ -258,6 +271,7 @@ def test_layer_flags_are_checked_before_anything_loads():
                           ({"drafter_layer_types": [SLIDING]}, "need a window"),
                           ({"drafter_layer_types": [FULL], "drafter_layers": 2}, "1 layer(s) for 2"),
                           ({"drafter_sliding_window": 0}, "at least 1"),
+                          ({"drafter_sliding_window": 8}, "needs sliding layers"),
                           ({"init_from": "x", "init_from_target": True}, "keep one")]:
         with pytest.raises(ConfigError) as e:
             make_config({}, {**flags, "max_steps": 1})

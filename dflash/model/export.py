@@ -85,22 +85,36 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
 
 
 def layer_types_from_hf(d: dict, num_layers: int) -> tuple[list[str], int | None]:
-    """(layer_types, sliding_window) as a reference-format config.json states them.
+    """(layer_types, sliding_window) as a reference-format config.json states them, read as vLLM does.
 
     ``layer_types`` when present; else Qwen3's older rule, where ``use_sliding_window`` with a
     ``sliding_window`` makes the layers from ``max_window_layers`` on slide; else all full attention.
+    ``dflash_config.swa_window_size`` names the window before ``sliding_window``, and
+    ``dflash_config.use_swa`` makes every layer slide when none does. A config that sets the layers'
+    causality (``is_causal``, ``dflash_config.causal``) against the engines' default (sliding layers
+    causal, full ones bidirectional: the only attention dflash trains) is refused.
     """
-    window = d.get("sliding_window")
+    dc = d.get("dflash_config") or {}
+    window = dc.get("swa_window_size", d.get("sliding_window"))
     window = int(window) if window else None
     types = d.get("layer_types")
+    if types is not None and not isinstance(types, list):
+        raise DrafterLoadError("config.json: layer_types is not a list")
     if types is not None:
-        if not isinstance(types, list):
-            raise DrafterLoadError("config.json: layer_types is not a list")
-        return [str(t) for t in types], window
-    if d.get("use_sliding_window") and window:
-        first = int(d.get("max_window_layers", 0) or 0)
-        return [FULL if i < first else SLIDING for i in range(num_layers)], window
-    return [FULL] * num_layers, window
+        types = [str(t) for t in types]
+    elif d.get("use_sliding_window") and window:
+        first = int(d.get("max_window_layers", 28))  # Qwen3Config's default
+        types = [FULL if i < first else SLIDING for i in range(num_layers)]
+    else:
+        types = [FULL] * num_layers
+    if dc.get("use_swa") and SLIDING not in types:
+        types = [SLIDING] * num_layers
+    causal = d.get("is_causal", dc.get("causal"))
+    if causal is not None and any((t == SLIDING) != bool(causal) for t in types):
+        raise DrafterLoadError(f"config.json makes every layer {'causal' if causal else 'bidirectional'} "
+                               "(is_causal / dflash_config.causal): dflash trains sliding layers causal and full "
+                               "layers bidirectional only")
+    return types, window
 
 
 def config_from_hf(d: dict) -> DrafterConfig:

@@ -83,6 +83,9 @@ class ModelSettings:
         if window is not None and window < 1:
             raise ConfigError(f"drafter_sliding_window must be at least 1, got {window}")
         if types is None:
+            if window is not None and self.init_from is None:
+                raise ConfigError("--drafter-sliding-window needs sliding layers: add --drafter-layer-types, e.g. "
+                                  "sliding_attention,full_attention")
             return
         bad = [t for t in types if t not in kinds]
         if bad:
