@@ -32,9 +32,10 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int) -> lis
         )
     results = []
     for row in out[:, width:].tolist():
+        # A finished row is padded after its EOS; a pad id the target wrote before it is text.
         if tok.eos_token_id in row:
             row = row[: row.index(tok.eos_token_id)]
-        results.append([t for t in row if t != pad])
+        results.append(row)
     return results
 
 

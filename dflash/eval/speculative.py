@@ -20,33 +20,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from dflash.eval.verifier import CachedVerifier, new_cache
 from dflash.model.drafter import DFlashDrafter
 from dflash.targets.hf import HFTarget
 
 
-def _new_cache(model):
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # transformers 4.x
-        return DynamicCache()
-
-
-def _crop(cache, length: int) -> None:
-    """Keep the first ``length`` positions. transformers 5 ``crop`` takes minus the number to drop
-    (4.x also reads a negative argument that way)."""
-    drop = cache.get_seq_length() - length
-    if drop > 0:
-        cache.crop(-drop)
-
-
-def _forward(target: HFTarget, ids: torch.Tensor, cache, start: int, hidden: bool, last_only: bool = False):
+def _forward(target: HFTarget, ids: torch.Tensor, cache, start: int):
     positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
-    kwargs = {target.cache_kwarg: cache}
-    if last_only:
-        kwargs["logits_to_keep"] = 1
-    return target.model(input_ids=ids, position_ids=positions, use_cache=True, output_hidden_states=hidden, **kwargs)
+    return target.model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1,
+                        **{target.cache_kwarg: cache})
 
 
 @torch.inference_mode()
@@ -55,12 +37,12 @@ def greedy_generate(
 ) -> list[int]:
     """The target's own greedy continuation (KV-cached, one token per forward): the lossless reference."""
     stops = set(stop_token_ids or [])
-    cache = _new_cache(target.model)
+    cache = new_cache(target.model)
     ids = torch.tensor([prompt_ids], device=target.device)
     out: list[int] = []
     pos = 0
     while len(out) < max_new_tokens:
-        logits = _forward(target, ids, cache, pos, hidden=False, last_only=True).logits
+        logits = _forward(target, ids, cache, pos).logits
         pos += ids.shape[1]
         tok = int(logits[0, -1].argmax())
         out.append(tok)
@@ -122,6 +104,7 @@ def speculative_generate(
     max_new_tokens: int,
     stop_token_ids: list[int] | None = None,
     block_size: int | None = None,
+    rollback: str | None = None,
 ) -> SpecOutput:
     """Draft-then-verify greedy decoding; returns the same tokens as ``greedy_generate``.
 
@@ -133,7 +116,9 @@ def speculative_generate(
 
     The drafter's context is incremental: its per-layer cache holds keys/values of the context feature
     for every verified position (a sliding-window layer only the last W-1, all a later block can see);
-    each round appends the hidden states of the tokens just accepted.
+    each round appends the hidden states of the tokens just accepted. The target's cache keeps only
+    accepted tokens, whatever its layers (``CachedVerifier``; ``rollback`` picks how, by default the
+    cheapest exact way for this target).
     """
     stops = set(stop_token_ids or [])
     bs = block_size or drafter.config.block_size
@@ -142,11 +127,10 @@ def speculative_generate(
     ddev = drafter.fc.weight.device  # may differ from the target's (a pipeline's drafter GPU)
     mask_id = drafter.config.mask_token_id
 
-    cache = _new_cache(target.model)
-    prompt = torch.tensor([prompt_ids], device=dev)
-    out = _forward(target, prompt, cache, 0, hidden=True, last_only=True)
-    seq = [int(_pick(out.logits[0, -1]))]  # committed tokens, possibly past the budget
-    res = SpecOutput(tokens=[], target_forwards=1)
+    verifier = CachedVerifier(target, rollback)
+    out = verifier.prefill(prompt_ids)
+    seq = [int(_pick(out.logits[-1]))]  # committed tokens, possibly past the budget
+    res = SpecOutput(tokens=[])
     ctx = torch.cat([out.hidden_states[i + 1] for i in taps], dim=-1)  # context not yet seen by the drafter
     ctx_start = 0
     dcache = drafter.new_cache()
@@ -161,20 +145,20 @@ def speculative_generate(
         h = drafter(target.embed_tokens(block)[None].to(ddev), ctx.to(ddev), positions, ctx_positions, cache=dcache)
         block[1:] = target.lm_head(h[0, 1:].to(dev, target.lm_head.weight.dtype)).argmax(-1)
 
-        out = _forward(target, block[None], cache, cur, hidden=True)
-        res.target_forwards += 1
-        posterior = _pick(out.logits[0])  # target's choice after each block token
+        out = verifier.verify(block)
+        posterior = _pick(out.logits)  # target's choice after each block token
         accepted = int((block[1:] == posterior[:-1]).int().cumprod(0).sum())
         seq += block[1 : accepted + 1].tolist() + [int(posterior[accepted])]
         res.accepted.append(accepted)
 
-        _crop(cache, cur + accepted + 1)  # keep the anchor and the accepted drafts; drop the rest
+        verifier.commit(accepted + 1)  # keep the anchor and the accepted drafts; drop the rest
         ctx = torch.cat([out.hidden_states[i + 1] for i in taps], dim=-1)[:, : accepted + 1]
         ctx_start = cur
         if len(seq) > max_new_tokens or not stops.isdisjoint(seq[scanned:]):
             break
         scanned = len(seq)
 
+    res.target_forwards = verifier.forwards
     res.tokens = _cut(seq, max_new_tokens, stops)
     start = 1  # seq[0] came from the prefill; round r added seq[start : start + accepted_r + 1]
     for a in res.accepted:
@@ -236,7 +220,7 @@ class EvalResult:
     acceptance_length: float  # mean over prompts of per_prompt_tau: the reference benchmark's average
     rounds: int
     tokens_generated: int
-    target_forwards: int  # speculative: prefill + one per round
+    target_forwards: int  # speculative: prefill + one per round (+ the verifier's reruns, see verifier.py)
     baseline_forwards: int  # plain greedy: prefill + one per further token
     forwards_saved: int
     acceptance_histogram: list[int]  # rounds with 0, 1, ..., block-1 drafts accepted

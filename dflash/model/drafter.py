@@ -91,6 +91,24 @@ def rope_scaling_of(config) -> dict | None:
     return {**params, "rope_type": kind}
 
 
+def _per_layer(config, name: str, default=None):
+    """A field the target may set per layer (transformers' heterogeneous configs: Gemma 4's full-attention
+    layers have another head_dim than its sliding ones, and reading it globally raises): the value most
+    of its layers have, so the drafter's layers are shaped like most of the target's."""
+    if not isinstance(config, dict):  # a transformers config object
+        if name not in (getattr(config, "per_layer_attributes", None) or ()):
+            return _cfg(config, name, default)
+        values = [getattr(layer, name, None) for layer in config.per_layer_config]
+    else:  # a saved config.json: per_layer_config maps layer index -> that layer's overrides
+        by_layer = {int(k): v for k, v in (_cfg(config, "per_layer_config") or {}).items()}
+        if not any(name in v for v in by_layer.values()):
+            return _cfg(config, name, default)
+        values = [by_layer.get(i, {}).get(name, _cfg(config, name))
+                  for i in range(int(_cfg(config, "num_hidden_layers")))]
+    values = [v for v in values if v is not None]
+    return max(values, key=values.count) if values else default
+
+
 def rope_theta_of(config) -> float:
     """RoPE base of a transformers config: ``rope_parameters`` (transformers 5) or ``rope_theta`` (4.x)."""
     params = _cfg(config, "rope_parameters") or _cfg(config, "rope_scaling") or {}
@@ -179,14 +197,14 @@ class DrafterConfig:
         """
         n_target = int(_cfg(target_config, "num_hidden_layers"))
         hidden = int(_cfg(target_config, "hidden_size"))
-        heads = int(_cfg(target_config, "num_attention_heads"))
-        head_dim = _cfg(target_config, "head_dim") or hidden // heads
+        heads = int(_per_layer(target_config, "num_attention_heads"))
+        head_dim = _per_layer(target_config, "head_dim") or hidden // heads
         return cls(
             hidden_size=hidden,
-            intermediate_size=int(intermediate_size or _cfg(target_config, "intermediate_size") or 4 * hidden),
+            intermediate_size=int(intermediate_size or _per_layer(target_config, "intermediate_size") or 4 * hidden),
             num_layers=num_layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(_cfg(target_config, "num_key_value_heads") or heads),
+            num_key_value_heads=int(_per_layer(target_config, "num_key_value_heads") or heads),
             head_dim=int(head_dim),
             vocab_size=int(_cfg(target_config, "vocab_size")),
             num_target_layers=n_target,

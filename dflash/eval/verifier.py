@@ -1,0 +1,151 @@
+"""The target's side of speculative decoding: verify a block in one forward, then keep only the accepted
+part of it in the target's cache — for every kind of layer a target family has.
+
+After a verify forward the cache holds the whole block; a round keeps only the anchor and the accepted
+drafts. How the rest is taken back depends on the layer:
+
+* full attention, MLA: drop the last keys/values (``crop``);
+* sliding window: the window has already slid past positions a rollback needs again, so transformers
+  must keep them until the crop (``activate_past_recording``, on after the prefill); then ``crop``;
+* linear attention (Gated DeltaNet: Qwen3.5, Qwen3-Next): the convolution state is recorded as above,
+  but the recurrent state is one matrix per head that the block's forward overwrote with its state
+  *after the whole block*; it cannot be cropped (transformers' ``Cache.is_croppable`` is False).
+
+For the recurrent state three ways were measured (``scripts/bench_rollback.py``):
+
+``record``     transformers' recording alone: right for attention and windows, wrong for linear layers
+               (refused here on a cache that cannot crop).
+``rerun``      keep a copy of the recurrent states before each verify; after a partial acceptance put
+               the cache back to the start of the block (crop the recorded attention and convolution
+               states, copy the recurrent states back) and run the kept tokens again: one extra forward
+               of at most a block, only in rounds that did not accept everything.
+``reprefill``  drop the cache and run the whole committed sequence again: a cost that grows with it.
+
+A fourth, prepending the kept tokens to the next verify forward instead of an extra forward, is not
+exact for long: when that round is partial too, the state after the prepended tokens exists only inside
+the forward, so the tokens to replay pile up over every partial round (with a good drafter, nearly all).
+
+The default is ``record`` where it is exact (every layer can crop) and ``rerun`` otherwise (README,
+"Target families", has the measured costs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROLLBACKS = ("record", "rerun", "reprefill")
+
+
+def new_cache(model):
+    """A cache shaped by the model's config: one layer kind per layer (window, linear, dummy...)."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # transformers 4.x
+        return DynamicCache()
+
+
+def _recurrent_states(cache) -> list[tuple[dict, int]]:
+    """(state dict, index) of every recurrent state the cache holds: the part no crop can take back."""
+    found = []
+    for layer in getattr(cache, "layers", []):
+        states = getattr(layer, "recurrent_states", None)
+        if isinstance(states, dict):
+            found += [(states, i) for i, s in states.items() if isinstance(s, torch.Tensor)]
+    return found
+
+
+@dataclass
+class Verified:
+    """A verify forward's results for the block just sent: logits [n, vocab] and the hidden states tuple
+    (index 0 = embeddings, i + 1 = layer i's output), each [1, n, hidden]."""
+
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...] | None
+
+
+class CachedVerifier:
+    """Greedy verification against an in-process transformers target, one sequence at a time.
+
+    ``prefill(prompt)``, then per round ``verify(block)`` and ``commit(n)``: keep the first ``n`` tokens
+    of the block just verified (the anchor and the accepted drafts). ``forwards`` counts target forwards.
+    """
+
+    def __init__(self, target, rollback: str | None = None, hidden: bool = True) -> None:
+        if rollback is not None and rollback not in ROLLBACKS:
+            raise ValueError(f"unknown rollback {rollback!r} (choose from {', '.join(ROLLBACKS)})")
+        self.target = target
+        self.model = target.model
+        self.hidden = hidden
+        self._requested = rollback
+        self.rollback: str | None = None  # decided at prefill, when the cache's layers exist
+        self.cache = new_cache(self.model)
+        self.ids: list[int] = []  # committed tokens, all in the cache
+        self.forwards = 0
+        self._block: torch.Tensor | None = None
+        self._saved: list[torch.Tensor] = []
+
+    def _forward(self, ids: torch.Tensor, start: int, keep: int | None, hidden: bool = True) -> Verified:
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
+        kwargs = {self.target.cache_kwarg: self.cache}
+        if keep is not None:
+            kwargs["logits_to_keep"] = keep
+        hidden = hidden and self.hidden
+        out = self.model(input_ids=ids, position_ids=positions, use_cache=True, output_hidden_states=hidden,
+                         **kwargs)
+        self.forwards += 1
+        n = keep if keep is not None else ids.shape[1]
+        hs = tuple(h[:, -n:] for h in out.hidden_states) if hidden else None
+        return Verified(out.logits[0, -n:], hs)
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int]) -> Verified:
+        """Run the prompt; returns the last position's logits and the prompt's hidden states (all positions)."""
+        ids = torch.tensor([prompt_ids], device=self.target.device)
+        out = self._forward(ids, 0, None)
+        self.ids = list(prompt_ids)
+        # Recording starts after the prefill: recording a long prompt would keep all of its window and
+        # convolution states until the first crop.
+        self.cache.activate_past_recording()
+        exact = getattr(self.cache, "is_croppable", True) and not _recurrent_states(self.cache)
+        self.rollback = self._requested or ("record" if exact else "rerun")
+        if self.rollback == "record" and not exact:
+            raise ValueError("rollback 'record' cannot restore this target's recurrent (linear-attention) state; "
+                             "use rerun or reprefill")
+        return Verified(out.logits[-1:], out.hidden_states)
+
+    @torch.inference_mode()
+    def verify(self, block: torch.Tensor) -> Verified:
+        """One forward over ``block`` (1-D: the anchor, then the drafts) after the committed tokens."""
+        if self.rollback is None:
+            raise RuntimeError("prefill before verify")
+        if self.rollback == "rerun":
+            self._saved = [states[i].clone() for states, i in _recurrent_states(self.cache)]
+        out = self._forward(block[None], len(self.ids), None)
+        self._block = block
+        return out
+
+    @torch.inference_mode()
+    def commit(self, n: int) -> None:
+        """Keep the first ``n`` (>= 1) tokens of the block just verified and forget the rest."""
+        block, self._block = self._block, None
+        if block is None or not 1 <= n <= block.shape[0]:
+            raise ValueError(f"commit({n}) needs a verified block of at least {n} tokens")
+        drop = block.shape[0] - n
+        start = len(self.ids)
+        self.ids += block[:n].tolist()
+        if self.rollback == "record" or drop == 0:
+            self.cache.crop(-drop)  # crop(0) still trims the recorded windows back to their size
+        elif self.rollback == "rerun":
+            self.cache.crop(-block.shape[0])  # back to the start of the block
+            for (states, i), saved in zip(_recurrent_states(self.cache), self._saved, strict=True):
+                states[i].copy_(saved)
+            self._forward(block[None, :n], start, 1, hidden=False)
+            self.cache.crop(0)
+        else:  # reprefill
+            self.cache = new_cache(self.model)
+            self._forward(torch.tensor([self.ids], device=block.device), 0, 1, hidden=False)
+            self.cache.activate_past_recording()
