@@ -5,6 +5,7 @@ read back is `checkpoint.py`'s.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -117,6 +118,12 @@ class Checkpointer:
                 if not d.is_main:
                     self._done()
                     return None
+            device = self.parts.drafter_device
+            if collective and device.type == "cuda" and threading.current_thread() is threading.main_thread():
+                # The end of a run, its workers stopped: the drafter's last kernels ran on its own
+                # stream, which the copies on this thread's stream would not wait for. (A stall exit
+                # skips this: a hung collective would hang it too.)
+                torch.cuda.synchronize(device)
             host, ready = self.snapshot.take(self.contents(rng_state, rng_per_rank))
             self._waited = final or not collective  # the run ends after this one: no "next try"
             self.writer.submit(st.step, host, ready, self.snapshot.nbytes)
