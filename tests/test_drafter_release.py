@@ -27,6 +27,8 @@ from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig, Ro
 from dflash.model.export import DrafterLoadError, config_from_hf, export_drafter, hf_config, load_exported
 from dflash.model.released import ReleaseMismatch, start_from_release
 from dflash.targets import load_target
+from dflash.train.build import build, run_target
+from dflash.train.distributed import Dist
 from dflash.train.schema import make_config
 from dflash.train.trainer import train
 
@@ -230,11 +232,22 @@ def test_init_from_an_export_trains_and_evaluates(setup, tmp_path, capsys):
 
 
 def test_init_from_a_drafter_the_reference_saved_trains(setup, reference, tmp_path, capsys):
-    _, target_dir, _ = setup
+    """Built with the release's weights (exactly), then trained and evaluated losslessly."""
+    _, target_dir, data = setup
     target = load_target(target_dir, layer_ids=[1, 3])
-    reference.DFlashDraftModel(_qwen3_like(target, reference)).save_pretrained(tmp_path / "theirs")
+    theirs = reference.DFlashDraftModel(_qwen3_like(target, reference))
+    theirs.save_pretrained(tmp_path / "theirs")
+    cfg = make_config({}, dict(target=str(target_dir), data=str(data), run_dir=str(tmp_path / "built"),
+                               max_steps=1, telemetry=False, init_from=str(tmp_path / "theirs"), block_size=4))
+    parts = build(cfg, Dist(), run_target(cfg), log=lambda line: None)
+    assert cfg.model.target_layer_ids == [1, 3]  # tapped as the release was trained
+    mine = parts.drafter.drafter.state_dict()
+    for name, tensor in theirs.state_dict().items():
+        assert torch.equal(mine[name], tensor), name
     assert _train(setup, tmp_path / "run", init_from=str(tmp_path / "theirs")) == 0
     assert "1 sliding (window 5)" in capsys.readouterr().out
+    evals = [json.loads(line) for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
+    assert evals and all(e["lossless"] for e in evals), evals
 
 
 def test_a_release_for_another_target_is_refused_in_one_line(setup, tmp_path, capsys):
