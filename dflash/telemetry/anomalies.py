@@ -9,8 +9,12 @@ of the last windows that were *not* deviating. A window deviates when it is abov
 microsecond categories do not alarm on jitter). It becomes an anomaly only when at least `share` of
 the windows of the last `sustain_s` seconds (and at least `sustain_windows` of them) deviate: one slow
 window is noise, a stage that stays 3x slower is news (a majority rather than an unbroken run,
-because a short window of a slowed stage sometimes holds only its faster calls). It ends when at most
-`1 - share` of them do. Only slowdowns are reported; waits (`*_wait`, `*_put`)
+because a short window of a slowed stage sometimes holds only its faster calls), and only for a
+category that takes at least `floor` of its worker's time (a 0.3% category 3x slower costs nothing
+worth a banner). It ends once at most `1 - share` of them have deviated for `end_s` seconds on end
+(hysteresis: a stage hovering at the edge does not start and end every few seconds), and every
+anomaly ends at a phase change (an evaluation begins or ends: what was slow in one phase says nothing
+about the next) and at the end of the run (`finish`). Only slowdowns are reported; waits (`*_wait`, `*_put`)
 are left out, because they are the consequence of another worker's slowdown, which is reported in
 its own right (and the bottleneck verdict already explains waits).
 
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from dflash.telemetry.protocol import Anomaly
 from dflash.telemetry.summary import WAIT_SUFFIXES, Summary
 from dflash.telemetry.table import seconds
+from dflash.telemetry.vocab import Gauge
 
 log = logging.getLogger("dflash.telemetry")
 
@@ -47,6 +52,10 @@ MIN_ABS_S = 0.0005
 SUSTAIN_S = 5.0
 SUSTAIN_WINDOWS = 5
 SHARE = 0.8
+#: ... and it ends once it has been back for this long
+END_S = 10.0
+#: a category under this share of its worker's time (mean over the sustain span) raises nothing
+FLOOR = 0.02
 _MAD_SCALE = 1.4826  # MAD of a normal distribution x this = its standard deviation
 
 
@@ -62,21 +71,25 @@ class _Track:
 
     history: dict[str, collections.deque[float]] = field(default_factory=dict)
     deviating: dict[str, tuple[float, float]] = field(default_factory=dict)  # stat -> (value, baseline)
-    #: (window start, window end, deviating) of the recent windows (the last sustain_s seconds)
-    recent: collections.deque[tuple[float, float, bool]] = field(default_factory=collections.deque)
+    #: (window start, window end, deviating, share of the worker's time) of the last sustain_s seconds
+    recent: collections.deque[tuple[float, float, bool, float]] = field(default_factory=collections.deque)
     active: Anomaly | None = None
+    #: when the active anomaly's deviating windows last fell to the end level (None: they have not)
+    calm_since: float | None = None
 
 
 class AnomalyDetector:
     def __init__(self, *, ratio: float = RATIO, mads: float = MADS, min_abs_s: float = MIN_ABS_S,
                  sustain_s: float = SUSTAIN_S, sustain_windows: int = SUSTAIN_WINDOWS, share: float = SHARE,
-                 history: int = HISTORY, min_history: int = MIN_HISTORY,
+                 end_s: float = END_S, floor: float = FLOOR, history: int = HISTORY, min_history: int = MIN_HISTORY,
                  emit: Callable[..., None] | None = None) -> None:
         self.ratio, self.mads, self.min_abs_s = ratio, mads, min_abs_s
         self.sustain_s, self.sustain_windows, self.share = sustain_s, sustain_windows, share
+        self.end_s, self.floor = end_s, floor
         self.history, self.min_history = history, min_history
         self.emit = emit
         self._tracks: dict[tuple[str, str], _Track] = {}
+        self._evaluating: bool | None = None
 
     @property
     def active(self) -> list[Anomaly]:
@@ -95,6 +108,11 @@ class AnomalyDetector:
     def check(self, summary: Summary, live: set[str] | None = None) -> list[Anomaly]:
         """Fold in one window; returns (and puts on the summary) the anomalies in force now."""
         t = summary.t
+        done, total = summary.gauges.get(Gauge.EVAL_DONE), summary.gauges.get(Gauge.EVAL_TOTAL)
+        evaluating = done is not None and total is not None and done < total
+        if self._evaluating is not None and evaluating != self._evaluating:
+            self.finish("an evaluation began" if evaluating else "the evaluation ended")
+        self._evaluating = evaluating
         for worker, cats in summary.workers.items():
             for cat, st in cats.items():
                 if st.n == 0 or cat.endswith(WAIT_SUFFIXES):
@@ -102,12 +120,14 @@ class AnomalyDetector:
                 track = self._tracks.get((worker, cat))
                 if track is None:
                     track = self._tracks[(worker, cat)] = _Track()
-                self._judge(worker, cat, track, {s: getattr(st, s) for s in STATS}, t, summary.window_s)
+                self._judge(worker, cat, track, {s: getattr(st, s) for s in STATS}, t, summary.window_s, st.share)
+        if summary.final:
+            self.finish()
         summary.anomalies = self.active
         return summary.anomalies
 
     def _judge(self, worker: str, cat: str, track: _Track, values: dict[str, float], t: float,
-               window_s: float) -> None:
+               window_s: float, share_of_time: float) -> None:
         deviating = {}
         for stat, v in values.items():
             base = self.baseline(worker, cat, stat)
@@ -116,7 +136,7 @@ class AnomalyDetector:
                 if v > med * self.ratio and v > med + self.mads * _MAD_SCALE * mad and v - med >= self.min_abs_s:
                     deviating[stat] = (v, med)
         recent = track.recent
-        recent.append((t - window_s, t, bool(deviating)))
+        recent.append((t - window_s, t, bool(deviating), share_of_time))
         while recent and recent[0][1] <= t - self.sustain_s:
             recent.popleft()
         if deviating:
@@ -131,14 +151,27 @@ class AnomalyDetector:
         span = t - recent[0][0]
         if len(recent) < self.sustain_windows or span < self.sustain_s:
             return
-        share = sum(d for _, _, d in recent) / len(recent)
-        if track.active is None and deviating and share >= self.share:
-            since = next(start for start, _, d in recent if d)
-            self._begin(worker, cat, track, since)
-        elif track.active is not None and deviating:
+        share = sum(r[2] for r in recent) / len(recent)
+        weight = sum(r[3] for r in recent) / len(recent)
+        if track.active is None:
+            if deviating and share >= self.share and weight >= self.floor:
+                self._begin(worker, cat, track, next(r[0] for r in recent if r[2]))
+            return
+        if deviating:
             self._refresh(track)
-        elif track.active is not None and share <= 1.0 - self.share:
+        if share > 1.0 - self.share:
+            track.calm_since = None
+        elif track.calm_since is None:
+            track.calm_since = t
+        if track.calm_since is not None and t - track.calm_since >= self.end_s:
             self._end(worker, cat, track)
+
+    def finish(self, why: str = "the run ended") -> None:
+        """End every anomaly in force (a phase change, the end of the run) and start their spans anew."""
+        for (worker, cat), track in self._tracks.items():
+            track.recent.clear()
+            if track.active is not None:
+                self._end(worker, cat, track, why)
 
     def _refresh(self, track: _Track) -> None:
         a = track.active
@@ -157,12 +190,13 @@ class AnomalyDetector:
         self._say("anomaly", msg, worker=worker, category=cat, stat=stat, value=round(value, 6),
                   baseline=round(base, 6), ratio=round(ratio, 2))
 
-    def _end(self, worker: str, cat: str, track: _Track) -> None:
+    def _end(self, worker: str, cat: str, track: _Track, why: str | None = None) -> None:
         a = track.active
         assert a is not None
-        track.active = None
-        self._say("anomaly_end", f"{worker}/{cat} back to its baseline ({seconds(a.baseline)} {a.stat})",
-                  worker=worker, category=cat, stat=a.stat, baseline=round(a.baseline, 6))
+        track.active, track.calm_since = None, None
+        text = f"ended: {why}" if why else f"back to its baseline ({seconds(a.baseline)} {a.stat})"
+        self._say("anomaly_end", f"{worker}/{cat} {text}", worker=worker, category=cat, stat=a.stat,
+                  baseline=round(a.baseline, 6))
 
     def _say(self, kind: str, message: str, **data: object) -> None:
         if self.emit is None:

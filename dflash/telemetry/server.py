@@ -381,6 +381,7 @@ class TelemetryServer:
         """Drain, sample, analyse, encode once, fan out. Any failure costs one window, not the loop."""
         try:
             summary = self.stats.drain()
+            summary.final = self._final_publish
             tmap = thread_map()
             live = set(tmap.values())
             for m in self._monitors:

@@ -59,6 +59,8 @@ class Summary:
     since_done: dict[str, float] = field(default_factory=dict)
     #: worker -> its pipeline role (dflash.telemetry.vocab.Role), as the worker registered it
     roles: dict[str, str] = field(default_factory=dict)
+    #: set by the publisher on the run's last window (monitors end what they have in force)
+    final: bool = False
     #: filled in by the publisher: stalled workers (watchdog) and deviating timings (anomalies)
     stalls: list[Stall] = field(default_factory=list)
     anomalies: list[Anomaly] = field(default_factory=list)
