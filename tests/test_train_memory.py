@@ -169,3 +169,28 @@ def test_the_drafter_norm_keeps_only_its_input_and_a_scale_per_row_and_matches_q
     assert torch.equal(ours[0], y.detach())  # the forward bit for bit
     assert torch.allclose(ours[1].float(), x.grad.float(), rtol=1e-5, atol=1e-6)
     assert torch.allclose(ours[2], w.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_sizing_the_run_to_given_free_memory_lowers_the_config_and_says_so_in_one_line():
+    """The trainer's call (build.py) on the built-in target, with the free bytes a device would report."""
+    from dflash.targets import load_target
+
+    target = load_target("tiny", layer_ids=[1, 3])
+    dcfg = DrafterConfig.for_target(target.config, num_layers=2, target_layer_ids=target.layer_ids,
+                                    mask_token_id=target.default_mask_token_id())
+    embed, head = target.frozen_head("cpu")
+    cfg = make_config({}, dict(max_steps=1, max_seq_len=128, batch_size=8, num_anchors=6))
+    stage = DrafterStage(DFlashDrafter(dcfg), embed, head, torch.device("cpu"), cfg, ProfileStats().worker("d"),
+                         torch.Generator())
+    cpu = [torch.device("cpu")]
+    fit, _ = fit_to_device(cfg, stage, 2 * target.hidden_size, target.dtype, cfg.pipeline.hs_queue_size + 3,
+                           free=64 * GIB)
+    lines: list[str] = []
+    size_to_device(cfg, stage, target, cpu, Dist(), lines.append, free=int(64 * GIB))
+    assert (cfg.data.batch_size, cfg.model.num_anchors) == (8, 6) and len(lines) == 1
+    assert lines[0].startswith("memory: batch 8 x 6 anchors x block 16 fits cpu: ") and "asked" not in lines[0]
+    tight = int((fit.fixed + 2.5 * fit.per_sample) / HEADROOM)  # room for two and a half samples
+    size_to_device(cfg, stage, target, cpu, Dist(), lines.append, free=tight)
+    assert (cfg.data.batch_size, cfg.model.num_anchors) == (2, 6)
+    assert lines[1].startswith("memory: batch 2 x 6 anchors x block 16 fits cpu (asked: batch 8 x 6 anchors): ")
+    assert "KB per query token per drafter layer (measured at start)" in lines[1]

@@ -181,18 +181,20 @@ def describe(fit: Fit, model: ActivationModel, block: int, device: torch.device,
 
 
 def size_to_device(cfg: Any, stage: Any, target: Any, target_devices: list[torch.device], dist: Any,
-                   log: Callable[[str], None]) -> None:
-    """On a CUDA drafter: fit ``cfg.data.batch_size`` and ``cfg.model.num_anchors`` to the device and
-    say so in one line (they only ever go down; the saved config holds what ran). Every rank takes the
-    smallest fit of all, so that the ranks' batches, epochs and stops stay in step. Nothing on the host,
-    whose memory the step does not plan against."""
-    if stage.device.type != "cuda":
-        return
+                   log: Callable[[str], None], free: int | None = None) -> None:
+    """On a CUDA drafter: fit ``cfg.data.batch_size`` and ``cfg.model.num_anchors`` to the device's
+    free memory (`free` bytes when given) and say so in one line (they only ever go down; the saved
+    config holds what ran). Every rank takes the smallest fit of all, so that the ranks' batches, epochs
+    and stops stay in step. Nothing on the host, whose memory the step does not plan against."""
+    if free is None:
+        if stage.device.type != "cuda":
+            return
+        free = free_bytes(stage.device)
     # hidden-state batches on the drafter's device at once: the queue's, the one in use, the one being
     # copied over, and the one a target on the same device is producing
     in_flight = cfg.pipeline.hs_queue_size + 2 + (stage.device in target_devices)
     width = len(target.layer_ids) * target.hidden_size
-    fit, model = fit_to_device(cfg, stage, width, target.dtype, in_flight)
+    fit, model = fit_to_device(cfg, stage, width, target.dtype, in_flight, free)
     asked = (cfg.data.batch_size, cfg.model.num_anchors)
     chosen = (fit.batch, fit.anchors)
     if dist.enabled:
