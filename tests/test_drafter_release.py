@@ -85,7 +85,9 @@ def _qwen3(rope: dict) -> object:
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0},
-                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}])
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 256}])
 def test_rope_scaling_is_the_targets(rope):
     """cos/sin (YaRN's attention factor included) equal transformers' Qwen3 rotary for the target's
     config, past max_position_embeddings too (where dynamic NTK stretches)."""
@@ -101,6 +103,8 @@ def test_rope_scaling_is_the_targets(rope):
         torch.testing.assert_close(a[:, 0], b, rtol=1e-5, atol=1e-5)
     plain = Rotary(replace(cfg, rope_scaling=None))(positions, torch.float32)
     assert not torch.allclose(plain[0], ours[0])  # the scaling changed something
+    with pytest.raises(ValueError, match="'longrope' is not supported"):
+        replace(cfg, rope_scaling={"rope_type": "longrope", "factor": 2.0})
 
 
 def _sliding_drafter(target, window: int = 3, layer_types=(SLIDING, FULL)) -> DFlashDrafter:

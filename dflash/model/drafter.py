@@ -75,7 +75,7 @@ def _cfg(config, name: str, default=None):
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn")  # the scalings the drafter trains, evaluates and exports
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")  # the scalings the drafter trains, evaluates, exports
 
 
 def rope_scaling_of(config) -> dict | None:
@@ -161,7 +161,7 @@ class DrafterConfig:
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ROPE_TYPES:
-                raise ValueError(f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+                raise ValueError(f"RoPE scaling {kind!r} is not supported by the drafter (supported: {', '.join(ROPE_TYPES)})")
             if kind == "default":
                 self.rope_scaling = None
         if self.gamma is None:
