@@ -27,6 +27,7 @@ from typing import Any
 
 from dflash.telemetry.protocol import ProtocolError, Reply, Stacks, stacks_of
 from dflash.telemetry.sockets import pid_alive, ptrace_scope
+from dflash.telemetry.vocab import TELEMETRY_LOOPS
 
 #: ask the trainer something and get its reply; raises on failure (LiveSource.request)
 Ask = Callable[[str, dict[str, Any]], Reply]
@@ -412,27 +413,37 @@ def frame_key(frame: dict) -> tuple[str, str, bool]:
     return short_native_name(name), lib, False
 
 
+#: appended to a thread of dflash's own telemetry (the publisher, the GIL probe) in a record's summary
+TELEMETRY_MARK = " (dflash telemetry)"
+
+
 def parse_speedscope(path: Path, limit: int = 25) -> tuple[list[FunctionStat], int, dict[str, int]]:
     """Top functions of a speedscope file: (Python functions first, then native ones, each by self
     samples; total sample count; samples per thread). Frames that read the same after shortening
-    (all raw addresses of one library, one template's instantiations) count as one."""
+    (all raw addresses of one library, one template's instantiations) count as one. Stacks through
+    dflash's own telemetry loops are left out of the functions (the monitor is not the trainer's
+    work), and a thread made mostly of them is named with TELEMETRY_MARK."""
     data = json.loads(Path(path).read_text())
     frames = data.get("shared", {}).get("frames", [])
     keys = [frame_key(f) if isinstance(f, dict) else ("?", "", False) for f in frames]
+    own = {i for i, f in enumerate(frames)
+           if isinstance(f, dict) and str(f.get("file") or "").replace("\\", "/").endswith(TELEMETRY_LOOPS)}
     self_n: Counter[tuple[str, str, bool]] = Counter()
     total_n: Counter[tuple[str, str, bool]] = Counter()
     per_thread: dict[str, int] = {}
     samples = 0
     for prof in data.get("profiles", []):
-        n = 0
+        n = mine = 0
         for stack in prof.get("samples", []):
             n += 1
             stack = [i for i in stack if isinstance(i, int) and 0 <= i < len(keys)]
-            if stack:
+            if own.intersection(stack):
+                mine += 1
+            elif stack:
                 self_n[keys[stack[-1]]] += 1  # speedscope stacks are root first
                 for key in {keys[i] for i in stack}:
                     total_n[key] += 1
-        per_thread[str(prof.get("name", "?"))] = n
+        per_thread[str(prof.get("name", "?")) + (TELEMETRY_MARK if mine * 2 > n else "")] = n
         samples += n
     ranked = sorted(total_n, key=lambda k: (not k[2], -self_n[k], -total_n[k]))
     top = [FunctionStat(name=k[0], where=k[1], self_samples=self_n[k], total_samples=total_n[k], python=k[2])
@@ -474,5 +485,9 @@ def record(pid: int, seconds: float, *, gil: bool, native: bool, exe: str | None
     top, samples, per_thread = parse_speedscope(out)
     if samples == 0:
         notes.append("no samples: the threads were idle" + (" or never held the GIL" if gil else ""))
+    own = sum(n for name, n in per_thread.items() if name.endswith(TELEMETRY_MARK))
+    if own:
+        notes.append(f"{own} of {samples} samples ({own / samples:.0%}) in dflash's own telemetry threads (the "
+                     "publisher, the GIL probe): left out of the functions")
     return RecordReport(pid=pid, seconds=seconds, gil=gil, native=native, path=str(out), samples=samples,
                         top=top, threads=per_thread, notes=notes)

@@ -1,5 +1,7 @@
 """Validate the GIL contention gauge (dflash/telemetry/gil.py) on real workloads, side by side with
-`gilknocker` (when installed) and the GIL-held share from `py-spy record --gil`, and measure its cost.
+`gilknocker` (when installed) and the GIL-held share from `py-spy record --gil`, and measure its cost:
+by throughput (ops with and without the probe) and, in the trainer, by py-spy (the share of all samples
+that fall in dflash's own telemetry threads, the probe's and the publisher's).
 
     python scripts/bench_gil.py [--seconds 5] [--threads 4] [--skip-trainer]
 
@@ -107,6 +109,28 @@ def pyspy_gil_share(pid: int, seconds: float) -> float | None:
     return min(1.0, held / (RATE * int(seconds)))
 
 
+def pyspy_monitor_share(pid: int, seconds: float) -> float | None:
+    """Share of py-spy's samples (all threads, not only the GIL holder's) in dflash's own telemetry
+    threads: the probe's and the publisher's cost as a profiler sees it, beside the throughput ratio."""
+    sys.path.insert(0, str(REPO))
+    from dflash_tui.pyspy import TELEMETRY_MARK, parse_speedscope
+
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(exe).exists() and shutil.which(exe) is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "r.json"
+        r = subprocess.run([exe, "record", "--rate", str(RATE), "--duration", str(int(seconds)), "--format",
+                            "speedscope", "--nonblocking", "-o", str(out), "--pid", str(pid)],
+                           capture_output=True, text=True)
+        if r.returncode != 0 or not out.exists():
+            print(f"  py-spy failed: {r.stderr.strip().splitlines()[-1:] or r.returncode}", file=sys.stderr)
+            return None
+        _, samples, threads = parse_speedscope(out)
+    own = sum(n for name, n in threads.items() if name.endswith(TELEMETRY_MARK))
+    return own / samples if samples else None
+
+
 def _run_child(kind: str, threads: int, seconds: float, probe: str, spy: bool) -> tuple[dict, float | None]:
     cmd = [sys.executable, __file__, "--child", kind, "--threads", str(threads), "--seconds", str(seconds),
            "--probe", probe]
@@ -124,7 +148,7 @@ def trainer_row(seconds: float) -> dict:
     with tempfile.TemporaryDirectory() as d:
         run_dir = Path(d) / "run"
         cmd = [sys.executable, "-m", "dflash", "train", "--config", str(REPO / "configs/tiny-cpu.toml"),
-               "--run-dir", str(run_dir), "--max-time", str(seconds + 15), "--eval-prompts", "0",
+               "--run-dir", str(run_dir), "--max-time", str(2 * seconds + 15), "--eval-prompts", "0",
                "--socket-dir", str(Path(d) / "s"), "--log-every", "1000"]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -136,6 +160,7 @@ def trainer_row(seconds: float) -> dict:
         t0 = time.time()
         share = pyspy_gil_share(proc.pid, seconds)
         t1 = time.time()
+        monitor = pyspy_monitor_share(proc.pid, seconds)
         proc.wait()
         sys.path.insert(0, str(REPO))
         from dflash.telemetry.protocol import Snapshot
@@ -147,7 +172,7 @@ def trainer_row(seconds: float) -> dict:
         verdicts = [s.bottleneck.verdict for s in snaps if s.bottleneck is not None]
     mean = sum(vals) / len(vals) if vals else None
     return {"probe": mean, "probe_wait_ms": sum(waits) / len(waits) if waits else None,
-            "knocker": None, "pyspy": share, "ratio": None, "kratio": None,
+            "knocker": None, "pyspy": share, "ratio": None, "kratio": None, "monitor": monitor,
             "verdict": max(set(verdicts), key=verdicts.count) if verdicts else "-"}
 
 
@@ -192,11 +217,12 @@ def main() -> None:
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     print()
     print("| workload | sleep probe | its wait/wake | gilknocker | py-spy GIL held | ops on/off: sleep probe | "
-          "gilknocker | verdict |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "gilknocker | telemetry threads' py-spy samples | verdict |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in rows.items():
         print(f"| {name} | {_fmt(r['probe'])} | {_fmt(r['probe_wait_ms'], False)} ms | {_fmt(r['knocker'])} | "
-              f"{_fmt(r['pyspy'])} | {_fmt(r['ratio'], False)} | {_fmt(r['kratio'], False)} | {r['verdict']} |")
+              f"{_fmt(r['pyspy'])} | {_fmt(r['ratio'], False)} | {_fmt(r['kratio'], False)} | "
+              f"{_fmt(r.get('monitor'))} | {r['verdict']} |")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import msgspec
 
 from dflash.telemetry.protocol import Cluster, ClusterCategory, ClusterRank, RankFigures
 from dflash.telemetry.summary import WAIT_SUFFIXES, Summary
+from dflash.telemetry.vocab import CLUSTER_THREAD
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ class ClusterExchange:
         self._error: str | None = None
         self._started = time.monotonic()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="telemetry-cluster", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=CLUSTER_THREAD, daemon=True)
 
     def start(self) -> ClusterExchange:
         self._started = time.monotonic()

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 from dflash.telemetry.summary import Summary
-from dflash.telemetry.vocab import Gauge
+from dflash.telemetry.vocab import GIL_PROBE_THREAD, Gauge
 
 #: seconds the probe sleeps between wake-ups
 INTERVAL_S = 0.005
@@ -67,7 +67,7 @@ class GilProbe:
                 self._knock.start()
             return self
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="dflash-gil-probe", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=GIL_PROBE_THREAD, daemon=True)
             self._thread.start()
         return self
 

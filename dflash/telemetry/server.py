@@ -52,6 +52,7 @@ from dflash.telemetry.sockets import (
 from dflash.telemetry.stats import ProfileStats
 from dflash.telemetry.summary import Summary, to_snapshot
 from dflash.telemetry.system import SystemSampler
+from dflash.telemetry.vocab import PUBLISHER_THREAD
 
 log = logging.getLogger("dflash.telemetry")
 
@@ -233,7 +234,7 @@ class TelemetryServer:
                 self._sampler = SystemSampler(nvml=self._nvml)
             except Exception as e:  # psutil refusing /proc in a locked-down container
                 log.warning("system sampling disabled: %s", e)
-        self._thread = threading.Thread(target=self._run, name="dflash-telemetry", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=PUBLISHER_THREAD, daemon=True)
         self._thread.start()
         atexit.register(self._atexit)
         return self

@@ -136,3 +136,19 @@ class Gauge(StrEnum):
     GIL_CONTENTION = "gil_contention"
     GIL_WAIT_MS = "gil_wait_ms"
     NONFINITE_SKIPPED = "nonfinite_skipped"
+
+
+# --- dflash's own threads --------------------------------------------------------------------------
+
+#: the monitor's own threads (the publisher, the GIL probe, the cluster exchange, the stall dumper):
+#: marked in dflash-top's threads panel and left out of py-spy summaries, so the monitor's work is not
+#: read as the trainer's
+PUBLISHER_THREAD = "dflash-telemetry"
+GIL_PROBE_THREAD = "dflash-gil-probe"
+CLUSTER_THREAD = "telemetry-cluster"
+STALL_DUMP_THREAD = "dflash-stall-dump"
+TELEMETRY_THREADS = (PUBLISHER_THREAD, GIL_PROBE_THREAD, CLUSTER_THREAD, STALL_DUMP_THREAD)
+#: the modules whose loops those threads run: a sampled stack through one of them is the monitor's own
+#: (workers never call into them; their spans live in stats.py)
+TELEMETRY_LOOPS = ("dflash/telemetry/server.py", "dflash/telemetry/gil.py", "dflash/telemetry/cluster.py",
+                   "dflash/telemetry/watchdog.py")

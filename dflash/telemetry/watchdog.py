@@ -36,6 +36,7 @@ from dflash.telemetry.introspection import python_stacks, set_ptracer
 from dflash.telemetry.protocol import StackEntry, Stall, ThreadStacks
 from dflash.telemetry.summary import WAIT_SUFFIXES, Summary, percentile
 from dflash.telemetry.table import seconds
+from dflash.telemetry.vocab import STALL_DUMP_THREAD
 
 log = logging.getLogger("dflash.telemetry")
 
@@ -278,7 +279,7 @@ class Watchdog:
             return None
         if self.native:
             native = d / f"{stamp}-{safe}-native.txt"
-            t = threading.Thread(target=native_dump, args=(native,), name="dflash-stall-dump", daemon=True)
+            t = threading.Thread(target=native_dump, args=(native,), name=STALL_DUMP_THREAD, daemon=True)
             t.start()
             self._native_threads = [x for x in self._native_threads if x.is_alive()] + [t]
         return path

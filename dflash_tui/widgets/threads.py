@@ -1,12 +1,15 @@
 """Per-thread CPU like `top -H`: native thread id, CPU%, Python thread name, hottest first.
 
 These are the ids py-spy reports as os_thread_id, so a hot row here is the stack to look at in `s`.
+dflash's own telemetry threads (the publisher, the GIL probe) are marked: their CPU is the monitor's,
+not the trainer's.
 """
 
 from __future__ import annotations
 
 from rich.text import Text
 
+from dflash.telemetry.vocab import TELEMETRY_THREADS
 from dflash_tui import fmt
 from dflash_tui.state import RunState
 from dflash_tui.widgets.base import TextPanel, cropped, waiting_for_system
@@ -44,7 +47,10 @@ def threads_text(state: RunState, max_rows: int) -> Text:
         style = "red" if th.cpu_percent >= 80 else "yellow" if th.cpu_percent >= 30 else "green"
         t.append(f"\n{th.tid:>8} {th.cpu_percent:>6.1f} ")
         t.append("▇" * filled, style=style).append(" " * (BAR_W - filled))
-        t.append(" " + (th.name or names.get(th.tid, "?")))
+        name = th.name or names.get(th.tid, "?")
+        t.append(" " + name)
+        if name in TELEMETRY_THREADS:
+            t.append(" (dflash telemetry)", style="dim")
     if len(top) > max_rows:
         t.append(f"\n{'':>8} ... {len(top) - max_rows} more (press 4 to enlarge)", style="dim")
     return t
