@@ -27,6 +27,7 @@ from dflash.train.config import TrainConfig
 from dflash.train.control import Interval
 from dflash.train.devices import thread_device
 from dflash.train.distributed import Dist, DistError
+from dflash.train.memory import trained_bytes
 from dflash.train.pipeline import TrainCounters
 from dflash.train.reporting import Reporter
 
@@ -73,7 +74,7 @@ def default_interval(checkpoint_bytes: int) -> float:
 def checkpoint_bytes(drafter: torch.nn.Module) -> int:
     """What a checkpoint of ``drafter`` holds, before its first save: the parameters and AdamW's two
     moments per parameter, all in the parameters' dtype (fp32 master weights)."""
-    return 3 * sum(p.numel() * p.element_size() for p in drafter.parameters())
+    return 3 * trained_bytes(drafter)
 
 
 class Checkpointer:

@@ -150,9 +150,14 @@ def free_bytes(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
+def trained_bytes(drafter: torch.nn.Module) -> int:
+    """Bytes of the parameters the optimizer trains: AdamW keeps two moments of each, in their dtype."""
+    return sum(p.numel() * p.element_size() for p in drafter.parameters() if p.requires_grad)
+
+
 def first_step_bytes(drafter: torch.nn.Module) -> int:
     """What the first optimizer step still allocates: a gradient per parameter and AdamW's two moments."""
-    return 3 * sum(p.numel() * p.element_size() for p in drafter.parameters() if p.requires_grad)
+    return 3 * trained_bytes(drafter)
 
 
 def fit_to_device(cfg: Any, stage: Any, hidden_width: int, hidden_dtype: torch.dtype, in_flight: int,
