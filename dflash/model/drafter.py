@@ -162,8 +162,8 @@ class DrafterConfig:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ROPE_TYPES:
                 raise ValueError(f"RoPE scaling {kind!r} is not supported by the drafter (supported: {', '.join(ROPE_TYPES)})")
-            if kind == "default":
-                self.rope_scaling = None
+            rest = {k: v for k, v in self.rope_scaling.items() if k != "type"}  # transformers 4.x's key
+            self.rope_scaling = None if kind == "default" else {**rest, "rope_type": kind}
         if self.gamma is None:
             self.gamma = default_gamma(self.block_size)
         if self.block_size < 2:

@@ -59,7 +59,7 @@ class Components:
         d = self.dcfg
         params = sum(p.numel() for p in self.drafter.drafter.parameters()) / 1e6
         return (f"target {cfg.run.target}: {self.target.describe()}; "
-                f"drafter {plural(d.num_layers, 'layer')}, {params:.2f}M params, block {d.block_size}, "
+                f"drafter {d.describe_layers()}, {params:.2f}M params, block {d.block_size}, "
                 f"mask token {d.mask_token_id}; data {self.data_path} ({self.samples} samples)")
 
 
