@@ -219,9 +219,22 @@ def trainer_threads(stacks: Stacks) -> list[ThreadStack]:
     """The threads of the trainer's own `stacks` reply, frames innermost last like parse_dump."""
     return [ThreadStack(tid=t.tid or None,  # 0: the trainer could not tell its native id
                         name=t.name,
-                        frames=[StackFrame(name=f.function, filename=f.file, line=f.line, short=Path(f.file).name)
+                        frames=[StackFrame(name=f.function, filename=f.file, line=f.line, short=short_path(f.file))
                                 for f in reversed(t.frames)])
             for t in stacks.threads]
+
+
+#: where an installed module's importable path starts
+_IMPORT_ROOTS = re.compile(r".*/(?:site-packages|dist-packages|lib/python\d+\.\d+)/")
+
+
+def short_path(file: str) -> str:
+    """A source file as py-spy's short names read: from its import root (`dflash/train/stages.py`,
+    `torch/nn/modules/module.py`), else its last three parts; a bare `stages.py` could be anyone's."""
+    m = _IMPORT_ROOTS.match(file)
+    if m:
+        return file[m.end():]
+    return "/".join(Path(file).parts[-3:])
 
 
 def join_cpu(threads: list[ThreadStack], cpu: dict[int, float], names: dict[int, str]) -> list[ThreadStack]:
@@ -316,7 +329,7 @@ def trainer_stacks(pid: int, ask: Ask, cpu: dict[int, float], names: dict[int, s
         threads = trainer_threads(stacks_of(reply))
     except ProtocolError as e:
         raise PySpyError(ProfileFailure(what="stacks", reason=f"the trainer's stacks: {e}")) from None
-    return StackReport(pid=pid, source="trainer stacks", threads=join_cpu(threads, cpu, names),
+    return StackReport(pid=pid, source=TRAINER_STACKS, threads=join_cpu(threads, cpu, names),
                        notes=list(notes or []))
 
 
@@ -338,23 +351,28 @@ def format_report(report: StackReport, full_paths: bool = True) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: StackReport.source of the trainer's own stacks (the others name py-spy)
+TRAINER_STACKS = "trainer stacks"
+
+
 def thread_title(t: ThreadStack) -> str:
     cpu = f"{t.cpu_percent:5.1f}%" if t.cpu_percent is not None else "    -%"
     flags = "".join([" active" if t.active else "", " gil" if t.owns_gil else ""])
     return f"{cpu}  tid {t.tid if t.tid is not None else '?'}  {t.name or '(unnamed)'}{flags}"
 
 
-def output_dir(run_dir: str | None) -> Path:
-    """`<run_dir>/pyspy` when the run directory is here and writable, else a per-user cache directory."""
+def output_dir(run_dir: str | None, kind: str = "pyspy") -> Path:
+    """`<run_dir>/<kind>` (`pyspy`, or `stacks` for the trainer's own) when the run directory is here
+    and writable, else a per-user cache directory."""
     if run_dir:
-        d = Path(run_dir) / "pyspy"
+        d = Path(run_dir) / kind
         try:
             d.mkdir(parents=True, exist_ok=True)
             if os.access(d, os.W_OK):
                 return d
         except OSError:
             pass
-    d = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash-top" / "pyspy"
+    d = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash-top" / kind
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -364,8 +382,9 @@ def stamp(t: float) -> str:
 
 
 def save_report(report: StackReport, run_dir: str | None) -> list[Path]:
-    """Write `pyspy/<time>.json` (the data) and `<time>.txt` (format_report) and record their paths."""
-    d = output_dir(run_dir)
+    """Write `pyspy/<time>.json` (the data) and `<time>.txt` (format_report) and record their paths; the
+    trainer's own stacks go to `stacks/` (py-spy had nothing to do with them)."""
+    d = output_dir(run_dir, "stacks" if report.source == TRAINER_STACKS else "pyspy")
     base = d / stamp(report.t)
     js, txt = base.with_suffix(".json"), base.with_suffix(".txt")
     js.write_text(json.dumps(asdict(report), indent=1))

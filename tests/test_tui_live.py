@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from conftest import screen_text
+from textual.containers import VerticalScroll
 
 from dflash.telemetry import ProfileStats, TelemetryServer, protocol
 from dflash_tui import synthetic
@@ -278,6 +279,21 @@ async def test_snapshot_key_dumps_the_hot_thread_first(short_dir: Path, trainers
         assert "target-0" in saved[1].read_text()
         body = app.screen.query_one("#stacks-body").content.plain
         assert "target-0" in body and "saved" in body
+        assert "hot-thread snapshot (py-spy" in screen_text(app)
+        # read down the dump, then ask for the trainer's own stacks: a new title, read from the top,
+        # files named by their package path, saved apart from py-spy's output
+        scroll = app.screen.query_one(VerticalScroll)
+        scroll.scroll_end(animate=False)
+        await until(pilot, lambda: scroll.scroll_y > 0, "the dump scrolled down")
+        await pilot.press("t")
+        await until(pilot, lambda: isinstance(app.screen.result, StackReport)
+                    and app.screen.result.source == "trainer stacks", "the trainer's stacks", timeout=15)
+        await until(pilot, lambda: "the trainer's own stacks" in screen_text(app) and scroll.scroll_y == 0,
+                    "its title, at the top")
+        screen = screen_text(app)
+        assert "hot-thread snapshot" not in screen and "dflash/telemetry/" in screen, screen
+        assert sorted(p.suffix for p in (run_dir / "stacks").iterdir()) == [".json", ".txt"]
+        assert len(list((run_dir / "pyspy").iterdir())) == 2, "py-spy's directory holds only py-spy's dump"
         await pilot.press("escape")
         assert not isinstance(app.screen, StacksScreen)
 

@@ -245,7 +245,8 @@ def test_bars_show_what_each_worker_does_now() -> None:
     rows = [("target-0", [("target_forward", 0.8)], 0.2), ("drafter-0", [("hs_queue_wait", 0.5)], 0.5)]
     now = {"target-0": ("target_forward", 3.2, False), "drafter-0": ("drafter_backward", 41.0, True)}
     text = bars_text(rows, 100, now)
-    lines = text.plain.splitlines()
+    heading, *lines = text.plain.splitlines()
+    assert heading.split() == ["now", "(open", "span)", "for"]
     assert "target_forward" in lines[0] and "3.20s" in lines[0]
     assert "drafter_backwar" in lines[1] and "41.00s" in lines[1]
     # the stalled worker's cell is drawn red

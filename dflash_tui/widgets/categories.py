@@ -24,12 +24,20 @@ from dflash_tui.state import Ring, RunState
 from dflash_tui.widgets.base import PLAIN
 from dflash_tui.widgets.palette import category_color, category_order
 
-TREND_W = 12
-#: (key, label, width, right-aligned); the first six fit in 80 columns, the rest scroll horizontally
+#: the trend column takes the room the others leave, within these bounds
+TREND_MIN, TREND_MAX = 8, 24
+#: (key, label, width, right-aligned), in the order shown; every row's cells are in this order
 COLUMNS = [("worker", "worker", 10, False), ("category", "category", 19, False), ("share", "share", 6, True),
-           ("mean", "mean", 7, True), ("p95", "p95", 7, True), ("trend", "trend (mean)", TREND_W, False),
+           ("mean", "mean", 7, True), ("p95", "p95", 7, True), ("trend", "trend (mean)", TREND_MIN, False),
            ("p50", "p50", 7, True), ("max", "max", 7, True), ("n", "n", 6, True),
            ("dmean", "dev mean", 8, True), ("dp95", "dev p95", 8, True)]
+#: shown whenever the panel is wide enough for them whole (from 72 columns); narrower, it scrolls sideways
+ALWAYS = ("worker", "category", "share", "mean", "p95", "trend")
+#: the others, most wanted first, each shown only where it fits whole (device times only where the
+#: trainer resolved CUDA events): a column cut at the panel's edge read as a wrong number
+OPTIONAL = ("max", "p50", "n", "dmean", "dp95")
+DEVICE = ("dmean", "dp95")
+CELL = {key: i for i, (key, *_) in enumerate(COLUMNS)}
 GAP = 2
 #: the table's row orders, in the order `o` cycles through them
 SORTS = ("pipeline", "share", "p95", "name")
@@ -50,9 +58,19 @@ def _fit(text: str, width: int, right: bool) -> str:
     return text.rjust(width) if right else text.ljust(width)
 
 
-def columns(worker_w: int) -> list[tuple[str, str, int, bool]]:
-    """COLUMNS with the worker column widened to `worker_w` (the longest worker name)."""
-    return [(k, label, max(w, worker_w) if k == "worker" else w, right) for k, label, w, right in COLUMNS]
+def columns(worker_w: int, width: int = 10_000, device: bool = True) -> list[tuple[str, str, int, bool]]:
+    """The columns that fit `width` whole, in COLUMNS' order: the worker column as wide as the longest
+    worker name (`worker_w`), ALWAYS, then OPTIONAL ones while they fit; the trend gets what is left."""
+    widths = {k: max(w, worker_w) if k == "worker" else TREND_MIN if k == "trend" else w for k, _, w, _ in COLUMNS}
+    chosen = set(ALWAYS)
+    used = sum(widths[k] for k in chosen) + GAP * (len(chosen) - 1)
+    for key in OPTIONAL:
+        if (device or key not in DEVICE) and used + GAP + widths[key] <= width:
+            chosen.add(key)
+            used += GAP + widths[key]
+    widths["trend"] = trend = max(TREND_MIN, min(TREND_MAX, TREND_MIN + width - used))
+    labels = {"trend": "trend (mean)" if trend >= len("trend (mean)") else "trend"}
+    return [(k, labels.get(k, label), widths[k], right) for k, label, _, right in COLUMNS if k in chosen]
 
 
 def table_width(cols: list[tuple[str, str, int, bool]]) -> int:
@@ -60,10 +78,12 @@ def table_width(cols: list[tuple[str, str, int, bool]]) -> int:
 
 
 def row_strip(cells: Cells, category: str, cols: list[tuple[str, str, int, bool]] = COLUMNS) -> Strip:
-    """One table row as segments: the category's colour on its marker and its sparkline."""
+    """One table row as segments (`cells` in COLUMNS' order, `cols` the ones shown): the category's
+    colour on its marker and its sparkline."""
     segs: list[Segment] = []
     color = _color(category)
-    for i, ((key, _, width, right), text) in enumerate(zip(cols, cells, strict=True)):
+    for i, (key, _, width, right) in enumerate(cols):
+        text = cells[CELL[key]]
         if i:
             segs.append(BLANK)
         if key == "category":
@@ -108,6 +128,8 @@ class CategoryTable(ScrollView, can_focus=True):
         self._strips: dict[str, Strip] = {}
         self._base: Style | None = None
         self._header_sort = "pipeline"
+        self._state: RunState | None = None
+        self._box_height = 0
 
     @property
     def row_count(self) -> int:
@@ -153,12 +175,18 @@ class CategoryTable(ScrollView, can_focus=True):
 
         return sorted(rows, key=value, reverse=True)
 
+    def on_resize(self) -> None:
+        if self._state is not None:
+            self.refresh_from(self._state)  # the columns that fit depend on the width
+
     def refresh_from(self, state: RunState) -> None:
+        self._state = state
         keys: list[str] = []
         changed = False
         current = state.workers
         worker_w = max((len(w) for w in state.known), default=0)
-        cols = columns(worker_w)
+        device = any(st.device is not None for cats in current.values() for st in cats.values())
+        cols = columns(worker_w, self.scrollable_content_region.width or 10_000, device)
         if cols != self._cols or self._header_sort != self.sort:
             self._cols, self._header_sort = cols, self.sort
             self._header = header_strip(cols, self.sort)
@@ -172,6 +200,8 @@ class CategoryTable(ScrollView, can_focus=True):
             previous = worker
             if st is None:  # idle in this window: keep the row, blank the numbers
                 cells: Cells = (label, cat, "0%", "", "", "", "", "", "0", "", "")
+            elif st.n == 0:  # only a span still open: its time is in the share, no duration is known yet
+                cells = (label, cat, fmt.percent(st.share), "open", "", "", "", "", "0", "", "")
             else:
                 dev = st.device
                 cells = (label, cat, fmt.percent(st.share), fmt.seconds(st.mean), fmt.seconds(st.p95), "",
@@ -196,6 +226,12 @@ class CategoryTable(ScrollView, can_focus=True):
         size = Size(table_width(self._cols), len(keys) + 1)
         if self.virtual_size != size:
             self.virtual_size = size
+        # the box no taller than its rows (+ its border, + a sideways scrollbar where one shows): a
+        # short table has no empty rows under it, the space goes to the panels below
+        sideways = size.width > (self.scrollable_content_region.width or size.width)
+        if self.parent is not None and self._box_height != size.height + 2 + sideways:
+            self._box_height = size.height + 2 + sideways
+            self.parent.styles.max_height = self._box_height
         if changed:
             self.refresh()
         title = "per-category timings"
@@ -210,7 +246,8 @@ class CategoryTable(ScrollView, can_focus=True):
         strip = self._strips.get(key)
         if strip is None:
             cells, cat, ring = self._rows[key]
-            trend = fmt.sparkline(ring.values, TREND_W) if ring is not None else ""
+            trend_w = next(w for k, _, w, _ in self._cols if k == "trend")
+            trend = fmt.sparkline(ring.values, trend_w) if ring is not None else ""
             strip = self._strips[key] = row_strip((*cells[:5], trend, *cells[6:]), cat, self._cols)
         return strip
 

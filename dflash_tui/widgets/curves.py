@@ -41,14 +41,14 @@ class CurvesPanel(TextPanel):
         return 2 if self.screen.has_class("-wide") else 1
 
     def build(self, state: RunState, width: int) -> Text:
-        return curves_text([("loss", state.loss, fmt.number), ("tau", state.tau, fmt.number),
+        return curves_text([("loss", state.loss, fmt.number), ("sim tau", state.tau, fmt.number),
                             ("tokens/s", state.tokens_per_s, fmt.count)], width, self.rows_per_chart())
 
 
 def curves_text(series: list[tuple[str, Ring, object]], width: int, height: int) -> Text:
     t = Text(no_wrap=True, overflow="crop")
     chart_w = max(8, width - LABEL_W - 1)
-    colors = {"loss": "magenta", "tau": "cyan", "tokens/s": "green"}
+    colors = {"loss": "magenta", "sim tau": "cyan", "tokens/s": "green"}
     for i, (name, ring, f) in enumerate(series):
         vals = ring.values
         rows = chart(vals, chart_w, height)

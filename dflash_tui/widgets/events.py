@@ -21,7 +21,8 @@ class EventsLog(RichLog):
     """
 
     def __init__(self, **kw) -> None:
-        super().__init__(max_lines=MAX_EVENTS, wrap=False, markup=False, highlight=False, **kw)
+        # wrapped at the panel's width: an event's message is what it says, and a cut one says less
+        super().__init__(max_lines=MAX_EVENTS, wrap=True, min_width=20, markup=False, highlight=False, **kw)
         #: the state's `events_logged` when this log last caught up
         self._shown = 0
 

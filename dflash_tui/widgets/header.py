@@ -1,5 +1,5 @@
 """The two header lines: who we are watching (run, host, pid, rank, uptime, connection) and how it goes
-(step, tokens/s, loss, simulated tau). The connection state comes first so it survives an 80-column crop.
+(step, tokens/s, loss, simulated tau, labelled `sim tau`: the real one comes from evaluations). The connection state comes first so it survives an 80-column crop.
 """
 
 from __future__ import annotations
@@ -33,6 +33,22 @@ def header_text(state: RunState, width: int = 200) -> Text:
         t.append("  waiting for the trainer's hello", style="dim")
     t.append("  up ", style="dim").append(fmt.clock(state.uptime_s))
     t.append("\n")
+    # the sparkline is the one part that can go: a narrow terminal keeps every number whole instead
+    # (`trained 0:57/5:00`, not `trained 0:57/5:0`)
+    for spark_w in (12 if width >= 100 else 6, 0):
+        line = progress_line(state, spark_w)
+        if line.cell_len <= width - 2:  # the header's padding
+            break
+    t.append_text(line)
+    if h is None and state.connection_detail:
+        t.append("  " + state.connection_detail, style="dim")
+    return t
+
+
+def progress_line(state: RunState, spark_w: int) -> Text:
+    """`step 320/1,000 32% ETA 1:25  tok/s 30.1K ▁▂▃  loss 3.99  sim tau 2.97  trained 0:40/5:00`: the
+    tau here is the simulated one (teacher-forced on training batches), so it says so."""
+    t = Text()
     step = state.step
     t.append("step ", style="dim").append(f"{step:,}" if step is not None else fmt.NA, style="bold")
     max_steps = state.gauge("max_steps")
@@ -41,17 +57,15 @@ def header_text(state: RunState, width: int = 200) -> Text:
     head, tail = progress_text(state)
     t.append_text(head)
     t.append("  tok/s ", style="dim").append(fmt.count(state.tokens_rate), style="bold")
-    spark = fmt.sparkline(state.tokens_per_s.values, 12 if width >= 100 else 6, lo=0)
+    spark = fmt.sparkline(state.tokens_per_s.values, spark_w, lo=0) if spark_w else ""
     if spark:
         t.append(" " + spark, style="green")
     bad_loss = state.nonfinite("gauges.loss")
     t.append("  loss ", style="dim")
     t.append(bad_loss.upper(), style="bold white on red") if bad_loss else t.append(
         fmt.number(state.loss_value), style="bold")
-    t.append("  tau ", style="dim").append(fmt.number(state.tau_value), style="bold")
+    t.append("  sim tau ", style="dim").append(fmt.number(state.tau_value), style="bold")
     t.append_text(tail)
-    if h is None and state.connection_detail:
-        t.append("  " + state.connection_detail, style="dim")
     return t
 
 

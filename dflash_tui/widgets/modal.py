@@ -59,9 +59,13 @@ class ReportScreen(ModalScreen[None]):
     def body(self) -> RenderableType:
         raise NotImplementedError
 
-    def redraw(self) -> None:
-        """Show `body()` again (its data changed); before compose, compose will draw it."""
+    def redraw(self, from_top: bool = False) -> None:
+        """Show `body()` and `BOX_TITLE` again (its data changed), `from_top` scrolled back to the start;
+        before compose, compose will draw them."""
         try:
             self.query_one(f"#{self.BODY_ID}", Static).update(self.body())
+            self.query_one(Vertical).border_title = self.BOX_TITLE
+            if from_top:
+                self.query_one(VerticalScroll).scroll_home(animate=False)
         except NoMatches:
             pass

@@ -4,6 +4,8 @@ of the resulting speedscope profile.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -65,7 +67,11 @@ def record_text(r: RecordReport, limit: int = 25) -> Text:
     mode = " --gil" if r.gil else ""
     mode += " --native" if r.native else ""
     t.append(f"py-spy record{mode} of pid {r.pid} for {r.seconds:g} s: {r.samples} samples\n", style="bold")
-    t.append(f"speedscope file: {r.path} (open it at https://www.speedscope.app)\n", style="dim")
+    # its directory and its name on lines of their own (from here when under here): a path that does not
+    # fit an 80-column box breaks between the two, not in the middle of a name
+    where = Path(shown_path(r.path))
+    t.append("speedscope file (open it at https://www.speedscope.app):\n", style="dim")
+    t.append(f"  {where.parent}/\n  {where.name}\n")
     for note in r.notes:
         t.append(f"note: {note}\n", style="yellow")
     total = max(1, r.samples)
@@ -82,6 +88,14 @@ def record_text(r: RecordReport, limit: int = 25) -> Text:
         for name, n in sorted(r.threads.items(), key=lambda kv: -kv[1])[:16]:
             t.append(f"{n:>8}  {name}\n")
     return t
+
+
+def shown_path(path: str) -> str:
+    """`path` relative to the working directory when it lies under it (what a user can paste)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return path
 
 
 class ProfileScreen(ReportScreen):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.binding import Binding
 
-from dflash_tui.pyspy import ProfileFailure, StackReport, thread_title
+from dflash_tui.pyspy import TRAINER_STACKS, ProfileFailure, StackReport, thread_title
 from dflash_tui.widgets.modal import ReportScreen
 
 
@@ -61,11 +61,20 @@ class StacksScreen(ReportScreen):
     def __init__(self, result: StackReport | ProfileFailure) -> None:
         super().__init__()
         self.result = result
+        self.BOX_TITLE = box_title(result)
 
     def body(self) -> Text:
         r = self.result
         return report_text(r) if isinstance(r, StackReport) else failure_text(r)
 
     def show(self, result: StackReport | ProfileFailure) -> None:
+        """A new result (`t` or `s` pressed here): its own title, read from the top."""
         self.result = result
-        self.redraw()
+        self.BOX_TITLE = box_title(result)
+        self.redraw(from_top=True)
+
+
+def box_title(result: StackReport | ProfileFailure) -> str:
+    if isinstance(result, ProfileFailure):
+        return f"{result.what} failed"
+    return "the trainer's own stacks" if result.source == TRAINER_STACKS else f"hot-thread snapshot ({result.source})"

@@ -4,8 +4,8 @@ Shares are per snapshot window. Untracked is the part of the window no category 
 reports it; otherwise it is what the shares leave). The bar is drawn with largest-remainder rounding
 so its segments always add up to the full width.
 
-When the panel is wide enough, a "now" column follows each bar: the worker's innermost open span and
-how long it has been open (red when the watchdog calls the worker stalled), so a worker stuck in one
+When the panel is wide enough, a "now" column (headed so) follows each bar: the worker's innermost open
+span and how long it has been open (red when the watchdog calls the worker stalled), so a worker stuck in one
 long call is visible while the call lasts, not only when it ends.
 """
 
@@ -69,6 +69,8 @@ def bars_text(rows: list[tuple[str, list[tuple[str, float]], float]], width: int
     show_now = now is not None and width >= NOW_MIN_WIDTH
     bar_w = max(8, width - label_w - SUFFIX_W - (NOW_W if show_now else 0))
     seen: dict[str, None] = {}
+    if show_now:  # the column's heading: a bare name and time read as a total, not as what runs now
+        t.append(f"{'':<{label_w + bar_w + SUFFIX_W}} {'now (open span)':<15} {'for':>6}\n", style="dim")
     for i, (worker, parts, untracked) in enumerate(rows):
         if i:
             t.append("\n")
