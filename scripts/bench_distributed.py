@@ -27,7 +27,7 @@ def _worker(args) -> None:
     from dflash.train import distributed
 
     d = distributed.from_env()
-    distributed.init(d, cuda=False, timeout_s=60)
+    distributed.init(d, "cpu", timeout_s=60)
     ag = distributed.Agreement(d)
     work = args.work_ms / 1000
 

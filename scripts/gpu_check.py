@@ -544,7 +544,7 @@ def check_ddp_resume(ctx: Ctx) -> dict:
             pipe = self.cfg.pipeline
             pipe.target_devices, pipe.drafter_device = distributed.place_devices(
                 pipe.target_devices, pipe.drafter_device, d, torch.cuda.device_count())
-            distributed.init(d, torch.device(self.cfg.pipeline.drafter_device).type == "cuda", 120.0)
+            distributed.init(d, pipe.drafter_device, 120.0)
 
     dev = "cuda" if ctx.cuda else "cpu"
 
@@ -783,7 +783,7 @@ def check_host_gap(ctx: Ctx) -> dict:
 
     def join_ranks(trainer) -> None:  # (called inside the `with` below, where `world` is bound)
         trainer.dist = d = world()
-        distributed.init(d, ctx.cuda, 120.0)
+        distributed.init(d, trainer.cfg.pipeline.drafter_device, 120.0)
 
     def on_step(trainer, step: int) -> None:
         stamps.append((step, time.perf_counter()))

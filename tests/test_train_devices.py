@@ -190,3 +190,19 @@ def test_the_checkpoint_writer_binds_the_trainers_gpu(monkeypatch, tmp_path) -> 
     writer.close()
     assert done and done[0].error is None
     assert calls.device == {WRITER_THREAD: G1} and WRITER_THREAD not in calls.streams
+
+
+def test_joining_the_process_group_binds_the_ranks_drafter_gpu_not_cuda_local_rank(monkeypatch) -> None:
+    """With two GPUs per rank, local rank 1's drafter is cuda:2: the main thread must bind that one
+    before NCCL sets up, not cuda:1 (rank 0's target GPU). No NCCL here: the join then fails, after
+    the binding, with the one-line error the trainer prints."""
+    from dflash.train.distributed import DistError, init, place_devices
+
+    calls = CudaCalls(monkeypatch)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens there
+    d = _rank(1, 2)
+    _, drafter = place_devices(["cuda:1"], "cuda:0", d, gpus=4)
+    with pytest.raises(DistError, match="cannot join the process group"):
+        init(d, drafter, timeout_s=1.0)
+    assert calls.device == {threading.current_thread().name: torch.device("cuda:2")}

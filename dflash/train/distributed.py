@@ -97,16 +97,21 @@ def _bare(spec: str, local_rank: int) -> str:
     return f"cuda:{local_rank}" if spec == "cuda" else spec
 
 
-def init(d: Dist, cuda: bool, timeout_s: float) -> None:
+def init(d: Dist, device: torch.device | str, timeout_s: float) -> None:
+    """Join the job's process groups; ``device``: this rank's drafter device (see place_devices). On
+    CUDA the calling thread binds that GPU first: NCCL sets up on the current device, and binding
+    cuda:LOCAL_RANK instead would open a context on another rank's GPU when each rank has several."""
     if not d.enabled:
         return
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
             raise DistError(f"WORLD_SIZE={d.world_size} but {key} is not set: launch with torchrun or --nproc")
     timeout = timedelta(seconds=timeout_s)
     try:
         if cuda:
-            torch.cuda.set_device(d.local_rank)
+            torch.cuda.set_device(dev if dev.index is not None else torch.device("cuda", d.local_rank))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         d.control = dist.new_group(backend="gloo", timeout=timeout)
         d.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,

@@ -110,8 +110,7 @@ class Trainer:
             pipe = cfg.pipeline
             pipe.target_devices, pipe.drafter_device = distributed.place_devices(
                 pipe.target_devices, pipe.drafter_device, d, torch.cuda.device_count())
-            cuda = torch.device(cfg.pipeline.drafter_device).type == "cuda"
-            distributed.init(d, cuda, cfg.distributed.collective_timeout)
+            distributed.init(d, pipe.drafter_device, cfg.distributed.collective_timeout)
         except DistError as e:
             raise TrainError(str(e)) from None
 
