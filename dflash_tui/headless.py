@@ -99,7 +99,7 @@ def render_text(s: dict[str, Any]) -> str:
     lines.append(f"run {s['run']}  pid {s['pid']}  host {s['host']}{rank}  uptime {fmt.clock(s['uptime_s'])}"
                  f"  step {s['step'] if s['step'] is not None else fmt.NA}")
     lines.append(f"tokens/s {fmt.count(s['tokens_per_s'])}  loss {fmt.number(s['loss'])}"
-                 f"  tau {fmt.number(s['tau'])}  [{s['connection']}]")
+                 f"  sim tau {fmt.number(s['tau'])}  [{s['connection']}]")
     if s["scope"] == "whole run":
         lines.append("whole run" + (f"; evaluation {fmt.clock(s['evaluation_s'], short=True)} (training paused, "
                                     "not in the shares)" if s["evaluation_s"] else ""))

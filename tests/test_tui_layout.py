@@ -110,3 +110,14 @@ async def test_the_speedscope_path_never_breaks_mid_name(size, tmp_path, monkeyp
         lines = lines_of(app)
         for part in (f"{path.parent.relative_to(tmp_path)}/", path.name):  # each whole, on a line of its own
             assert any(part in line for line in lines), screen_text(app)
+
+
+@pytest.mark.parametrize("key, title", [("5", "training curves"), ("6", "events")])
+async def test_a_zoomed_panel_fills_the_80x24_screen(key, title) -> None:
+    app = app_of(synthetic.frames(80, workers=3, gpus=0))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        await pilot.press(key)
+        await settle(pilot)
+        # 24 rows: 2 of header, the status line and the keys; the box and its borders take the rest
+        assert len(box(lines_of(app), title)) == 24 - 4 - 2, screen_text(app)
