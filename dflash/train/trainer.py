@@ -25,7 +25,7 @@ from dflash.train.build import Components, TrainError, build, restore, run_targe
 from dflash.train.checkpointer import Checkpointer, checkpoint_bytes, checkpoint_to_resume, default_interval
 from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.control import Interval, StepControl
-from dflash.train.devices import bind_thread, thread_device
+from dflash.train.devices import bind_thread, resolve, thread_device
 from dflash.train.distributed import Dist, DistError
 from dflash.train.evaluation import Evaluations
 from dflash.train.faults import FaultPlan, FaultSpecError
@@ -76,6 +76,11 @@ class Trainer:
         cfg, report = self.cfg, self.report
         self.join_ranks()
         report.dist = d = self.dist
+        # The main thread loads, evaluates and checkpoints on the trainer's GPU: bound there before any
+        # of it, never on GPU 0 by default.
+        pipe = cfg.pipeline
+        self.device = thread_device(*(resolve(x) for x in (pipe.drafter_device, *pipe.target_devices)))
+        bind_thread(self.device)
         try:
             faults = FaultPlan.from_env(d.rank)
         except FaultSpecError as e:
@@ -84,9 +89,6 @@ class Trainer:
             report.say(f"fault injection (DFLASH_FAULT): {faults.describe()}")
         ckpt = checkpoint_to_resume(Path(cfg.run.run_dir), d, self.resume, report)
         self.parts = parts = build(cfg, d, run_target(cfg), ckpt, faults, log=report.log)
-        # The main thread evaluates and checkpoints on the trainer's GPU: bound there, never on GPU 0.
-        self.device = thread_device(parts.drafter_device, *(t.device for t in parts.targets))
-        bind_thread(self.device)
         if ckpt is not None:
             self.state = restore(ckpt, parts, d, report.log)
         if d.is_main:
