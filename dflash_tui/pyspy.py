@@ -27,7 +27,7 @@ from typing import Any
 
 from dflash.telemetry.protocol import ProtocolError, Reply, Stacks, stacks_of
 from dflash.telemetry.sockets import pid_alive, ptrace_scope
-from dflash.telemetry.vocab import TELEMETRY_LOOPS
+from dflash.telemetry.vocab import TELEMETRY_LOOPS, TELEMETRY_THREADS
 
 #: ask the trainer something and get its reply; raises on failure (LiveSource.request)
 Ask = Callable[[str, dict[str, Any]], Reply]
@@ -357,7 +357,8 @@ TRAINER_STACKS = "trainer stacks"
 
 def thread_title(t: ThreadStack) -> str:
     cpu = f"{t.cpu_percent:5.1f}%" if t.cpu_percent is not None else "    -%"
-    flags = "".join([" active" if t.active else "", " gil" if t.owns_gil else ""])
+    flags = "".join([" active" if t.active else "", " gil" if t.owns_gil else "",
+                     TELEMETRY_MARK if t.name in TELEMETRY_THREADS else ""])
     return f"{cpu}  tid {t.tid if t.tid is not None else '?'}  {t.name or '(unnamed)'}{flags}"
 
 

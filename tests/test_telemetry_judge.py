@@ -124,6 +124,9 @@ def test_busy_loop_hogs_make_the_verdict_cpu_starved_with_the_machine_in_its_evi
                    output=lambda: f"{verdicts[-1].verdict}: {verdicts[-1].evidence}" if verdicts else "")
     finally:
         stop.set()
+    # the whole run's verdict, at the end, weighs the machine over the run too
+    whole = published.final(stats.drain())
+    assert whole.scope == "whole run" and whole.verdict == "CPU-starved" and agrees_with_evidence(whole)
     b = verdicts[-1]
     assert b.evidence["workers.cpu"] < 0.5 * b.evidence["workers.busy"]
     assert b.evidence["machine.other_cores"] >= 0.5 and b.evidence["machine.cores"] == os.cpu_count()
@@ -164,3 +167,19 @@ def test_the_last_snapshot_judges_the_whole_run_and_once_shows_it(tmp_path: Path
     assert run_once(str(tmp_path / "run" / "telemetry.jsonl"), as_json=True, out=out) == 0
     s = json.loads(out.getvalue())
     assert s["bottleneck"]["verdict"] == "drafter-bound" and s["bottleneck"]["scope"] == "whole run"
+
+
+def test_an_evaluation_starts_the_span_anew() -> None:
+    """The windows of an evaluation (training paused) never dilute the training verdict that follows."""
+    published = PublishedVerdict(span_s=10.0)
+    for i in range(20):
+        published.update(window(0.35, float(i)), None)
+    paused = Summary(t=0.0, window_s=1.0, roles=ROLES, counters={"steps": 20.0},
+                     gauges={"eval_done": 0.0, "eval_total": 2.0}, workers={"drafter-0": {"eval": cs(1.0)}})
+    for _ in range(8):
+        published.update(paused, None)
+    after = window(0.35, 21.0)
+    after.gauges = {"eval_done": 2.0, "eval_total": 2.0}
+    b = published.update(after, None)
+    assert b.verdict == "drafter-bound" and b.scope == "last 1 s, 1 steps"
+    assert b.evidence["target.hs_queue_put"] == 0.35  # not diluted by the evaluation's windows

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from dflash.telemetry import protocol as P
 from dflash.telemetry.vocab import GIL_PROBE_THREAD, PUBLISHER_THREAD
-from dflash_tui.pyspy import TELEMETRY_MARK, parse_speedscope
+from dflash_tui.pyspy import TELEMETRY_MARK, ThreadStack, parse_speedscope, thread_title
 from dflash_tui.state import RunState
 from dflash_tui.widgets.threads import threads_text
 
@@ -48,3 +48,8 @@ def test_the_threads_panel_marks_the_monitors_threads() -> None:
     assert next(x for x in lines if "target-0" in x).endswith("target-0")
     assert next(x for x in lines if GIL_PROBE_THREAD in x).endswith("(dflash telemetry)")
     assert next(x for x in lines if PUBLISHER_THREAD in x).endswith("(dflash telemetry)")
+
+
+def test_a_hot_thread_snapshot_marks_the_monitors_threads() -> None:
+    assert thread_title(ThreadStack(tid=12, name=GIL_PROBE_THREAD, frames=[])).endswith(TELEMETRY_MARK)
+    assert not thread_title(ThreadStack(tid=11, name="target-0", frames=[])).endswith(TELEMETRY_MARK)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from dflash.telemetry.protocol import Anomaly
 from dflash.telemetry.summary import WAIT_SUFFIXES, Summary
 from dflash.telemetry.table import seconds
-from dflash.telemetry.vocab import Gauge
+from dflash.telemetry.vocab import evaluating as in_evaluation
 
 log = logging.getLogger("dflash.telemetry")
 
@@ -108,8 +108,7 @@ class AnomalyDetector:
     def check(self, summary: Summary, live: set[str] | None = None) -> list[Anomaly]:
         """Fold in one window; returns (and puts on the summary) the anomalies in force now."""
         t = summary.t
-        done, total = summary.gauges.get(Gauge.EVAL_DONE), summary.gauges.get(Gauge.EVAL_TOTAL)
-        evaluating = done is not None and total is not None and done < total
+        evaluating = in_evaluation(summary.gauges)
         if self._evaluating is not None and evaluating != self._evaluating:
             self.finish("an evaluation began" if evaluating else "the evaluation ended")
         self._evaluating = evaluating

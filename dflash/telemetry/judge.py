@@ -20,7 +20,7 @@ from dflash.telemetry.analysis import CpuFigures, SteadyVerdict, analyze, cpu_st
 from dflash.telemetry.protocol import Bottleneck, CategoryStats, MachineSample, SystemSample, training_shares
 from dflash.telemetry.summary import Summary, WorkerStats
 from dflash.telemetry.table import clock, pipeline_cpu
-from dflash.telemetry.vocab import CPU_STARVED, VERDICT_SPAN_S, Gauge
+from dflash.telemetry.vocab import CPU_STARVED, PAUSE_CATEGORIES, VERDICT_SPAN_S, Gauge, evaluating
 
 
 @dataclass
@@ -89,7 +89,8 @@ class RecentWindows:
         for win in self._windows:
             for worker, cats in win.workers.items():
                 for cat, st in cats.items():
-                    parts.setdefault(worker, {}).setdefault(cat, []).append((win.seconds, st))
+                    if cat not in PAUSE_CATEGORIES:  # an evaluation is not training (whole_run drops it too)
+                        parts.setdefault(worker, {}).setdefault(cat, []).append((win.seconds, st))
         return {worker: {cat: _span_stats(p, total) for cat, p in cats.items()}
                 for worker, cats in parts.items()} if total > 0 else {}
 
@@ -125,19 +126,66 @@ class RecentWindows:
         """The verdict over the span, with its evidence and the machine's view from the same span."""
         workers = self.merged()
         raw = analyze(workers, self._roles, steps=self.steps())
-        cpu = self.cpu_figures(workers)
-        starved = cpu_starved(raw, cpu)
-        if starved.verdict == CPU_STARVED.name:
-            b = starved
-        else:
-            contention = _mean([(w.seconds, w.contention) for w in self._windows if w.contention is not None])
-            process = _mean([(w.seconds, w.process_cpu) for w in self._windows if w.process_cpu is not None])
-            b = gil_bound(raw, contention, process)
-        return msgspec.structs.replace(b, scope=self.scope())
+        contention = _mean([(w.seconds, w.contention) for w in self._windows if w.contention is not None])
+        process = _mean([(w.seconds, w.process_cpu) for w in self._windows if w.process_cpu is not None])
+        return msgspec.structs.replace(refine(raw, self.cpu_figures(workers), contention, process), scope=self.scope())
 
     def clear(self) -> None:
         """Forget the span (a phase change: what came before says nothing about what comes next)."""
         self._windows.clear()
+
+
+def refine(raw: Bottleneck, cpu: CpuFigures | None, contention: float | None, process_cpu: float | None) -> Bottleneck:
+    """The stage verdict, turned CPU-starved where the machine kept the workers off the cores, else
+    GIL-bound where the probe and the CPU time agree; all figures over the same time."""
+    starved = cpu_starved(raw, cpu)
+    return starved if starved.verdict == CPU_STARVED.name else gil_bound(raw, contention, process_cpu)
+
+
+@dataclass
+class RunCpu:
+    """The machine's view and the GIL probe over every training window of the run (time-weighted sums),
+    for the whole run's verdict: windows of an evaluation are left out, as their shares are."""
+
+    seconds: float = 0.0
+    cpu: float = 0.0
+    busy: float = 0.0
+    others: float = 0.0
+    idle: float = 0.0
+    steal: float | None = None
+    contention: tuple[float, float] = (0.0, 0.0)  # (seconds with a reading, sum of reading x seconds)
+    process: float = 0.0
+    last: MachineSample | None = None
+
+    def add(self, summary: Summary, system: SystemSample | None) -> None:
+        m = system.machine if system is not None else None
+        if system is None or m is None or m.cores <= 0 or summary.window_s <= 0 or evaluating(summary.gauges):
+            return
+        figures = pipeline_cpu(summary.workers, summary.roles, {t.name: t.cpu_percent for t in system.threads})
+        if figures is None:
+            return
+        s = summary.window_s
+        self.seconds += s
+        self.cpu, self.busy = self.cpu + figures[0] * s, self.busy + figures[1] * s
+        self.others += m.others_percent / 100 * s
+        self.idle += max(0.0, m.cores - m.busy_percent / 100) * s
+        if m.steal_percent is not None:
+            self.steal = (self.steal or 0.0) + m.steal_percent / 100 * s
+        self.process += system.cpu_percent * s
+        g = summary.gauges.get(Gauge.GIL_CONTENTION)
+        if g is not None:
+            self.contention = (self.contention[0] + s, self.contention[1] + g * s)
+        self.last = m
+
+    def figures(self) -> tuple[CpuFigures | None, float | None, float | None]:
+        """(CPU figures, mean GIL contention, mean process CPU percent) over the run; Nones without windows."""
+        s, m = self.seconds, self.last
+        if s <= 0 or m is None:
+            return None, None, None
+        cpu = CpuFigures(worker_cpu=self.cpu / s, worker_busy=self.busy / s, cores=m.cores, others_cores=self.others / s,
+                         idle_cores=self.idle / s, load1=m.load1, steal_cores=None if self.steal is None else self.steal / s)
+        seen, total = self.contention
+        return cpu, total / seen if seen > 0 else None, self.process / s
 
 
 class PublishedVerdict:
@@ -146,17 +194,26 @@ class PublishedVerdict:
 
     def __init__(self, span_s: float = VERDICT_SPAN_S) -> None:
         self.recent = RecentWindows(span_s)
+        self.run = RunCpu()
         self.steady = SteadyVerdict()
         #: the last verdict published (None before the first window)
         self.current: Bottleneck | None = None
+        self._evaluating = False
 
     def update(self, summary: Summary, system: SystemSample | None) -> Bottleneck:
+        now = evaluating(summary.gauges)
+        if now != self._evaluating:  # a phase change: the span before it says nothing about what follows
+            self.recent.clear()
+            self._evaluating = now
         self.recent.add(summary, system)
+        self.run.add(summary, system)
         self.current = self.steady.update(self.recent.judge())
         return self.current
 
     def final(self, summary: Summary) -> Bottleneck:
-        self.current = whole_run(summary.cumulative, summary.roles, summary.counters.get("steps"))
+        """The whole run's verdict, the machine's view and the GIL probe over its training windows."""
+        b = whole_run(summary.cumulative, summary.roles, summary.counters.get("steps"))
+        self.current = msgspec.structs.replace(refine(b, *self.run.figures()), scope=b.scope)
         return self.current
 
 

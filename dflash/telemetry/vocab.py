@@ -138,6 +138,12 @@ class Gauge(StrEnum):
     NONFINITE_SKIPPED = "nonfinite_skipped"
 
 
+def evaluating(gauges: Mapping[str, float]) -> bool:
+    """Whether these gauges say an evaluation is under way (training paused)."""
+    done, total = gauges.get(Gauge.EVAL_DONE), gauges.get(Gauge.EVAL_TOTAL)
+    return done is not None and total is not None and done < total
+
+
 # --- dflash's own threads --------------------------------------------------------------------------
 
 #: the monitor's own threads (the publisher, the GIL probe, the cluster exchange, the stall dumper):
