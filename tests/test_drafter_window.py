@@ -191,3 +191,26 @@ def test_recipe_size_window_mask_has_no_q_by_kv_intermediate_and_no_sync():
     assert rec.largest <= 2 * kv, (rec.largest, rec.op)
     assert rec.syncing == [], rec.syncing
     assert bm.to_dense().sum() < flex_block_mask(anchors, bs, t, valid).to_dense().sum()
+
+
+def test_the_sdpa_fallback_keeps_one_dense_mask_per_kind_of_layer(monkeypatch):
+    """After compiled flex has failed, layers alternating full and sliding masks each get their own
+    dense mask, built once per forward, not once per layer."""
+    import torch.nn.attention.flex_attention as fa
+    import torch.nn.functional as F
+
+    from dflash.model import masks
+
+    monkeypatch.setattr(masks, "_flex_failed", "failed before")
+    built = []
+    real = fa.create_mask
+    monkeypatch.setattr(fa, "create_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    anchors, bs, t = torch.tensor([[0, 9, 20], [3, 4, 25]]), 4, 30
+    q, k, v = torch.randn(2, 2, 12, 8), torch.randn(2, 2, t + 12, 8), torch.randn(2, 2, t + 12, 8)
+    kinds = [(flex_block_mask(anchors, bs, t, window=w), block_attention_mask(anchors, bs, t, window=w))
+             for w in (None, 5)]
+    for _layer in range(3):
+        for bm, dense in kinds:
+            out = masks.flex_or_sdpa(q, k, v, bm, compiled=True)
+            torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=dense))
+    assert len(built) == 2

@@ -288,13 +288,16 @@ def compiled_flex() -> Callable:
 
 
 def _dense_from_block_mask(mask, bsz: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """Dense [Bsz, 1, Q, KV] bool from a BlockMask's mask_mod (fallback only), reused across layers."""
+    """Dense [Bsz, 1, Q, KV] bool from a BlockMask's mask_mod (fallback only), reused across layers: one
+    per kind of layer of the current forward (a drafter with sliding layers alternates two masks)."""
     from torch.nn.attention.flex_attention import create_mask
 
-    cached = getattr(_dense, "value", None)
-    if cached is None or cached[0] is not mask:
-        _dense.value = (mask, create_mask(mask.mask_mod, bsz, None, q_len, kv_len, device))
-    return _dense.value[1]
+    kept = [(m, d) for m, d in getattr(_dense, "value", []) if m is not mask][-1:]  # the other kind's
+    dense = next((d for m, d in getattr(_dense, "value", []) if m is mask), None)
+    if dense is None:
+        dense = create_mask(mask.mask_mod, bsz, None, q_len, kv_len, device)
+    _dense.value = [*kept, (mask, dense)]
+    return dense
 
 
 def _pad_seq(x: torch.Tensor, length: int) -> torch.Tensor:
