@@ -231,6 +231,7 @@ def _run_of(n: int, straggler):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to slow one rank down")
+@pytest.mark.timeout(480)  # start-up, then up to 120 s balanced and 180 s hogged on a loaded machine
 def test_a_rank_slowed_by_a_cpu_hog_is_named_the_straggler(setup, tmp_path):
     """A real straggler: each rank gets its own CPU, then busy loops share rank 1's. Rank 0 now waits
     for rank 1 in every all-reduce, and rank 0's cluster view must say so, steadily.
