@@ -214,3 +214,35 @@ def test_the_sdpa_fallback_keeps_one_dense_mask_per_kind_of_layer(monkeypatch):
             out = masks.flex_or_sdpa(q, k, v, bm, compiled=True)
             torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=dense))
     assert len(built) == 2
+
+
+def test_compiled_flex_under_both_kinds_equals_sdpa_and_compiles_at_most_twice_per_kind():
+    """Compiled FlexAttention on CPU (forward only), layers alternating the full and the windowed mask
+    as a mixed drafter's forward does: each equals SDPA under its dense mask, and varying anchor counts
+    and lengths compile at most two graphs per kind (the window is a constant of its mask_mod)."""
+    import warnings
+
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    from dflash.model.masks import flex_or_sdpa
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    bs = 4
+    for n, t in [(4, 300), (70, 300), (17, 411)]:  # (padded key lengths of 2 tiles avoided: see test_model_masks)
+        anchors = torch.randint(0, t - bs + 1, (2, n)).sort(-1).values
+        valid = torch.ones(2, t, dtype=torch.long)
+        valid[1, t - 7:] = 0
+        q = torch.randn(2, 4, n * bs, 16)
+        k, v = torch.randn(2, 2, t + n * bs, 16), torch.randn(2, 2, t + n * bs, 16)
+        for window in (None, 64):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="compiled FlexAttention failed")
+                out = flex_or_sdpa(q, k, v, flex_block_mask(anchors, bs, t, valid, window=window), compiled=True)
+            dense = block_attention_mask(anchors, bs, t, valid, window=window)
+            ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                 attn_mask=dense)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert 2 <= counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
