@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_gil.py
 	$(BIN)/python scripts/bench_eval.py
 	$(BIN)/python scripts/bench_masks.py
+	$(BIN)/python scripts/bench_rollback.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check dflash dflash_tui tests scripts

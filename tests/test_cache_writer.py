@@ -38,10 +38,10 @@ def test_the_cache_holds_the_targets_states(cache_dir):
         out = target.model.get_decoder()(input_ids=ids[None], output_hidden_states=True, use_cache=False)
         for slot, layer in enumerate(target.layer_ids):
             torch.testing.assert_close(hs[:, slot], out.hidden_states[layer + 1][0], rtol=1e-4, atol=1e-4)
-        # the final slot is the last layer before the norm (vLLM's id N); transformers' last entry is after it
+        # the final slot is the last layer before the norm (vLLM's id N); the decoder's last_hidden_state is after it
         norm = target.model.get_decoder().norm
-        torch.testing.assert_close(norm(hs[None, :, -1]), out.hidden_states[-1], rtol=1e-4, atol=1e-4)
-        assert not torch.allclose(hs[:, -1], out.hidden_states[-1][0])
+        torch.testing.assert_close(norm(hs[None, :, -1]), out.last_hidden_state, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(hs[:, -1], out.last_hidden_state[0])
 
 
 def test_a_rerun_skips_what_is_written(cache_dir, capsys):

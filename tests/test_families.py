@@ -144,3 +144,48 @@ def test_regeneration_is_the_targets_greedy_output(targets, family):
         ref = greedy_generate(t, p, 14, stop_token_ids=[eos])
         expected.append(ref[: ref.index(eos)] if eos in ref else ref)
     assert generate_batch(t, PROMPTS, 14) == expected
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_taps_embedding_and_head_are_where_the_target_has_them(targets, family):
+    """Tap layer i is decoder layer i's own output for every family — output_hidden_states[i + 1] for
+    the inner layers, and for the last one its input to the final norm (transformers puts the normed
+    states last); the frozen embedding is what the first layer reads (Gemma scales it) and the frozen
+    head turns the final states into the model's own logits (Gemma soft-caps them)."""
+    t = targets(family)
+    layers = t.model.get_decoder().layers
+    seen: dict = {}
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o[0] if isinstance(o, tuple) else o))
+             for i, layer in enumerate(layers)]
+    hooks.append(layers[0].register_forward_pre_hook(
+        lambda m, a, kw: seen.__setitem__("input", kw.get("hidden_states", a[0] if a else None)), with_kwargs=True))
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])
+    try:
+        out = t.model(input_ids=ids, output_hidden_states=True)
+        every = [seen[i] for i in range(t.num_layers)]
+        taps = t.replica("cpu").tap_states(ids)  # the trainer's path
+    finally:
+        for h in hooks:
+            h.remove()
+    plain = load_target(t.path, layer_ids=list(range(t.num_layers)))
+    torch.testing.assert_close(plain.tap_states(ids), torch.cat(every, -1))
+    torch.testing.assert_close(taps, torch.cat([every[i] for i in t.layer_ids], -1))
+    for i in range(t.num_layers - 1):
+        torch.testing.assert_close(out.hidden_states[i + 1], every[i])
+    embed, head = t.frozen_head("cpu")
+    torch.testing.assert_close(embed(ids), seen["input"])
+    final = t.model.get_decoder()(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(head(final), out.logits)
+
+
+def test_a_slow_fallback_is_said_with_the_extra_that_avoids_it(targets, dirs, capsys):
+    """Without flash-linear-attention (not installed here), transformers runs Gated DeltaNet on a slow
+    PyTorch fallback: the target's start-up line says so and names the extra; other families say nothing."""
+    note = "linear_attention layers run transformers' slow PyTorch fallback without flash-linear-attention"
+    assert note in targets("qwen3_next").describe() and "[linear-attention]" in targets("qwen3_next").describe()
+    assert "fallback" not in targets("gpt_oss").describe()
+    data = dirs["qwen3_5"] / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "def f(x):", "response": "return x"}) + "\n")
+    assert main(["data", "regenerate", "--target", str(dirs["qwen3_5"]), "--data", str(data),
+                 "--out", str(data.with_suffix(".out.jsonl")), "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().err.count(note) == 1

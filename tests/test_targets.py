@@ -60,8 +60,9 @@ def test_interface(targets, name):
 
     embed, head = t.frozen_head("cpu")
     torch.testing.assert_close(embed(batch.input_ids), t.model.get_input_embeddings()(batch.input_ids))
-    with torch.no_grad():
-        torch.testing.assert_close(head(out.hidden_states[-1])[real], out.logits[real], rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # the final norm's output (output_hidden_states ends with the last layer's own)
+        final = t.model.get_decoder()(batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        torch.testing.assert_close(head(final)[real], out.logits[real], rtol=1e-4, atol=1e-4)
 
 
 def test_layer_id_convention():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from dflash.cli import CliError
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from dflash.data import DataError, resolve_data
     from dflash.data.cache_format import CacheError
     from dflash.targets import TargetError, load_target
+    from dflash.targets.hf import slow_kernel_note
 
     try:
         if args.action == "regenerate":
@@ -47,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
             target = load_target(args.target, device=args.device)
             if target.tokenizer is None:
                 raise CliError(f"{args.target}: the target has no tokenizer; regeneration needs one")
+            if note := slow_kernel_note(target.config):
+                print(f"target {args.target}: {note}", file=sys.stderr)
             from dflash.data.regenerate import regenerate_file
 
             n = regenerate_file(target, data, args.out, args.max_new_tokens, args.batch_size, args.limit)

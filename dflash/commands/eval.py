@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from dflash.eval.speculative import evaluate
     from dflash.model.export import DrafterLoadError, load_drafter
     from dflash.targets import TargetError, load_target
+    from dflash.targets.hf import slow_kernel_note
     from dflash.train.config import ConfigError, check_device
     from dflash.train.evaluation import threads_text, torch_threads
 
@@ -57,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         target = load_target(args.target, device=device, layer_ids=drafter.config.target_layer_ids)
     except TargetError as e:
         raise CliError(str(e)) from e
+    if note := slow_kernel_note(target.config):
+        print(f"dflash eval: target {args.target}: {note}", file=sys.stderr)
     if target.tokenizer is None:
         raise CliError(f"target {args.target!r} has no tokenizer, so prompts from {args.data!r} cannot be encoded")
     try:

@@ -22,6 +22,7 @@ import torch
 
 from dflash.eval.verifier import CachedVerifier, new_cache
 from dflash.model.drafter import DFlashDrafter
+from dflash.targets.base import hidden_states_index
 from dflash.targets.hf import HFTarget
 
 
@@ -127,11 +128,12 @@ def speculative_generate(
     ddev = drafter.fc.weight.device  # may differ from the target's (a pipeline's drafter GPU)
     mask_id = drafter.config.mask_token_id
 
-    verifier = CachedVerifier(target, rollback)
+    embed, head = target.frozen_head(dev)  # applied as the target applies them (Gemma: scaled, soft-capped)
+    verifier = CachedVerifier(target.verifier, rollback)
     out = verifier.prefill(prompt_ids)
     seq = [int(_pick(out.logits[-1]))]  # committed tokens, possibly past the budget
     res = SpecOutput(tokens=[])
-    ctx = torch.cat([out.hidden_states[i + 1] for i in taps], dim=-1)  # context not yet seen by the drafter
+    ctx = torch.cat([out.hidden_states[hidden_states_index(i)] for i in taps], -1)  # context the drafter has not seen
     ctx_start = 0
     dcache = drafter.new_cache()
     scanned = 0  # seq[:scanned] holds no stop token
@@ -142,8 +144,8 @@ def speculative_generate(
         block[0] = seq[-1]
         positions = torch.arange(cur, cur + bs, device=ddev)[None]
         ctx_positions = torch.arange(ctx_start, cur, device=ddev)[None]
-        h = drafter(target.embed_tokens(block)[None].to(ddev), ctx.to(ddev), positions, ctx_positions, cache=dcache)
-        block[1:] = target.lm_head(h[0, 1:].to(dev, target.lm_head.weight.dtype)).argmax(-1)
+        h = drafter(embed(block)[None].to(ddev), ctx.to(ddev), positions, ctx_positions, cache=dcache)
+        block[1:] = head(h[0, 1:].to(dev, head.weight.dtype)).argmax(-1)
 
         out = verifier.verify(block)
         posterior = _pick(out.logits)  # target's choice after each block token
@@ -152,7 +154,7 @@ def speculative_generate(
         res.accepted.append(accepted)
 
         verifier.commit(accepted + 1)  # keep the anchor and the accepted drafts; drop the rest
-        ctx = torch.cat([out.hidden_states[i + 1] for i in taps], dim=-1)[:, : accepted + 1]
+        ctx = torch.cat([out.hidden_states[hidden_states_index(i)] for i in taps], -1)[:, : accepted + 1]
         ctx_start = cur
         if len(seq) > max_new_tokens or not stops.isdisjoint(seq[scanned:]):
             break

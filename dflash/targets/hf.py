@@ -8,6 +8,7 @@ download is never what the user meant).
 from __future__ import annotations
 
 import copy
+import importlib.util
 import inspect
 import json
 from pathlib import Path
@@ -45,6 +46,38 @@ def model_dir(spec: str | Path) -> Path:
     return path
 
 
+class SoftCappedHead(nn.Module):
+    """``cap * tanh(head(h) / cap)``: Gemma's final logit soft-cap, applied where the target applies it.
+    ``weight`` is the head's, for callers that cast their input to the head's dtype."""
+
+    def __init__(self, head: nn.Linear, cap: float):
+        super().__init__()
+        self.head, self.cap = head, cap
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.head(h) / self.cap) * self.cap
+
+
+# Kinds of layer transformers runs on a slow PyTorch fallback unless an optional kernel package is there:
+# layer type -> (import name, distribution, dflash-trainer extra).
+_KERNELS = {"linear_attention": ("fla", "flash-linear-attention", "linear-attention")}
+
+
+def slow_kernel_note(config) -> str | None:
+    """One line naming the extra to install when this target has layers transformers runs slowly
+    without it (Gated DeltaNet without flash-linear-attention), else None."""
+    kinds = set(getattr(config, "layer_types", None) or ())
+    for kind, (module, package, extra) in _KERNELS.items():
+        if kind in kinds and importlib.util.find_spec(module) is None:
+            return (f"its {kind} layers run transformers' slow PyTorch fallback without {package} "
+                    f"(CUDA: pip install 'dflash-trainer[{extra}]')")
+    return None
+
+
 class HFTarget(Target):
     """A frozen transformers causal LM run in-process: it computes hidden states and, being the whole
     model, is its own verifier. Build with ``load_hf_target``."""
@@ -55,6 +88,9 @@ class HFTarget(Target):
         self.model = model
         # The decoder stack without the LM head: computing hidden states should not pay for logits.
         self._decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+        # transformers 5 puts the *final-normed* states last in output_hidden_states; a tap is every
+        # layer's own output, the last one included (its input to the final norm), in every family.
+        self._decoder.config.tie_last_hidden_states = False
         # transformers 5 renamed the cache argument `past_key_values` -> `cache`.
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -67,6 +103,20 @@ class HFTarget(Target):
     @property
     def verifier(self) -> HFTarget:
         return self
+
+    def frozen_head(self, device: str | torch.device) -> tuple[nn.Module, nn.Module]:
+        """The model's own embedding module (Gemma's scales by sqrt(hidden) in its forward) and the LM head
+        followed by the final logit soft-cap where the config has one (Gemma)."""
+        embed = self.embed_tokens
+        if torch.device(device) != self.device:
+            embed = copy.deepcopy(embed).to(device)
+        _, head = super().frozen_head(device)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return embed, (SoftCappedHead(head, float(cap)) if cap else head)
+
+    def describe(self) -> str:
+        note = slow_kernel_note(self.config)
+        return super().describe() + (f"; {note}" if note else "")
 
     def replica(self, device: str | torch.device) -> HFTarget:
         """Loaded again from its directory onto ``device`` (in that device's default dtype); a target

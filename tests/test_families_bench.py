@@ -1,0 +1,19 @@
+"""The rollback benchmark still runs and reports every figure the README needs (a smoke run: its
+numbers mean nothing; the lead runs the full one on a quiet machine)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import bench_quick
+
+
+@pytest.mark.slow
+def test_bench_rollback_quick_json() -> None:
+    data = bench_quick("bench_rollback.py")
+    assert data["hybrid_family"] == "qwen3_5" and data["sliding_family"] == "gpt_oss"
+    assert "recurrent" in data["hybrid_record_refused"]  # cropping alone cannot restore Gated DeltaNet
+    for key in ("hybrid_rerun", "hybrid_reprefill", "sliding_record", "sliding_rerun", "sliding_reprefill"):
+        assert data[f"{key}_exact"] is True, key  # every way offered keeps the target's greedy output
+        assert data[f"{key}_rounds"] > 0 and data[f"{key}_verify_ms"] > 0 and data[f"{key}_round_ms"] > 0
+    assert data["sliding_record_extra_forwards"] == 0 < data["sliding_rerun_extra_forwards"]
+    assert isinstance(data["foreign_load_cores"], float) and isinstance(data["busy_machine"], bool)
