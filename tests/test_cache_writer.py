@@ -24,8 +24,12 @@ def cache_dir(tmp_path_factory):
 
 def test_the_cache_holds_the_targets_states(cache_dir):
     from dflash.targets import load_target
+    from dflash.train.recipes import hardware_recipe
 
-    target = load_target("tiny")
+    # by default the taps a bare `dflash train --target tiny` reads on this machine
+    recipe, _ = hardware_recipe("tiny")
+    target = load_target("tiny", layer_ids=recipe.get("target_layer_ids"), num_draft_layers=recipe.get(
+        "drafter_layers", 5))
     meta = CacheMeta.read(cache_dir)
     assert meta.target_layer_ids == target.layer_ids and meta.rows == 6 and meta.dtype == "float32"
     assert meta.aux_hidden_state_layer_ids == [i + 1 for i in target.layer_ids]

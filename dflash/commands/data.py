@@ -30,8 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--max-samples", type=int, default=None, help="only the first N rows")
     c.add_argument("--max-seq-len", type=int, default=512, help="longest sample in tokens (as `dflash train`)")
     c.add_argument("--target-layer-ids", type=lambda v: [int(x) for x in v.split(",")], default=None,
-                   metavar="IDS", help="taps, the reference's ids (default: as `dflash train` picks them)")
-    c.add_argument("--drafter-layers", type=int, default=5, help="one tap per drafter layer by default (5)")
+                   metavar="IDS", help="taps, the reference's ids (default: those a bare `dflash train "
+                   "--target T` on this machine uses)")
+    c.add_argument("--drafter-layers", type=int, default=None, help="one tap per drafter layer, spread evenly")
     c.add_argument("--batch-size", type=int, default=8)
     c.add_argument("--device", default="cpu")
     c.add_argument("--no-telemetry", action="store_true", help="no telemetry socket for dflash-top")
@@ -85,8 +86,13 @@ def _cache(args: argparse.Namespace) -> int:
     if args.max_samples is not None and args.max_samples < 1:
         raise CliError(f"--max-samples must be at least 1, got {args.max_samples}")
     data = resolve_data(args.data)
-    target = load_target(args.target, device=args.device, layer_ids=args.target_layer_ids,
-                         num_draft_layers=args.drafter_layers)
+    layer_ids, n_taps = args.target_layer_ids, args.drafter_layers
+    if layer_ids is None and n_taps is None:  # the taps a bare `dflash train --target T` reads here
+        from dflash.train.recipes import hardware_recipe
+
+        recipe, _ = hardware_recipe(args.target)
+        layer_ids, n_taps = recipe.get("target_layer_ids"), recipe.get("drafter_layers")
+    target = load_target(args.target, device=args.device, layer_ids=layer_ids, num_draft_layers=n_taps or 5)
     if target.tokenizer is None:
         raise CliError(f"{args.target}: the target has no tokenizer; the cache needs one to read the data")
     samples = load_samples(data, target.tokenizer, max_len=args.max_seq_len)

@@ -41,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
     recipe = None
     if args.config is None:  # no recipe given: the one this machine can run
         recipe, line = hardware_recipe(args.target)
+        if args.hidden_states is not None:
+            recipe.pop("target_layer_ids", None)  # a cache's taps are what it holds (its sidecar says)
         if saved is None:  # a resumed run takes only its placement from the recipe
             print(f"dflash train: {line}", flush=True)
     try:

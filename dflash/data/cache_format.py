@@ -40,6 +40,10 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
+#: what to do about a bad sample file, said at the end of its error line
+REWRITE = "delete it and rerun `dflash data cache` (or the engine) to rewrite it"
+
+
 class CacheError(ValueError):
     """A cache that cannot be used as it is; the message is one line naming the file and the fix."""
 
@@ -113,20 +117,20 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], int]:
         with path.open("rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise CacheError(f"{path}: truncated ({size} bytes, no safetensors header); rewrite it")
+                raise CacheError(f"{path}: truncated ({size} bytes, no safetensors header); {REWRITE}")
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER or 8 + n > size:
                 raise CacheError(f"{path}: truncated or not a safetensors file (header of {n} bytes in a "
-                                 f"{size}-byte file); rewrite it")
+                                 f"{size}-byte file); {REWRITE}")
             raw = json.loads(f.read(n))
     except FileNotFoundError:
         raise CacheError(f"{path}: missing; rerun `dflash data cache` with the same --out to write it") from None
     except (OSError, ValueError) as e:
         if isinstance(e, CacheError):
             raise
-        raise CacheError(f"{path}: unreadable safetensors header ({e}); rewrite it") from None
+        raise CacheError(f"{path}: unreadable safetensors header ({e}); {REWRITE}") from None
     if not isinstance(raw, dict):
-        raise CacheError(f"{path}: safetensors header is not an object; rewrite it")
+        raise CacheError(f"{path}: safetensors header is not an object; {REWRITE}")
     tensors, end = {}, 0
     for name, spec in raw.items():
         if name == "__metadata__":
@@ -145,7 +149,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], int]:
         tensors[name] = TensorInfo(dtype, shape, start, stop)
         end = max(end, stop)
     if 8 + n + end != size:
-        raise CacheError(f"{path}: truncated ({size} bytes, its header promises {8 + n + end}); rewrite it")
+        raise CacheError(f"{path}: truncated ({size} bytes, its header promises {8 + n + end}); {REWRITE}")
     return tensors, 8 + n
 
 
@@ -168,7 +172,7 @@ def read_sample(path: Path, pin: bool = False) -> tuple[torch.Tensor, torch.Tens
         f.seek(data_start)
         got = f.readinto(memoryview(buf.numpy()))
     if got != total:
-        raise CacheError(f"{path}: truncated while reading ({got} of {total} bytes); rewrite it")
+        raise CacheError(f"{path}: truncated while reading ({got} of {total} bytes); {REWRITE}")
 
     def view(t: TensorInfo) -> torch.Tensor:
         return buf[t.start:t.end].view(t.dtype).view(t.shape)
@@ -183,7 +187,7 @@ def check_finite(hidden: torch.Tensor, path: Path) -> None:
         return
     slots = (~finite).any(dim=2).any(dim=0).nonzero().flatten().tolist()
     raise CacheError(f"{path}: {int((~finite).sum())} non-finite values (NaN/inf) in layer slots {slots}; "
-                     "rewrite it or remove it from the cache")
+                     f"{REWRITE}")
 
 
 # --- the sidecar ----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import torch
 
 from dflash.data.cache_format import (
     AUX_ID_OFFSET,
+    REWRITE,
     SIDECAR,
     CacheError,
     CacheMeta,
@@ -158,6 +159,12 @@ class CacheReader:
             future = self._pending.pop(row)
         return future.result()
 
+    def wait_for(self, row: int) -> None:
+        """Block until row ``row``'s file is complete (a followed cache)."""
+        path = sample_path(self.layout.root, row)
+        if not is_ready(path):
+            _wait(lambda: is_ready(path), self._stop)
+
     def _read(self, row: int) -> torch.Tensor:
         lay = self.layout
         path = sample_path(lay.root, row)
@@ -174,10 +181,10 @@ class CacheReader:
         expect = lay.rows[row].input_ids
         if hs.shape[1] != lay.file_slots or hs.shape[2] != lay.hidden_size:
             raise CacheError(f"{path}: hidden_states {list(hs.shape)}, the cache's others are "
-                             f"[seq, {lay.file_slots}, {lay.hidden_size}]; rewrite it")
+                             f"[seq, {lay.file_slots}, {lay.hidden_size}]; {REWRITE}")
         if ids.tolist() != expect:
             raise CacheError(f"{path}: its token_ids differ from row {row} of the data set "
-                             f"({len(ids)} vs {len(expect)} tokens); the file belongs to other data, rewrite it")
+                             f"({len(ids)} vs {len(expect)} tokens): it belongs to other data; {REWRITE}")
         check_finite(hs, path)
         return hs
 

@@ -39,7 +39,16 @@ def load_target(spec: str | Path, device: str | torch.device = "cpu", dtype: tor
 
 
 def make_target(cfg: TrainConfig, device: str | torch.device) -> Target:
-    """The target a training run's settings name, with its tap layers, on ``device``."""
+    """The target a training run's settings name, with its tap layers, on ``device``: a hidden-states
+    cache when ``--hidden-states`` is given (``--target`` then supplies only the tokenizer, config,
+    embedding and LM head), else the model itself."""
     n_taps = cfg.model.drafter_layers
+    if cfg.run.hidden_states is not None:
+        import torch
+
+        from dflash.targets.cache import load_cache_target
+
+        return load_cache_target(Path(cfg.run.hidden_states), cfg.run.target, cfg.model.target_layer_ids, n_taps,
+                                 torch.device(device), follow=cfg.run.follow)
     return load_target(cfg.run.target, device=device, layer_ids=cfg.model.target_layer_ids,
                        **({"num_draft_layers": n_taps} if n_taps else {}))

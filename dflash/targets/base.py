@@ -56,6 +56,9 @@ class Target(ABC):
 
     #: the span category the pipeline's first stage records this target's work under
     span_category: ClassVar[str] = "target_forward"
+    #: whether ``hidden_states`` may have to wait for its inputs to appear (a cache still being written):
+    #: the stage then times ``wait_ready`` apart, as ``cache_wait``, so the verdict can name the producer
+    waits_for_inputs: ClassVar[bool] = False
 
     def __init__(self, tokenizer: Any, config: Any, layer_ids: list[int], embed_tokens: nn.Embedding,
                  lm_head: nn.Linear, path: Path | None = None, generation_config: Any = None):
@@ -99,6 +102,21 @@ class Target(ABC):
     @abstractmethod
     def hidden_states(self, batch: TokenBatch) -> torch.Tensor:
         """[B, T, len(layer_ids) * hidden_size] tap-layer states for ``batch``, on ``self.device``."""
+
+    def own_samples(self, max_len: int, min_loss_tokens: int) -> list[Any] | None:
+        """The training samples, for a target that comes with its data (a cache holds states for its own
+        rows only); None: read ``--data`` with the tokenizer."""
+        return None
+
+    def read_ahead(self, rows_of: Any) -> None:  # noqa: B027 - optional: most targets compute, not read
+        """Told the batch order (``rows_of(batch_index)`` -> sample positions) by whoever builds the batch
+        source; a target that reads from disk starts early, one that computes ignores it."""
+
+    def wait_ready(self, batch: TokenBatch) -> None:  # noqa: B027 - optional, see waits_for_inputs
+        """Block until ``batch``'s inputs exist (only called when ``waits_for_inputs``)."""
+
+    def close(self) -> None:  # noqa: B027 - optional: only a target with threads or files has work here
+        """Release what the target holds (a cache's reading threads) at the end of a run."""
 
     def frozen_head(self, device: str | torch.device) -> tuple[nn.Module, nn.Module]:
         """The embedding and the LM head as frozen modules on ``device``, applying them as the target

@@ -97,7 +97,9 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
         drafter_device = resolve(cfg.pipeline.drafter_device)
         replicas = {dev: target.replica(dev) for dev in dict.fromkeys(devices)}  # CPU workers share one
         verifier = evaluator(cfg, replicas[devices[0]], log)
-        if samples is None:
+        if samples is None and (samples := target.own_samples(cfg.data.max_seq_len, cfg.model.block_size)):
+            data_path = Path(cfg.run.hidden_states or "<the target's own rows>")
+        elif samples is None:
             data_path = resolve_data(cfg.run.data)
             if tok is None:
                 raise TrainError(f"target {cfg.run.target!r} has no tokenizer: dflash needs one to read the data")
@@ -160,8 +162,12 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     except RecipeError as e:
         raise TrainError(str(e)) from None
     cuda = drafter_device.type == "cuda" or any(t.device.type == "cuda" for t in targets)
+    # a followed cache is written in row order: its first pass reads the rows in that order too
     source = BatchSource(samples, cfg.data.batch_size, cfg.data.seed, pad, dist.rank, dist.world_size,
-                         block_size=dcfg.block_size, num_anchors=cfg.model.num_anchors, pin=cuda)
+                         block_size=dcfg.block_size, num_anchors=cfg.model.num_anchors, pin=cuda,
+                         in_order_first=first.waits_for_inputs)
+    for t in replicas.values():
+        t.read_ahead(source.sample_ids)
     limit_epochs(cfg, source.per_epoch, log)
     return Components(first, verifier, targets, drafter, dcfg, source, stats, generator, data_path, len(samples))
 

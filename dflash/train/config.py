@@ -41,6 +41,12 @@ class RunSettings:
 
     target: str = setting("tiny", "HF model directory or 'tiny' (the built-in target)")
     data: str = setting("demo", "JSONL dataset or 'demo'")
+    hidden_states: str | None = setting(None, "train from an offline hidden-states cache (the vLLM/speculators "
+                                        "layout, `dflash data cache`) instead of running --target, which then "
+                                        "supplies only the tokenizer, embedding and LM head; --data is unused",
+                                        metavar="DIR")
+    follow: bool = setting(False, "with --hidden-states: wait for files still being written (an engine or "
+                           "`dflash data cache` filling the directory)")
     run_dir: str | None = setting(None, "where checkpoints, config.json and telemetry.jsonl go (default: a "
                                   "fresh runs/train-<date>-<time>, so two runs never collide)")
     run_name: str | None = setting(None, "the run's name in telemetry (default: the run directory's name)")
@@ -235,6 +241,8 @@ class TrainConfig:
             raise ConfigError("give max_steps, max_time or epochs so the run and its LR schedule have an end")
         if run.epochs is not None and run.epochs <= 0:
             raise ConfigError(f"epochs must be positive, got {run.epochs}")
+        if run.follow and run.hidden_states is None:
+            raise ConfigError("--follow needs --hidden-states DIR: the cache directory to follow")
         positive = {"block_size": self.model.block_size, "num_anchors": self.model.num_anchors,
                     "batch_size": self.data.batch_size, "max_seq_len": self.data.max_seq_len, "lr": self.optim.lr,
                     "log_every": run.log_every, "telemetry_interval": tel.telemetry_interval,

@@ -64,31 +64,38 @@ class BatchSource:
 
     def __init__(self, samples: list[Sample], batch_size: int, seed: int, pad_id: int, rank: int = 0,
                  world_size: int = 1, block_size: int | None = None, num_anchors: int | None = None,
-                 pin: bool = False):
+                 pin: bool = False, in_order_first: bool = False):
         if len(samples) < batch_size * world_size:
             batch_size = max(1, len(samples) // world_size)
         self.samples, self.batch_size, self.seed, self.pad_id = samples, batch_size, seed, pad_id
         self.rank, self.world_size = rank, world_size
         self.block_size, self.num_anchors, self.pin = block_size, num_anchors, pin
+        self.in_order_first = in_order_first  # epoch 0 unshuffled: a cache still being written, in row order
         self.per_epoch = len(samples) // (batch_size * world_size)
-        self._perm_epoch, self._perm = -1, []
+        # (epoch, its order), replaced as one tuple: the batch producer and a reading-ahead target both ask
+        self._cached: tuple[int, list[int]] = (-1, [])
 
     def _order(self, epoch: int) -> list[int]:
-        if epoch != self._perm_epoch:
-            self._perm = list(range(len(self.samples)))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._perm)
-            self._perm_epoch = epoch
-        return self._perm
+        cached, perm = self._cached
+        if epoch != cached:
+            perm = list(range(len(self.samples)))
+            if epoch or not self.in_order_first:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
+            self._cached = (epoch, perm)
+        return perm
 
     def anchor_generator(self, index: int) -> torch.Generator:
         """The generator batch ``index``'s anchors are drawn from on this rank."""
         return torch.Generator().manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_000_007 + index)
 
-    def __call__(self, index: int) -> Batch:
+    def sample_ids(self, index: int) -> list[int]:
+        """The positions in ``samples`` of batch ``index``'s rows on this rank."""
         epoch, k = divmod(index, self.per_epoch)
-        order = self._order(epoch)
         first = (k * self.world_size + self.rank) * self.batch_size
-        picked = order[first:first + self.batch_size]
+        return self._order(epoch)[first:first + self.batch_size]
+
+    def __call__(self, index: int) -> Batch:
+        picked = self.sample_ids(index)
         rows = [self.samples[j] for j in picked]
         width = max(len(r.input_ids) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -128,6 +135,9 @@ class TargetStage:
         self.span = device_span(telemetry, self.device)
 
     def __call__(self, batch: Batch) -> HiddenBatch:
+        if self.target.waits_for_inputs:
+            with self.tel.span("cache_wait"):
+                self.target.wait_ready(batch)
         with self.span(self.target.span_category):
             t0 = time.perf_counter()
             hidden = self.target.hidden_states(batch)

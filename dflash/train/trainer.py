@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from dflash.data.cache_format import CacheError
 from dflash.train import distributed
 from dflash.train.build import Components, TrainError, build, restore, run_target
 from dflash.train.checkpointer import Checkpointer, checkpoint_bytes, checkpoint_to_resume, default_interval
@@ -207,6 +208,7 @@ class Trainer:
         finally:
             stalled = self.monitoring.stall is not None
             self.pipeline.shutdown(timeout=1.0 if stalled else 10.0)  # a stalled worker will not stop
+            self.parts.target.close()  # a cache's reader threads may be waiting for files that never come
             self.checkpoints.close()  # a save still being written is finished, not cut off
             # Prometheus gets its last scrape after a run that ended on its own, not after a start that
             # failed or a signal that asked the run to end now
@@ -270,6 +272,13 @@ class Trainer:
         if isinstance(self.pipeline.error, DistError):
             last = str(self.pipeline.error)
             self.report.problem(f"{last}{quiet}")
+        elif isinstance(self.pipeline.error, CacheError):
+            # a bad file in a hidden-states cache: the drafter is fine, so its last step is kept
+            last = str(self.pipeline.error)
+            path = self.checkpoint(collective=False)
+            kept = f"step {self.state.step} saved to {path}" if path else "nothing to save yet"
+            self.report.problem(f"{last} ({kept}; fix the file, then dflash train --resume --run-dir "
+                                f"{self.cfg.run.run_dir})")
         else:
             self.report.problem(f"{f'rank {d.rank}: ' if d.enabled else ''}worker {name} failed, stopping the "
                                 f"pipeline:\n{tb}")

@@ -1,0 +1,176 @@
+"""The offline hidden-states cache as a target: `dflash train --hidden-states DIR` reads the states an
+engine (vLLM, speculators) or `dflash data cache` wrote instead of running the target.
+
+What still comes from ``--target`` is what the drafter applies itself: the tokenizer, the config, and the
+frozen embedding and LM head. Only those two tensors are read from its safetensors files (a 120B target
+is never loaded to train from its cache). The states are read ahead, a few batches in advance, on the
+reader's own threads (dflash/data/cache_reader.py) into page-locked buffers when CUDA is in use; this
+stage's time is ``cache_read``, and, when ``--follow`` waits for files not yet written, ``cache_wait``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash.data.cache_format import CacheError
+from dflash.data.cache_reader import CacheLayout, CacheReader, open_cache
+from dflash.data.formats import Sample
+from dflash.targets.base import Target, TargetError, TokenBatch
+
+#: batches whose files are read ahead of the one being assembled
+READ_AHEAD = 4
+
+
+class CacheTarget(Target):
+    """Tap-layer states read from a cache; no verifier (evaluation needs --eval-target)."""
+
+    span_category = "cache_read"
+
+    def __init__(self, layout: CacheLayout, tokenizer: Any, config: Any, embed_tokens: nn.Embedding,
+                 lm_head: nn.Linear, path: Path | None, reader: CacheReader):
+        super().__init__(tokenizer, config, layout.layer_ids, embed_tokens, lm_head, path=path)
+        self.layout, self.reader = layout, reader
+        # the data set's row of each training sample (rows too short to train on are left out)
+        self.file_rows: list[int] = list(range(len(layout.rows)))
+        self._rows_of: Callable[[int], list[int]] | None = None
+        self._scheduled = -1
+        self.waits_for_inputs = reader.follow
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # the states land in host memory; the pipeline copies them onward
+
+    def training_samples(self, min_loss_tokens: int, max_len: int) -> list[Sample]:
+        """The cache's rows as training samples (cut to ``max_len``; rows with fewer than
+        ``min_loss_tokens`` trainable tokens left out), remembering which file each one reads."""
+        kept, self.file_rows = [], []
+        for i, s in enumerate(self.layout.rows):
+            s = Sample(s.input_ids[:max_len], s.loss_mask[:max_len])
+            if sum(s.loss_mask) >= min_loss_tokens:
+                kept.append(s)
+                self.file_rows.append(i)
+        if not kept:
+            raise CacheError(f"--hidden-states {self.layout.root}: no row has {min_loss_tokens} trainable tokens")
+        return kept
+
+    def read_ahead(self, rows_of: Callable[[int], list[int]]) -> None:
+        """Give the batch order (batch index -> sample positions) so files are read before they are needed."""
+        self._rows_of = rows_of
+
+    def replica(self, device: str | torch.device) -> CacheTarget:
+        return self  # one reader in host memory serves every target worker
+
+    def own_samples(self, max_len: int, min_loss_tokens: int) -> list[Sample]:
+        return self.training_samples(min_loss_tokens, max_len)
+
+    def wait_ready(self, batch: TokenBatch) -> None:
+        for p in batch.sample_ids:
+            self.reader.wait_for(self.file_rows[p])
+
+    def hidden_states(self, batch: TokenBatch) -> torch.Tensor:
+        index = getattr(batch, "index", None)
+        if self._rows_of is not None and index is not None:
+            for ahead in range(max(index, self._scheduled + 1), index + READ_AHEAD + 1):
+                self.reader.schedule([self.file_rows[p] for p in self._rows_of(ahead)])
+            self._scheduled = index + READ_AHEAD
+        rows = [self.file_rows[p] for p in batch.sample_ids]
+        b, t = batch.input_ids.shape
+        h, slots = self.hidden_size, self.layout.slots
+        out = torch.zeros((b, t, len(slots) * h), dtype=self.dtype, pin_memory=self.reader.pin)
+        for r, row in enumerate(rows):
+            states = self.reader.take(row)
+            n = min(t, states.shape[0])
+            for k, s in enumerate(slots):  # slot by slot: no temporary copy of the page-locked buffer
+                out[r, :n, k * h:(k + 1) * h].copy_(states[:n, s])
+        return out
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _head_tensors(path: Path, config: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input embedding and LM head weights, read alone from the target's safetensors files."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise TargetError(f"target {str(path)!r}: no *.safetensors files (the cache reads the embedding and "
+                              "LM head from them)")
+        weight_map = {}
+        for f in files:
+            with safe_open(str(f), "pt") as st:
+                weight_map.update({k: f.name for k in st.keys()})  # noqa: SIM118 - safe_open has no __iter__
+
+    def pick(suffix: str) -> str | None:
+        names = sorted((k for k in weight_map if k.endswith(suffix)), key=len)
+        return names[0] if names else None
+
+    embed_name = pick("embed_tokens.weight")
+    head_name = pick("lm_head.weight")
+    if embed_name is None:
+        raise TargetError(f"target {str(path)!r}: no '*embed_tokens.weight' tensor in its safetensors files")
+    if head_name is None and not getattr(config, "tie_word_embeddings", False):
+        raise TargetError(f"target {str(path)!r}: no 'lm_head.weight' tensor and the embeddings are not tied")
+
+    def load(name: str) -> torch.Tensor:
+        with safe_open(str(path / weight_map[name]), "pt") as st:
+            return st.get_tensor(name).to(dtype)
+
+    embed = load(embed_name)
+    return embed, (load(head_name) if head_name is not None else embed)
+
+
+def load_cache_target(root: Path, spec: str, layer_ids: list[int] | None, num_draft_layers: int | None,
+                      device: torch.device, follow: bool = False, threads: int = 2,
+                      log: Callable[[str], None] = print) -> CacheTarget:
+    """The cache at ``root`` checked against target ``spec`` (its tokenizer, config, embedding, head)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash.model.drafter import default_target_layer_ids
+    from dflash.targets.hf import model_dir
+    from dflash.targets.tiny import tiny_target_dir
+
+    path = tiny_target_dir() if spec == "tiny" else model_dir(spec)
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config = getattr(config, "text_config", None) or config
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises many types; the user needs the one line
+        raise TargetError(f"target {spec!r}: config or tokenizer does not load ({str(e).splitlines()[0][:200]})") from None
+    n_layers = int(config.num_hidden_layers)
+    info = _Info(tokenizer, config, n_layers, int(config.hidden_size))
+    defaults = default_target_layer_ids(n_layers, num_draft_layers or 5)
+    try:
+        layout = open_cache(root, info, layer_ids, defaults, follow=follow)
+    except CacheError as e:
+        raise TargetError(str(e)) from None
+    if layout.assumed:
+        log(layout.assumed)
+    cuda = device.type == "cuda"
+    # bf16 beside a CUDA drafter (the engines' dtype), fp32 on the CPU, as an in-process target would be
+    dtype = torch.bfloat16 if cuda else torch.float32
+    embed_w, head_w = _head_tensors(path, config, dtype)
+    embed = nn.Embedding.from_pretrained(embed_w, freeze=True)
+    head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False, device="meta")
+    head.weight = nn.Parameter(head_w, requires_grad=False)
+    reader = CacheReader(layout, threads=threads, pin=cuda, follow=follow)
+    return CacheTarget(layout, tokenizer, config, embed, head, path, reader)
+
+
+class _Info:
+    """What open_cache compares a cache with, before the target object exists."""
+
+    def __init__(self, tokenizer: Any, config: Any, num_layers: int, hidden_size: int):
+        self.tokenizer, self.config, self.num_layers, self.hidden_size = tokenizer, config, num_layers, hidden_size
+
+

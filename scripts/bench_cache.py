@@ -1,0 +1,131 @@
+"""Benchmark: training steps/s from an offline hidden-states cache against running the target in-process.
+
+One cache of the tiny target's states over the first ``--samples`` demo rows is written once
+(`dflash data cache`); then the real trainer runs the same steps, same seed, twice per round, each in a
+fresh process with one intra-op thread per worker, interleaved over rounds:
+
+* online   the target runs in the pipeline (``target_forward``)
+* cache    ``--hidden-states DIR``: the first stage reads the files ahead (``cache_read``)
+
+Throughput is drafter steps per second in steady state (the first ``--warmup`` steps dropped). On the
+tiny target the forward is cheap, so the gap here is small; on a real target the cache removes the
+target's forward (and its GPUs) from the run entirely. The report includes the foreign CPU load.
+
+    python scripts/bench_cache.py [--json] [--quick] [--rounds 3] [--steps 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from _bench import ForeignLoad, bench_parser, print_report
+
+
+def measure(args, mode: str) -> dict:
+    import torch
+
+    from dflash.train.schema import make_config
+    from dflash.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    overrides = dict(target="tiny", data="demo", run_dir=args.run_dir, max_steps=args.warmup + args.steps,
+                     batch_size=args.batch_size, num_anchors=args.num_anchors, max_seq_len=args.max_seq_len,
+                     drafter_layers=args.drafter_layers, threads_per_worker=1, log_every=1e9, eval_prompts=0,
+                     checkpoint_every=1e9, socket_dir=args.socket_dir, telemetry_interval=0.5)
+    if mode == "cache":
+        overrides["hidden_states"] = args.cache
+    trainer = Trainer(make_config({}, overrides), log=lambda s: None)
+    stamps: list[float] = []
+    inner = trainer.on_step
+
+    def on_step(r):
+        stamps.append(time.perf_counter())
+        return inner(r)
+
+    trainer.on_step = on_step
+    assert trainer.run() == 0
+    steady = stamps[args.warmup - 1:]
+    return {"steps_per_s": (len(steady) - 1) / (steady[-1] - steady[0])}
+
+
+def _child(args, mode: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", mode, f"--cache={args.cache}", *args.passthrough]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        raise SystemExit(f"bench child {mode} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = bench_parser(__doc__)
+    p.add_argument("--quick", action="store_true", help="one round of a few steps: proves it runs")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=16, help="measured steps per configuration")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--samples", type=int, default=256, help="demo rows in the cache")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--num-anchors", type=int, default=24)
+    p.add_argument("--max-seq-len", type=int, default=320)
+    p.add_argument("--drafter-layers", type=int, default=3)
+    p.add_argument("--cache", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.warmup, args.samples = 1, 4, 2, 32
+    args.run_dir = f"/tmp/dflash-bench-{os.getpid()}"
+    args.socket_dir = f"/tmp/dflash-bench-sock-{os.getpid()}"
+    args.passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+                        ("steps", "warmup", "batch_size", "num_anchors", "max_seq_len", "drafter_layers")]
+    if args.child:
+        try:
+            res = measure(args, args.child)
+        finally:
+            shutil.rmtree(args.run_dir, ignore_errors=True)
+            shutil.rmtree(args.socket_dir, ignore_errors=True)
+        print(json.dumps(res))
+        return
+
+    work = tempfile.mkdtemp(prefix="dflash-bench-cache-")
+    args.cache = os.path.join(work, "hs")
+    try:
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-m", "dflash", "data", "cache", "--target", "tiny", "--data", "demo",
+                        "--out", args.cache, "--max-samples", str(args.samples), "--max-seq-len",
+                        str(args.max_seq_len), "--drafter-layers", str(args.drafter_layers), "--no-telemetry"],
+                       check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        write_s = time.monotonic() - t0
+        modes = ["online", "cache"]
+        results: dict[str, list[float]] = {m: [] for m in modes}
+        with ForeignLoad() as load:
+            for r in range(args.rounds):
+                for m in modes if r % 2 == 0 else modes[::-1]:  # interleaved: drift hits both alike
+                    results[m].append(_child(args, m)["steps_per_s"])
+                    if not args.json:
+                        print(f"round {r + 1} {m:<7} {results[m][-1]:.3f} steps/s", file=sys.stderr)
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.cache) for f in fs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rate = {m: statistics.median(v) for m, v in results.items()}
+    report = {
+        "steps_per_s": {m: round(v, 4) for m, v in rate.items()},
+        "cache_vs_online": round(rate["cache"] / rate["online"], 3),
+        "cache_write_s": round(write_s, 1),
+        "cache_mb": round(size / 1e6, 1),
+        "samples": args.samples,
+        "rounds": args.rounds,
+        "foreign_load_cores": round(load.cores, 2),
+        "busy_machine": load.cores > 0.3,
+    }
+    print_report(report, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Training from an offline hidden-states cache on the tiny target: the same losses and tau as online, a
+cache the way vLLM leaves it, bad caches in one line, and following a directory a writer still fills."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import wait_until
+
+from dflash.cli import main
+from dflash.data.cache_format import SIDECAR, CacheMeta, read_sample, sample_path, write_sample
+
+pytestmark = pytest.mark.slow
+torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[1]
+TAPS = "1,3,5"
+ROWS = 24
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A small JSONL (the first demo rows) and the tiny target's cache of it."""
+    root = tmp_path_factory.mktemp("cachetrain")
+    demo = (REPO / "dflash" / "data" / "demo.jsonl").read_text().splitlines()[:ROWS]
+    (root / "data.jsonl").write_text("\n".join(demo) + "\n")
+    assert main(["data", "cache", "--target", "tiny", "--data", str(root / "data.jsonl"), "--out", str(root / "hs"),
+                 "--target-layer-ids", TAPS, "--max-seq-len", "256", "--no-telemetry"]) == 0
+    return root
+
+
+def _train(run_dir: Path, **extra) -> list[float]:
+    """A short real run in this process; the per-step losses, read after each step."""
+    from dflash.train.schema import make_config
+    from dflash.train.trainer import Trainer
+
+    cfg = make_config({}, dict(target="tiny", run_dir=str(run_dir), max_steps=4, batch_size=4, num_anchors=16,
+                               max_seq_len=256, drafter_layers=1, target_layer_ids=[1, 3, 5], log_every=1e9,
+                               eval_prompts=0, checkpoint_every=1e9, threads_per_worker=1, telemetry=False,
+                               **extra))
+    trainer = Trainer(cfg, log=lambda s: None)
+    losses: list[float] = []
+    inner = trainer.on_step
+
+    def on_step(r):
+        losses.append(float(r.out.loss.detach()))
+        return inner(r)
+
+    trainer.on_step = on_step
+    assert trainer.run() == 0
+    return losses
+
+
+def _tau(run_dir: Path, capsys) -> float:
+    capsys.readouterr()
+    assert main(["eval", "--drafter", str(run_dir), "--target", "tiny", "--data", "demo", "--num-prompts", "3",
+                 "--max-new-tokens", "24", "--device", "cpu", "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tau"]
+
+
+def test_cache_training_matches_online_training(work, tmp_path, capsys):
+    online = _train(tmp_path / "online", data=str(work / "data.jsonl"))
+    cached = _train(tmp_path / "cached", hidden_states=str(work / "hs"))
+    assert len(online) == len(cached) == 4
+    # the same batches, anchors and states; the cache's forward ran over other padding, so float noise at most
+    torch.testing.assert_close(torch.tensor(cached), torch.tensor(online), rtol=1e-5, atol=1e-5)
+    assert _tau(tmp_path / "cached", capsys) == _tau(tmp_path / "online", capsys)
+
+
+def _cli_train(hs: Path, run_dir: Path, *flags: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "dflash", "train", "--target", "tiny", "--hidden-states", str(hs), "--run-dir",
+           str(run_dir), "--max-steps", "2", "--batch-size", "4", "--num-anchors", "8", "--eval-prompts", "0",
+           "--no-telemetry", *flags]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+def test_a_cache_as_vllm_leaves_it_trains_and_a_wrong_layer_count_is_one_line(work, tmp_path):
+    vllm = tmp_path / "vllm"
+    shutil.copytree(work / "hs", vllm)
+    (vllm / SIDECAR).unlink()  # speculators + vLLM's connector write no sidecar
+    r = _cli_train(vllm, tmp_path / "run", "--target-layer-ids", TAPS)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (f"--hidden-states {vllm}: no {SIDECAR} (an engine wrote this cache): assuming its 3 aux slots are "
+            "taps [1, 3, 5] (engine ids [2, 4, 6])") in r.stdout
+    r = _cli_train(vllm, tmp_path / "run2", "--target-layer-ids", "1,3")
+    assert r.returncode == 2
+    assert _last_line(r.stderr) == (
+        f"dflash train: error: --hidden-states {vllm}: hs_0.safetensors holds 4 layers per token (3 aux + final) "
+        "but the drafter taps 2 ([1, 3]); pass --target-layer-ids with the 3 layers the engine was given, each "
+        "minus 1 (its aux_hidden_state_layer_ids)")
+
+
+def test_another_tokenizer_is_refused_at_the_start(work, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(work / "hs", other)
+    meta = CacheMeta.read(other)
+    meta.tokenizer_sha256 = "f" * 64
+    meta.write(other)
+    r = _cli_train(other, tmp_path / "run")
+    assert r.returncode == 2 and not (tmp_path / "run" / "checkpoints").exists()
+    assert _last_line(r.stderr) == (f"dflash train: error: --hidden-states {other}: written with another tokenizer "
+                                    "than --target's (the cache's target was 'tiny'); give that --target, or "
+                                    "rewrite the cache with this one")
+
+
+@pytest.mark.parametrize("damage", ["nan", "truncated", "missing"])
+def test_a_bad_file_stops_the_run_in_one_line_and_keeps_the_drafter(work, tmp_path, damage):
+    bad = tmp_path / "bad"
+    shutil.copytree(work / "hs", bad)
+    # every row of the epoch is read within the first 6 steps (batch 4): damage them all but row 0
+    for i in range(1, CacheMeta.read(bad).rows):
+        path = sample_path(bad, i)
+        if damage == "nan":
+            hs, ids = read_sample(path)
+            hs = hs.clone()
+            hs[0, 0, 0] = float("nan")
+            write_sample(path, hs, ids)
+        elif damage == "truncated":
+            path.write_bytes(path.read_bytes()[:-64])
+        else:
+            path.unlink()
+    r = _cli_train(bad, tmp_path / "run", "--max-steps", "6")
+    assert r.returncode == 1, r.stdout[-2000:]
+    line = next(x for x in r.stderr.splitlines() if x.startswith("dflash train: ") and "hs_" in x)
+    why = {"nan": "non-finite values (NaN/inf) in layer slots [0]", "truncated": "truncated",
+           "missing": "missing; rerun `dflash data cache`"}[damage]
+    assert why in line and str(bad / "hidden_states") in line
+    assert "Traceback" not in r.stderr
+    assert f"fix the file, then dflash train --resume --run-dir {tmp_path / 'run'}" in line
+
+
+# A producer beside the trainer: the rows and the sidecar first, then, once told to start, one file every
+# PACE seconds (its own pace, the way an engine answers requests), each written the way vLLM's connector
+# writes it: in place, under an exclusive flock on <file>.lock that the reader must wait for.
+WRITER = textwrap.dedent("""
+    import fcntl, os, shutil, sys, time
+    from pathlib import Path
+    src, dst, pace = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
+    (dst / "hidden_states").mkdir(parents=True)
+    for f in sorted(src.iterdir(), key=lambda f: f.name == "state.json"):  # state.json last, as datasets does
+        if f.is_file():
+            shutil.copy(f, dst / f.name)
+    while not (dst / "go").exists():
+        time.sleep(0.01)
+    for i in range(len(list((src / "hidden_states").iterdir()))):
+        time.sleep(pace)
+        name = f"hs_{i}.safetensors"
+        data = (src / "hidden_states" / name).read_bytes()
+        lock = os.open(dst / "hidden_states" / (name + ".lock"), os.O_CREAT | os.O_WRONLY, 0o644)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with open(dst / "hidden_states" / name, "wb") as out:
+            out.write(data[: len(data) // 2])
+            out.flush()
+            time.sleep(pace / 4)      # half a file on disk, at its final name, while the lock is held
+            out.write(data[len(data) // 2:])
+        os.close(lock)
+""")
+
+
+def test_follow_trains_while_a_writer_fills_the_directory(work, tmp_path, sock_dir):
+    dst, log = tmp_path / "live", tmp_path / "train.log"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(work / "hs"), str(dst), "1.0"])
+    cmd = [sys.executable, "-m", "dflash", "train", "--target", "tiny", "--hidden-states", str(dst), "--follow",
+           "--run-dir", str(tmp_path / "run"), "--max-steps", "4", "--batch-size", "2", "--num-anchors", "8",
+           "--eval-prompts", "0", "--log-every", "1000", "--socket-dir", str(sock_dir)]
+    with log.open("w") as out:
+        trainer = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        # the trainer is up (its cache opened: rows and sidecar in place) before a single file exists
+        wait_until(lambda: "telemetry: " in log.read_text(), timeout=120, what="the trainer to start",
+                   proc=trainer, output=log.read_text)
+        assert not list((dst / "hidden_states").glob("hs_*"))
+        (dst / "go").touch()
+        assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
+        assert writer.poll() is None, "the writer finished first: the trainer did not follow it"
+    finally:
+        for p in (trainer, writer):
+            p.kill()
+            p.wait()
+    text = log.read_text()
+    # every file it read was whole (each is checked against its row and shape on reading), and the
+    # producer was the slower side: the verdict over the whole run names it
+    verdict = next((x for x in text.splitlines() if x.startswith("bottleneck")), text[-3000:])
+    assert ": input-bound - waiting for hidden states: the cache reader waits" in verdict, text[-3000:]
