@@ -106,10 +106,11 @@ def test_cropping_alone_is_refused_where_it_cannot_restore_the_state(targets):
 
 
 def test_per_layer_attributes_shape_the_drafter(targets, dirs):
-    """Gemma 4's head_dim is per layer (16 in its three sliding layers, 32 in its full one): reading it
-    globally raised; the drafter takes what most layers have, from the live config and a saved one."""
+    """Gemma 4's head_dim is per layer (16 in its sliding layers, 32 in its full ones): reading it
+    globally raised; the drafter takes what most layers have (a tie: the first layer's), from the live
+    config and a saved one."""
     t = targets("gemma4")
-    assert [c.head_dim for c in t.config.per_layer_config] == [16, 16, 16, 32]
+    assert [c.head_dim for c in t.config.per_layer_config] == [16, 32, 16, 32]
     cfg = DrafterConfig.for_target(t.config, num_layers=1, mask_token_id=3)
     saved = json.loads((dirs["gemma4"] / "config.json").read_text())
     assert cfg.head_dim == DrafterConfig.for_target(saved, mask_token_id=3).head_dim == 16

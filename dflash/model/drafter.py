@@ -94,7 +94,8 @@ def rope_scaling_of(config) -> dict | None:
 def _per_layer(config, name: str, default=None):
     """A field the target may set per layer (transformers' heterogeneous configs: Gemma 4's full-attention
     layers have another head_dim than its sliding ones, and reading it globally raises): the value most
-    of its layers have, so the drafter's layers are shaped like most of the target's."""
+    of its layers have (a tie: the first layer's), so the drafter's layers are shaped like most of the
+    target's."""
     if not isinstance(config, dict):  # a transformers config object
         if name not in (getattr(config, "per_layer_attributes", None) or ()):
             return _cfg(config, name, default)

@@ -4,7 +4,7 @@ config classes: the test matrix (tests/test_families.py) and scripts/bench_rollb
 Each family is one entry: its transformers config class and the few settings that make it tiny while
 keeping what makes the family different — Gated DeltaNet layers beside full attention (Qwen3.5,
 Qwen3-Next), sliding windows short enough to be passed in a test (gpt-oss, Gemma 4), per-layer head
-sizes and the embedding scale / logit soft-cap (Gemma 4), multi-head latent attention (DeepSeek-V3, the
+sizes, layers sharing another layer's keys/values and the embedding scale / logit soft-cap (Gemma 4), multi-head latent attention (DeepSeek-V3, the
 architecture of Kimi K2.5), mixtures of experts (Qwen3.5-MoE, Qwen3-Next, gpt-oss, DeepSeek-V3,
 GLM-4-MoE). Nothing here is downloaded: a config class builds a model with random weights.
 """
@@ -35,10 +35,11 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen3_next": ("Qwen3NextConfig", {**_HYBRID, **_MOE, "shared_expert_intermediate_size": 32}),
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=SLIDING_WINDOW,
                                      layer_pattern=["sliding_attention", "full_attention"])),
-    # Sliding layers have head_dim 16, the full-attention ones 32 (a per-layer attribute); the embedding
-    # is scaled by sqrt(hidden) and the logits soft-capped, as Gemma does.
-    "gemma4": ("Gemma4TextConfig", dict(sliding_window=SLIDING_WINDOW, global_head_dim=32,
-                                        layer_pattern=["sliding_attention"] * 3 + ["full_attention"],
+    # Sliding layers have head_dim 16, the full-attention ones 32 (a per-layer attribute); the last two
+    # layers reuse the keys/values of the last earlier layer of their kind (KV sharing, as Gemma 4's small
+    # models); the embedding is scaled by sqrt(hidden) and the logits soft-capped, as Gemma does.
+    "gemma4": ("Gemma4TextConfig", dict(sliding_window=SLIDING_WINDOW, global_head_dim=32, num_kv_shared_layers=2,
+                                        layer_pattern=["sliding_attention", "full_attention"],
                                         final_logit_softcapping=30.0, hidden_size_per_layer_input=8,
                                         vocab_size_per_layer_input=None)),
     # MLA expands its latent to every head: as in the real model, as many key/value heads as heads.
