@@ -211,9 +211,15 @@ def tokenizer_digest(tokenizer: Any) -> str:
 _VOLATILE = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache", "architectures")
 
 
-def config_digest(config: Any) -> str:
-    """sha256 of the target's config, minus the fields that say how it was saved rather than what it is."""
-    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+def config_digest(target: Any) -> str:
+    """sha256 of the target's config.json as saved (a loaded model adds fields of its own to its config),
+    minus the fields that say how it was saved rather than what it is; ``target``: anything with a
+    ``path`` (its model directory) and a ``config``."""
+    path = getattr(target, "path", None)
+    if path is not None and (Path(path) / "config.json").is_file():
+        d = json.loads((Path(path) / "config.json").read_text())
+    else:
+        d = target.config.to_dict()
     d = {k: v for k, v in d.items() if k not in _VOLATILE}
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
 

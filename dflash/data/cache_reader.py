@@ -115,7 +115,7 @@ def _with_sidecar(root: Path, rows: list[Sample], meta: CacheMeta, target: Any, 
         raise CacheError(f"{where}: written for a target with {meta.num_hidden_layers} layers and hidden size "
                          f"{meta.hidden_size} ({meta.target!r}), --target has {target.num_layers} and "
                          f"{target.hidden_size}")
-    if meta.config_sha256 != config_digest(target.config):
+    if meta.config_sha256 != config_digest(target):
         raise CacheError(f"{where}: written for another target config ({meta.target!r}); give that --target, "
                          "or rewrite the cache with this one")
     if meta.rows != len(rows):

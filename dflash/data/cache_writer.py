@@ -49,15 +49,16 @@ def rank_share(rows: int, max_samples: int | None, world_size: int, rank: int) -
 def meta_for(target: Any, spec: str, rows: int) -> CacheMeta:
     """The sidecar describing what ``target`` writes."""
     return CacheMeta(target=spec, num_hidden_layers=target.num_layers, hidden_size=target.hidden_size,
-                     config_sha256=config_digest(target.config), tokenizer_sha256=tokenizer_digest(target.tokenizer),
+                     config_sha256=config_digest(target), tokenizer_sha256=tokenizer_digest(target.tokenizer),
                      target_layer_ids=list(target.layer_ids), dtype=dtype_name(target.dtype), rows=rows)
 
 
 @torch.no_grad()
-def engine_states(model: torch.nn.Module, layer_ids: list[int], input_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, T, len(layer_ids) + 1, H]``: the tap layers' outputs in order, then the last decoder layer's
-    output *before* the final norm, which is what vLLM's final layer id holds (transformers'
-    ``output_hidden_states[-1]`` is after the norm, so the last layer is caught with a hook)."""
+def engine_states(target: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T, len(layer_ids) + 1, H]``: the tap layers' outputs as the target computes them for
+    training, then the last decoder layer's output *before* the final norm, which is what vLLM's final
+    layer id holds (caught with a hook on that layer during the same forward)."""
+    model = target.model
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     caught: list[torch.Tensor] = []
 
@@ -66,11 +67,11 @@ def engine_states(model: torch.nn.Module, layer_ids: list[int], input_ids: torch
 
     handle = decoder.layers[-1].register_forward_hook(catch)
     try:
-        out = decoder(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+        taps = target.tap_states(input_ids)
     finally:
         handle.remove()
-    taps = [out.hidden_states[i + 1] for i in layer_ids]
-    return torch.stack([*taps, caught[-1]], dim=2)
+    b, t, _ = taps.shape
+    return torch.cat([taps.view(b, t, len(target.layer_ids), -1), caught[-1][:, :, None]], dim=2)
 
 
 @dataclass
@@ -158,7 +159,7 @@ def write_cache(target: Any, samples: list[Sample], out: Path, share: range, sta
                 for r, i in enumerate(rows):
                     ids[r, :len(samples[i].input_ids)] = torch.tensor(samples[i].input_ids)
                 # Right-padded, no mask: causal attention keeps padding out of every real token's states.
-                states = engine_states(target.model, target.layer_ids, ids.to(target.device)).cpu()
+                states = engine_states(target, ids.to(target.device)).cpu()
             for r, i in enumerate(rows):
                 n = len(samples[i].input_ids)
                 with tw.span("hs_queue_put"):

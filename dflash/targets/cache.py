@@ -66,6 +66,17 @@ class CacheTarget(Target):
     def replica(self, device: str | torch.device) -> CacheTarget:
         return self  # one reader in host memory serves every target worker
 
+    def frozen_head(self, device: str | torch.device) -> tuple[nn.Module, nn.Module]:
+        """As the target applies them, from its config alone (its modules are not loaded): Gemma's
+        embedding scaled by sqrt(hidden), the LM head soft-capped where the config says."""
+        from dflash.targets.hf import SoftCappedHead
+
+        embed, head = super().frozen_head(device)
+        if str(getattr(self.config, "model_type", "")).startswith("gemma"):
+            embed = ScaledEmbedding(embed, self.hidden_size ** 0.5)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return embed, (SoftCappedHead(head, float(cap)) if cap else head)
+
     def own_samples(self, max_len: int, min_loss_tokens: int) -> list[Sample]:
         return self.training_samples(min_loss_tokens, max_len)
 
@@ -92,6 +103,21 @@ class CacheTarget(Target):
 
     def close(self) -> None:
         self.reader.close()
+
+
+class ScaledEmbedding(nn.Module):
+    """An embedding whose output is multiplied by a constant in the weight's dtype, as Gemma's is."""
+
+    def __init__(self, embed: nn.Embedding, scale: float):
+        super().__init__()
+        self.embed, self.scale = embed, scale
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids) * torch.tensor(self.scale, dtype=self.embed.weight.dtype)
 
 
 def _head_tensors(path: Path, config: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +174,7 @@ def load_cache_target(root: Path, spec: str, layer_ids: list[int] | None, num_dr
     except Exception as e:  # transformers raises many types; the user needs the one line
         raise TargetError(f"target {spec!r}: config or tokenizer does not load ({str(e).splitlines()[0][:200]})") from None
     n_layers = int(config.num_hidden_layers)
-    info = _Info(tokenizer, config, n_layers, int(config.hidden_size))
+    info = _Info(tokenizer, config, n_layers, int(config.hidden_size), path)
     defaults = default_target_layer_ids(n_layers, num_draft_layers or 5)
     try:
         layout = open_cache(root, info, layer_ids, defaults, follow=follow)
@@ -170,7 +196,8 @@ def load_cache_target(root: Path, spec: str, layer_ids: list[int] | None, num_dr
 class _Info:
     """What open_cache compares a cache with, before the target object exists."""
 
-    def __init__(self, tokenizer: Any, config: Any, num_layers: int, hidden_size: int):
+    def __init__(self, tokenizer: Any, config: Any, num_layers: int, hidden_size: int, path: Path):
         self.tokenizer, self.config, self.num_layers, self.hidden_size = tokenizer, config, num_layers, hidden_size
+        self.path = path
 
 
