@@ -109,9 +109,10 @@ def pyspy_gil_share(pid: int, seconds: float) -> float | None:
     return min(1.0, held / (RATE * int(seconds)))
 
 
-def pyspy_monitor_share(pid: int, seconds: float) -> float | None:
-    """Share of py-spy's samples (all threads, not only the GIL holder's) in dflash's own telemetry
-    threads: the probe's and the publisher's cost as a profiler sees it, beside the throughput ratio."""
+def pyspy_monitor_share(pid: int, seconds: float) -> dict[str, float] | None:
+    """Share of py-spy's samples (all threads, not only the GIL holder's) in each of dflash's own
+    telemetry threads: the probe's and the publisher's cost as a profiler sees it, beside the
+    throughput ratio."""
     sys.path.insert(0, str(REPO))
     from dflash_tui.pyspy import TELEMETRY_MARK, parse_speedscope
 
@@ -127,8 +128,11 @@ def pyspy_monitor_share(pid: int, seconds: float) -> float | None:
             print(f"  py-spy failed: {r.stderr.strip().splitlines()[-1:] or r.returncode}", file=sys.stderr)
             return None
         _, samples, threads = parse_speedscope(out)
-    own = sum(n for name, n in threads.items() if name.endswith(TELEMETRY_MARK))
-    return own / samples if samples else None
+    if not samples:
+        return None
+    # py-spy names a profile "Process P Thread T "name"": keep the thread's name
+    return {name.removesuffix(TELEMETRY_MARK).rsplit(" ", 1)[-1].strip('"'): n / samples
+            for name, n in threads.items() if name.endswith(TELEMETRY_MARK)}
 
 
 def _run_child(kind: str, threads: int, seconds: float, probe: str, spy: bool) -> tuple[dict, float | None]:
@@ -174,6 +178,12 @@ def trainer_row(seconds: float) -> dict:
     return {"probe": mean, "probe_wait_ms": sum(waits) / len(waits) if waits else None,
             "knocker": None, "pyspy": share, "ratio": None, "kratio": None, "monitor": monitor,
             "verdict": max(set(verdicts), key=verdicts.count) if verdicts else "-"}
+
+
+def _monitor(shares: dict[str, float] | None) -> str:
+    if shares is None:
+        return "-"
+    return ", ".join(f"{name} {share:.1%}" for name, share in shares.items()) or "0%"
 
 
 def _fmt(v: float | None, pct: bool = True) -> str:
@@ -222,7 +232,7 @@ def main() -> None:
     for name, r in rows.items():
         print(f"| {name} | {_fmt(r['probe'])} | {_fmt(r['probe_wait_ms'], False)} ms | {_fmt(r['knocker'])} | "
               f"{_fmt(r['pyspy'])} | {_fmt(r['ratio'], False)} | {_fmt(r['kratio'], False)} | "
-              f"{_fmt(r.get('monitor'))} | {r['verdict']} |")
+              f"{_monitor(r.get('monitor'))} | {r['verdict']} |")
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ TERMS = [
     ("busy", "a role's working share: target forward + pack + h2d, drafter forward + backward + optimizer "
              "+ h2d."),
     ("p50 / p95 / max", "percentiles of one span's duration within the window; n is how many spans ended."),
-    ("tok/s, ETA", "tokens trained per second; the ETA is the time to the run's first limit (steps at the "
-                   "run's rate, or --max-time)."),
+    ("tok/s, ETA", "tokens trained per second over the last 10 s of training (evaluations left out); the "
+                   "ETA is the time to the run's first limit (steps at the run's rate, or --max-time)."),
 ]
 
 
