@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from conftest import wait_until
 
@@ -183,3 +184,22 @@ def test_an_evaluation_starts_the_span_anew() -> None:
     b = published.update(after, None)
     assert b.verdict == "drafter-bound" and b.scope == "last 1 s, 1 steps"
     assert b.evidence["target.hs_queue_put"] == 0.35  # not diluted by the evaluation's windows
+
+
+def test_device_time_is_judged_over_the_span_too() -> None:
+    """On a GPU the verdict reads each stage's device share: merged over the span like host shares, and a
+    window whose last sample lacks device time does not drop the span's."""
+    recent = RecentWindows(span_s=10.0)
+    for i in range(10):
+        dev = P.DeviceStats(n=2, total=0.9, mean=0.45, p50=0.45, p95=0.45, max=0.45, share=0.95 if i % 2 else 0.85)
+        drafter_dev = P.DeviceStats(n=2, total=0.4, mean=0.2, p50=0.2, p95=0.2, max=0.2, share=0.4)
+        target = msgspec.structs.replace(cs(0.3), device=dev if i < 9 else None)
+        recent.add(Summary(t=0.0, window_s=1.0, roles=ROLES, counters={"steps": float(2 * i)},
+                           workers={"target-0": {"target_forward": target, "hs_queue_put": cs(0.6)},
+                                    "drafter-0": {"drafter_forward": msgspec.structs.replace(cs(0.4),
+                                                                                            device=drafter_dev)}}),
+                   None)
+    b = recent.judge()
+    assert b.verdict == "target-bound" and b.evidence["device_time"] == 1.0
+    assert b.evidence["target.device_busy"] == pytest.approx(0.81, abs=0.01)  # 9 windows of 0.85/0.95 over 10 s
+    assert agrees_with_evidence(b)

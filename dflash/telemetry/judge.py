@@ -47,9 +47,9 @@ def _span_stats(parts: list[tuple[float, CategoryStats]], total_s: float) -> Cat
     weighted by window length; the percentiles are the newest window's (the verdict does not use them)."""
     last = parts[-1][1]
     dev_parts = [(s, st.device) for s, st in parts if st.device is not None]
-    dev = last.device
-    if dev is not None:
-        dev = msgspec.structs.replace(dev, n=sum(d.n for _, d in dev_parts), total=sum(d.total for _, d in dev_parts),
+    dev = None
+    if dev_parts:
+        dev = msgspec.structs.replace(dev_parts[-1][1], n=sum(d.n for _, d in dev_parts), total=sum(d.total for _, d in dev_parts),
                                       share=sum(s * d.share for s, d in dev_parts) / total_s)
     return msgspec.structs.replace(last, n=sum(st.n for _, st in parts), total=sum(st.total for _, st in parts),
                                    share=sum(s * st.share for s, st in parts) / total_s, device=dev)
