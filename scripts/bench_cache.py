@@ -1,8 +1,8 @@
 """Benchmark: training steps/s from an offline hidden-states cache against running the target in-process.
 
-One cache of the tiny target's states over the first ``--samples`` demo rows is written once
-(`dflash data cache`); then the real trainer runs the same steps, same seed, twice per round, each in a
-fresh process with one intra-op thread per worker, interleaved over rounds:
+The first ``--samples`` demo rows are the data of both; their cache of the tiny target's states is written
+once (`dflash data cache`); then the real trainer runs the same steps, same seed, twice per round, each
+in a fresh process with one intra-op thread per worker, interleaved over rounds:
 
 * online   the target runs in the pipeline (``target_forward``)
 * cache    ``--hidden-states DIR``: the first stage reads the files ahead (``cache_read``)
@@ -36,7 +36,7 @@ def measure(args, mode: str) -> dict:
     from dflash.train.trainer import Trainer
 
     torch.set_num_threads(1)
-    overrides = dict(target="tiny", data="demo", run_dir=args.run_dir, max_steps=args.warmup + args.steps,
+    overrides = dict(target="tiny", data=args.data, run_dir=args.run_dir, max_steps=args.warmup + args.steps,
                      batch_size=args.batch_size, num_anchors=args.num_anchors, max_seq_len=args.max_seq_len,
                      drafter_layers=args.drafter_layers, threads_per_worker=1, log_every=1e9, eval_prompts=0,
                      checkpoint_every=1e9, socket_dir=args.socket_dir, telemetry_interval=0.5)
@@ -57,7 +57,8 @@ def measure(args, mode: str) -> dict:
 
 
 def _child(args, mode: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", mode, f"--cache={args.cache}", *args.passthrough]
+    cmd = [sys.executable, __file__, "--child", mode, f"--cache={args.cache}", f"--data={args.data}",
+           *args.passthrough]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         raise SystemExit(f"bench child {mode} failed:\n{proc.stderr[-3000:]}")
@@ -76,6 +77,7 @@ def main() -> None:
     p.add_argument("--max-seq-len", type=int, default=320)
     p.add_argument("--drafter-layers", type=int, default=3)
     p.add_argument("--cache", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--data", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.quick:
@@ -94,10 +96,15 @@ def main() -> None:
         return
 
     work = tempfile.mkdtemp(prefix="dflash-bench-cache-")
-    args.cache = os.path.join(work, "hs")
+    args.cache, args.data = os.path.join(work, "hs"), os.path.join(work, "data.jsonl")
     try:
+        from dflash.data.demo import demo_path
+
+        rows = demo_path().read_text().splitlines()[:args.samples]
+        with open(args.data, "w") as f:
+            f.write("\n".join(rows) + "\n")
         t0 = time.monotonic()
-        subprocess.run([sys.executable, "-m", "dflash", "data", "cache", "--target", "tiny", "--data", "demo",
+        subprocess.run([sys.executable, "-m", "dflash", "data", "cache", "--target", "tiny", "--data", args.data,
                         "--out", args.cache, "--max-samples", str(args.samples), "--max-seq-len",
                         str(args.max_seq_len), "--drafter-layers", str(args.drafter_layers), "--no-telemetry"],
                        check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -79,3 +79,23 @@ def test_a_disk_too_small_is_refused_before_writing(tmp_path):
         check_disk(tmp_path / "new", free + 10**12, "1 sample", lines.append)
     assert "GB to write" in lines[0]
     check_disk(tmp_path / "new", 1, "1 sample", lines.append)  # enough: says so and returns
+
+
+def test_each_rank_writes_its_share(tmp_path):
+    """What torchrun gives each rank (RANK, WORLD_SIZE): two writers, one directory, every row once."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "c"
+    procs = [subprocess.Popen([sys.executable, "-m", "dflash", "data", "cache", "--target", "tiny", "--data", "demo",
+                               "--out", str(out), "--max-samples", "5", "--no-telemetry"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "WORLD_SIZE": "2"})
+             for r in (1, 0)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    assert "rows 3..4 of 5 on rank 1/2" in logs[0] and "rows 0..2 of 5 on rank 0/2" in logs[1]
+    assert "wrote 2 files" in logs[0] and "wrote 3 files" in logs[1]
+    assert sorted(p.name for p in (out / "hidden_states").iterdir()) == [f"hs_{i}.safetensors" for i in range(5)]
+    assert len(read_rows(out)) == 5 and CacheMeta.read(out).rows == 5
