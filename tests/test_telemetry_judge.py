@@ -72,10 +72,11 @@ def _busy_loop(stop: multiprocessing.synchronize.Event) -> None:  # type: ignore
 
 @pytest.fixture
 def hogs() -> Iterator[list[multiprocessing.Process]]:
-    """Busy-loop processes, two per core: other processes taking the machine's CPUs."""
+    """Busy-loop processes, three per core: other processes taking the machine's CPUs (a fair scheduler
+    then gives each of our two workers about a quarter of a core or less, whatever the core count)."""
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
-    procs = [ctx.Process(target=_busy_loop, args=(stop,), daemon=True) for _ in range(2 * (os.cpu_count() or 1))]
+    procs = [ctx.Process(target=_busy_loop, args=(stop,), daemon=True) for _ in range(3 * (os.cpu_count() or 1))]
     for p in procs:
         p.start()
     yield procs
