@@ -73,3 +73,13 @@ def test_the_verdict_groups_workers_by_their_registered_role_not_their_name() ->
     assert b.verdict == "drafter-bound" and b.evidence["targets"] == 1.0
     # a recording from before roles were on the wire is still judged, by its thread names
     assert analyze(workers).verdict == "data-bound"
+
+
+def test_every_verdict_can_be_checked_against_its_evidence() -> None:
+    """The stability benchmark counts verdicts that contradict their evidence: each verdict has a rule for
+    that (a verdict without one would pass whatever its numbers say)."""
+    from dflash.telemetry.analysis import agrees_with_evidence
+
+    empty = {name: agrees_with_evidence(P.Bottleneck(verdict=name, evidence={"threshold": 0.2})) for name in VERDICTS}
+    # with no waits at all only balanced (and unknown, which claims nothing) agree
+    assert {name for name, ok in empty.items() if ok} == {"balanced", "unknown"}, empty

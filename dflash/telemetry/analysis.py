@@ -325,10 +325,11 @@ def agrees_with_evidence(b: Bottleneck) -> bool:
     checks = {
         vocab.UNKNOWN.name: True,
         vocab.DATA_BOUND.name: starve >= t and starve >= put,
+        vocab.INPUT_BOUND.name: e.get("target.cache_wait", 0.0) >= t and e.get("target.cache_wait", 0.0) >= put,
         vocab.TARGET_BOUND.name: gap >= t if device else wait >= t and wait >= put,
         vocab.DRAFTER_BOUND.name: -gap >= t if device else put >= t and put >= wait,
         vocab.BALANCED.name: abs(gap) < t if device else max(starve, put, wait) < t,
         vocab.GIL_BOUND.name: e.get("gil_contention", 0.0) >= GIL_BOUND,
         vocab.CPU_STARVED.name: e.get("workers.cpu", 1.0) < STARVED_RATIO * e.get("workers.busy", 0.0),
     }
-    return checks.get(b.verdict, True)
+    return checks.get(b.verdict, False)  # a verdict without a rule here agrees with nothing
