@@ -21,12 +21,12 @@ For the recurrent state three ways were measured (``scripts/bench_rollback.py``)
                of at most a block, only in rounds that did not accept everything.
 ``reprefill``  drop the cache and run the whole committed sequence again: a cost that grows with it.
 
-A fourth, prepending the kept tokens to the next verify forward instead of an extra forward, is not
-exact for long: when that round is partial too, the state after the prepended tokens exists only inside
-the forward, so the tokens to replay pile up over every partial round (with a good drafter, nearly all).
+A fourth, prepending the kept tokens to the next verify forward instead of an extra forward, was
+rejected: when that round is partial too, the state after the prepended tokens exists only inside the
+forward, so the tokens to replay pile up over every partial round (with a good drafter, nearly all).
 
-The default is ``record`` where it is exact (every layer can crop) and ``rerun`` otherwise (README,
-"Target families", has the measured costs).
+The default is ``record`` where it is exact (every layer can crop: free) and ``rerun`` otherwise (its
+cost is bounded by a block; reprefill's grows with the sequence).
 """
 
 from __future__ import annotations
@@ -101,6 +101,18 @@ class CachedVerifier:
         hs = tuple(h[:, -n:] for h in out.hidden_states) if hidden else None
         return Verified(out.logits[0, -n:], hs)
 
+    def _record(self) -> None:
+        """Keep what windows and convolutions would drop until the next crop (transformers 5; a 4.x
+        cache has no such layers and keeps everything anyway)."""
+        if hasattr(self.cache, "activate_past_recording"):
+            self.cache.activate_past_recording()
+
+    def _crop(self, drop: int) -> None:
+        """Drop the last ``drop`` positions. ``crop(0)`` still trims recorded windows back to their size
+        in transformers 5; in 4.x it would empty the cache, so it is skipped there."""
+        if drop or hasattr(self.cache, "activate_past_recording"):
+            self.cache.crop(-drop)
+
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int]) -> Verified:
         """Run the prompt; returns the last position's logits and the prompt's hidden states (all positions)."""
@@ -109,7 +121,7 @@ class CachedVerifier:
         self.ids = list(prompt_ids)
         # Recording starts after the prefill: recording a long prompt would keep all of its window and
         # convolution states until the first crop.
-        self.cache.activate_past_recording()
+        self._record()
         exact = getattr(self.cache, "is_croppable", True) and not _recurrent_states(self.cache)
         self.rollback = self._requested or ("record" if exact else "rerun")
         if self.rollback == "record" and not exact:
@@ -138,14 +150,14 @@ class CachedVerifier:
         start = len(self.ids)
         self.ids += block[:n].tolist()
         if self.rollback == "record" or drop == 0:
-            self.cache.crop(-drop)  # crop(0) still trims the recorded windows back to their size
+            self._crop(drop)
         elif self.rollback == "rerun":
-            self.cache.crop(-block.shape[0])  # back to the start of the block
+            self._crop(block.shape[0])  # back to the start of the block
             for (states, i), saved in zip(_recurrent_states(self.cache), self._saved, strict=True):
                 states[i].copy_(saved)
             self._forward(block[None, :n], start, 1, hidden=False)
-            self.cache.crop(0)
+            self._crop(0)
         else:  # reprefill
             self.cache = new_cache(self.model)
             self._forward(torch.tensor([self.ids], device=block.device), 0, 1, hidden=False)
-            self.cache.activate_past_recording()
+            self._record()
