@@ -18,10 +18,12 @@ import msgspec
 from dflash.telemetry.protocol import CategoryStats, Cluster, training_shares
 from dflash.telemetry.sockets import default_socket_dir, discover, group_jobs
 from dflash.telemetry.table import category_table, evidence_text
+from dflash.telemetry.vocab import TELEMETRY_THREADS
 from dflash_tui import fmt
 from dflash_tui.sources import AttachError, Connection, FrameSource, SourceUpdate, open_source, resolve
 from dflash_tui.state import RunState
 from dflash_tui.widgets.alerts import stall_line
+from dflash_tui.widgets.bottleneck import machine_line
 from dflash_tui.widgets.cluster import cluster_summary, cluster_text
 
 
@@ -72,7 +74,11 @@ def summarize(state: RunState) -> dict[str, Any]:
         "gpus": [msgspec.to_builtins(g) for g in state.gpus],
         "gpu_error": sys_.gpu_error if sys_ else None,
         "process": {"cpu_percent": sys_.cpu_percent, "rss_bytes": sys_.rss_bytes} if sys_ else None,
-        "threads": [{"tid": t.tid, "name": t.name, "cpu_percent": t.cpu_percent} for t in top_threads],
+        #: `telemetry`: one of dflash's own telemetry threads (the monitor's CPU, not the trainer's)
+        "threads": [{"tid": t.tid, "name": t.name, "cpu_percent": t.cpu_percent,
+                     "telemetry": t.name in TELEMETRY_THREADS} for t in top_threads],
+        #: the machine's view over the latest window in one line (None without a machine sample)
+        "machine": machine_line(state),
         "counters": dict(snap.counters) if snap else {},
         "rates": dict(snap.rates) if snap else {},
         "gauges": dict(snap.gauges) if snap else {},
@@ -110,6 +116,8 @@ def render_text(s: dict[str, Any]) -> str:
         ev = b.get("evidence") or {}
         if ev:
             lines.append("  evidence: " + evidence_text(ev))
+    if s.get("machine"):
+        lines.append(s["machine"])
     else:
         lines.append("bottleneck: unknown (no verdict yet)")
     for st in s.get("stalls", []):

@@ -53,3 +53,19 @@ def test_the_threads_panel_marks_the_monitors_threads() -> None:
 def test_a_hot_thread_snapshot_marks_the_monitors_threads() -> None:
     assert thread_title(ThreadStack(tid=12, name=GIL_PROBE_THREAD, frames=[])).endswith(TELEMETRY_MARK)
     assert not thread_title(ThreadStack(tid=11, name="target-0", frames=[])).endswith(TELEMETRY_MARK)
+
+
+def test_once_marks_the_monitors_threads_and_shows_the_machine() -> None:
+    from dflash_tui.headless import render_text, summarize
+
+    state = RunState()
+    state.apply(P.Snapshot(seq=1, t=0.0, interval_s=1.0, workers={"target-0": {"target_forward": P.CategoryStats(
+        n=3, total=0.9, mean=0.3, p50=0.3, p95=0.3, max=0.3, share=0.9)}}, roles={"target-0": "target"},
+        system=P.SystemSample(cpu_percent=60.0, machine=P.MachineSample(
+            cores=2, load1=7.5, busy_percent=200.0, others_percent=140.0, steal_percent=0.0), threads=[
+            P.ThreadSample(tid=11, name="target-0", cpu_percent=30.0),
+            P.ThreadSample(tid=12, name=GIL_PROBE_THREAD, cpu_percent=14.0)])))
+    s = summarize(state)
+    assert {t["name"]: t["telemetry"] for t in s["threads"]} == {"target-0": False, GIL_PROBE_THREAD: True}
+    assert s["machine"].startswith("machine: load 7.5 on 2 cores | other processes 1.4 cores | idle 0.0")
+    assert "workers on a CPU 30% of the time, busy 90%" in s["machine"] and s["machine"] in render_text(s)
