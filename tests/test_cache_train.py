@@ -196,3 +196,22 @@ def test_follow_trains_while_a_writer_fills_the_directory(work, tmp_path, sock_d
     # producer was the slower side: the verdict over the whole run names it
     verdict = next((x for x in text.splitlines() if x.startswith("bottleneck")), text[-3000:])
     assert ": input-bound - waiting for hidden states: the cache reader waits" in verdict, text[-3000:]
+
+
+def test_a_cache_cannot_evaluate_unless_eval_target_names_a_model_that_decodes(work, tmp_path):
+    hs = work / "hs"
+    r = _cli_train(hs, tmp_path / "run", "--eval-prompts", "2", "--eval-every", "30")
+    assert r.returncode == 2 and not (tmp_path / "run" / "checkpoints").exists()
+    assert _last_line(r.stderr) == (f"dflash train: error: --eval-every: --hidden-states {hs} supplies hidden "
+                                    "states only and cannot decode; give --eval-target MODEL_DIR (e.g. "
+                                    "--eval-target tiny) or drop --eval-every")
+    # the final evaluation alone is skipped, and the start says so
+    r = _cli_train(hs, tmp_path / "run2", "--eval-prompts", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"no final evaluation: --hidden-states {hs} cannot decode" in r.stdout
+    assert not (tmp_path / "run2" / "evals.jsonl").exists()
+    # --eval-target: the run evaluates with that model
+    r = _cli_train(hs, tmp_path / "run3", "--eval-prompts", "1", "--eval-max-new-tokens", "8", "--eval-target", "tiny",
+                   "--data", str(work / "data.jsonl"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((tmp_path / "run3" / "evals.jsonl").read_text().splitlines()[-1])["tau"] >= 1.0

@@ -96,7 +96,7 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
         devices = [resolve(d) for d in cfg.pipeline.target_devices]
         drafter_device = resolve(cfg.pipeline.drafter_device)
         replicas = {dev: target.replica(dev) for dev in dict.fromkeys(devices)}  # CPU workers share one
-        verifier = evaluator(cfg, replicas[devices[0]], log)
+        verifier = evaluator(cfg, replicas[devices[0]], devices[0], log)
         if samples is None and (samples := target.own_samples(cfg.data.max_seq_len, cfg.model.block_size)):
             data_path = Path(cfg.run.hidden_states or "<the target's own rows>")
         elif samples is None:
@@ -172,20 +172,23 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     return Components(first, verifier, targets, drafter, dcfg, source, stats, generator, data_path, len(samples))
 
 
-def evaluator(cfg: TrainConfig, target: Target, log: Callable[[str], None]) -> Any:
-    """What evaluates the drafter: --eval-target when given, else the target if it can decode. A target
-    that only supplies hidden states (a cache) cannot: in-training evaluation is refused before anything
-    runs, and the final one is skipped with a line saying so."""
+def evaluator(cfg: TrainConfig, target: Target, device: torch.device, log: Callable[[str], None]) -> Any:
+    """What evaluates the drafter: --eval-target when given (loaded on the first target worker's
+    `device`), else the target if it can decode. A target that only supplies hidden states (a cache)
+    cannot: in-training evaluation is refused before anything runs, and the final one is skipped with a
+    line saying so."""
     from dflash.targets import load_target
 
     if cfg.eval.eval_target is None:
         if target.verifier is None and cfg.eval.eval_prompts > 0:
+            source = f"--hidden-states {cfg.run.hidden_states}" if cfg.run.hidden_states else f"target {cfg.run.target!r}"
+            fix = f"--eval-target MODEL_DIR (e.g. --eval-target {cfg.run.target})"
             if cfg.eval.eval_every > 0:
-                raise TrainError(f"--eval-every: target {cfg.run.target!r} only supplies hidden states and cannot "
-                                 "decode; give --eval-target MODEL_DIR (the target's model) or drop --eval-every")
-            log(f"no final evaluation: target {cfg.run.target!r} cannot decode (give --eval-target MODEL_DIR)")
+                raise TrainError(f"--eval-every: {source} supplies hidden states only and cannot decode; give {fix} "
+                                 "or drop --eval-every")
+            log(f"no final evaluation: {source} cannot decode (give {fix})")
         return target.verifier
-    verifier = load_target(cfg.eval.eval_target, device=target.device, layer_ids=target.layer_ids)
+    verifier = load_target(cfg.eval.eval_target, device=device, layer_ids=target.layer_ids)
     mine, theirs = (target.num_layers, target.hidden_size, target.vocab_size), \
         (verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
     if mine != theirs:
