@@ -26,14 +26,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dflash.eval.speculative import evaluate
+    from dflash.train.evaluation import threads_text, torch_threads
+
+    drafter, target, prompts, run_cfg = _load(args)
+    threads, source = args.threads, "--threads"
+    if threads is None and run_cfg is not None and run_cfg.pipeline.threads_per_worker:
+        threads, source = run_cfg.pipeline.threads_per_worker, "as each worker of its run; --threads to change"
+    try:
+        with torch_threads(threads) as n:
+            print(f"dflash eval: {threads_text(n, source if threads else None)}", file=sys.stderr)
+            result = evaluate(drafter, target, prompts, args.max_new_tokens, check_lossless=not args.no_lossless_check,
+                              block_size=args.block_size)
+    except ValueError as e:
+        raise CliError(str(e)) from e
+    print(json.dumps(result.to_dict()) if args.json else format_result(result))
+    for d in result.divergences:
+        kind = "near-tie (rounding, not a loss)" if d["near_tie"] else "DIVERGED"
+        gap = "" if d["logit_gap"] is None else f", logit gap {d['logit_gap']:.3g} (tolerance {d['tolerance']:.3g})"
+        print(f"dflash eval: prompt {d['prompt']} {kind} at token {d['position']}: speculative "
+              f"{d['speculative_token']} vs greedy {d['greedy_token']}{gap}", file=sys.stderr)
+    if result.lossless is False:
+        print(f"dflash eval: NOT LOSSLESS on prompts {result.mismatched_prompts}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _load(args: argparse.Namespace) -> tuple:
+    """The drafter, its target (this thread bound to its GPU), the prompts and the drafter's run config,
+    each refused in one line when it does not load; `args.block_size` and `args.target` filled in."""
     import torch
 
-    from dflash.eval.speculative import evaluate
     from dflash.model.export import DrafterLoadError, load_drafter
     from dflash.targets import TargetError, load_target
     from dflash.targets.hf import slow_kernel_note
     from dflash.train.config import ConfigError, check_device
-    from dflash.train.evaluation import threads_text, torch_threads
+    from dflash.train.devices import bind_thread, resolve, thread_device
 
     if args.max_new_tokens < 1 or args.num_prompts < 1:
         raise CliError("--max-new-tokens and --num-prompts must be at least 1")
@@ -44,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         check_device(device)
     except ConfigError as e:
         raise CliError(str(e)) from None
+    bind_thread(thread_device(resolve(device)))  # never a context on GPU 0 for a run on another GPU
     try:
         drafter = load_drafter(args.drafter)
     except DrafterLoadError as e:
@@ -51,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
     run_cfg = _run_config(args.drafter)
     if args.target is None:
         args.target = _trained_against(run_cfg)
-    bs = args.block_size or drafter.config.block_size
-    if not 2 <= bs <= drafter.config.block_size:
+    args.block_size = args.block_size or drafter.config.block_size
+    if not 2 <= args.block_size <= drafter.config.block_size:
         raise CliError(f"--block-size must be between 2 and the drafter's {drafter.config.block_size}")
     try:
         target = load_target(args.target, device=device, layer_ids=drafter.config.target_layer_ids)
@@ -62,41 +91,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"dflash eval: target {args.target}: {note}", file=sys.stderr)
     if target.tokenizer is None:
         raise CliError(f"target {args.target!r} has no tokenizer, so prompts from {args.data!r} cannot be encoded")
-    try:
-        from dflash.data import load_prompts
-    except ImportError as e:
-        raise CliError(f"prompt loading is unavailable ({e})") from e
+    from dflash.data import load_prompts
+
     try:
         prompts = load_prompts(args.data, target.tokenizer, args.num_prompts)
     except (OSError, ValueError) as e:
         raise CliError(str(e).splitlines()[0] if str(e) else repr(e)) from e
     if not prompts:
         raise CliError(f"no prompts in {args.data!r}")
-    drafter = drafter.to(device=target.device, dtype=target.dtype)
-    threads, source = args.threads, "--threads"
-    if threads is None and run_cfg is not None and run_cfg.pipeline.threads_per_worker:
-        threads, source = run_cfg.pipeline.threads_per_worker, "as each worker of its run; --threads to change"
-    try:
-        with torch_threads(threads) as n:
-            print(f"dflash eval: {threads_text(n, source if threads else None)}", file=sys.stderr)
-            result = evaluate(drafter, target, prompts, args.max_new_tokens,
-                              check_lossless=not args.no_lossless_check, block_size=bs)
-    except ValueError as e:
-        raise CliError(str(e)) from e
-
-    if args.json:
-        print(json.dumps(result.to_dict()))
-    else:
-        print(format_result(result))
-    for d in result.divergences:
-        kind = "near-tie (rounding, not a loss)" if d["near_tie"] else "DIVERGED"
-        gap = "" if d["logit_gap"] is None else f", logit gap {d['logit_gap']:.3g} (tolerance {d['tolerance']:.3g})"
-        print(f"dflash eval: prompt {d['prompt']} {kind} at token {d['position']}: speculative "
-              f"{d['speculative_token']} vs greedy {d['greedy_token']}{gap}", file=sys.stderr)
-    if result.lossless is False:
-        print(f"dflash eval: NOT LOSSLESS on prompts {result.mismatched_prompts}", file=sys.stderr)
-        return 1
-    return 0
+    return drafter.to(device=target.device, dtype=target.dtype), target, prompts, run_cfg
 
 
 def _run_config(drafter: str):
