@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -99,3 +100,16 @@ def test_each_rank_writes_its_share(tmp_path):
     assert "wrote 2 files" in logs[0] and "wrote 3 files" in logs[1]
     assert sorted(p.name for p in (out / "hidden_states").iterdir()) == [f"hs_{i}.safetensors" for i in range(5)]
     assert len(read_rows(out)) == 5 and CacheMeta.read(out).rows == 5
+
+
+def test_the_writer_reports_like_a_training_run(tmp_path, capsys):
+    """A telemetry socket while it runs and a recording beside the cache that `dflash stats` reads: the
+    target's forward on target-0, the disk writes on writer-0."""
+    out = tmp_path / "c"
+    assert main(["data", "cache", "--target", "tiny", "--data", "demo", "--out", str(out), "--max-samples", "3",
+                 "--socket-dir", str(tmp_path / "s")]) == 0
+    assert "telemetry: " in capsys.readouterr().out
+    assert main(["stats", str(out / "telemetry.jsonl"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workers"]["target-0"]["target_forward"]["n"] >= 1
+    assert report["workers"]["writer-0"]["cache_write"]["n"] == 3

@@ -35,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--drafter-layers", type=int, default=None, help="one tap per drafter layer, spread evenly")
     c.add_argument("--batch-size", type=int, default=8)
     c.add_argument("--device", default="cpu")
-    c.add_argument("--no-telemetry", action="store_true", help="no telemetry socket for dflash-top")
+    c.add_argument("--socket-dir", type=Path, default=None, help="where the telemetry socket goes (as `dflash train`)")
+    c.add_argument("--no-telemetry", action="store_true", help="no telemetry socket for dflash-top and no "
+                   "DIR/telemetry.jsonl")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,7 +123,9 @@ def _cache(args: argparse.Namespace) -> int:
     if not args.no_telemetry:
         from dflash.telemetry import TelemetryServer
 
-        server = TelemetryServer(run=f"cache-{out.name}", stats=stats, rank=rank, world_size=world)
+        # recorded beside the cache (telemetry.jsonl, as a run directory has it): `dflash stats` reads it
+        server = TelemetryServer(run=f"cache-{out.name}", stats=stats, run_dir=out, rank=rank, world_size=world,
+                                 socket_dir=args.socket_dir, interval_s=0.5)
         server.start()
         print(f"telemetry: {server.path}", flush=True)
     try:
