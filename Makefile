@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_eval.py
 	$(BIN)/python scripts/bench_masks.py
 	$(BIN)/python scripts/bench_rollback.py
+	$(BIN)/python scripts/bench_cache.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check dflash dflash_tui tests scripts

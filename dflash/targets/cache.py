@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash.data.cache_format import CacheError
+from dflash.data.cache_format import CacheError, rows_ready
 from dflash.data.cache_reader import CacheLayout, CacheReader, open_cache
 from dflash.data.formats import Sample
 from dflash.targets.base import Target, TargetError, TokenBatch
@@ -176,6 +176,8 @@ def load_cache_target(root: Path, spec: str, layer_ids: list[int] | None, num_dr
     n_layers = int(config.num_hidden_layers)
     info = _Info(tokenizer, config, n_layers, int(config.hidden_size), path)
     defaults = default_target_layer_ids(n_layers, num_draft_layers or 5)
+    if follow and not rows_ready(root):
+        log(f"--follow: waiting for the data set in {root} (its state.json)")
     try:
         layout = open_cache(root, info, layer_ids, defaults, follow=follow)
     except CacheError as e:
