@@ -7,9 +7,9 @@ the same decode: a random-weight target from transformers' own config class (dfl
 drafts taken from the target's own greedy output and made wrong at a planned slot, so every way sees the
 same acceptances (geometric, each slot kept with probability `--keep`, like a drafter with tau ~3). Per
 round: the verify forward and the rollback (`commit`) timed apart, medians; the extra forwards; and
-whether the committed tokens stayed the target's greedy output (exact). `record` on the hybrid target is
-refused by the verifier (it cannot restore the recurrent state) and reported so. Torch runs one
-intra-op thread (set here).
+whether the committed tokens stayed the target's greedy output (exact). The verifier refuses `record` on
+the hybrid target (it cannot restore the recurrent state) and `mixers` on the sliding one (it has no
+linear-attention mixers); both are reported so. Torch runs one intra-op thread (set here).
 
     python scripts/bench_rollback.py [--json] [--quick] [--tokens 256] [--block 16] [--layers 8]
                                      [--scale 4] [--window 64] [--keep 0.7]

@@ -86,11 +86,11 @@ def test_the_cache_is_rolled_back_for_every_layer_kind(targets, family):
     t = targets(family)
     reference = greedy_generate(t, PROMPTS[0], 30, stop_token_ids=[])
     used = _decode_with_planned_acceptance(t, PROMPTS[0], reference, plan=[1, 0, 3, 2, 0, 3, 1])
-    assert used == ("rerun" if family in HYBRID else "record")
+    assert used == ("mixers" if family in HYBRID else "record")
 
 
-@pytest.mark.parametrize("family,rollback", [("qwen3_5", "reprefill"), ("gpt_oss", "rerun"),
-                                             ("gpt_oss", "reprefill")])
+@pytest.mark.parametrize("family,rollback", [("qwen3_5", "reprefill"), ("qwen3_5_moe", "rerun"),
+                                             ("gpt_oss", "rerun"), ("gpt_oss", "reprefill")])
 def test_every_exact_rollback_keeps_the_greedy_output(targets, family, rollback):
     t = targets(family)
     reference = greedy_generate(t, PROMPTS[1], 26, stop_token_ids=[])
@@ -101,6 +101,8 @@ def test_cropping_alone_is_refused_where_it_cannot_restore_the_state(targets):
     v = CachedVerifier(targets("qwen3_5"), "record")
     with pytest.raises(ValueError, match="recurrent"):
         v.prefill(PROMPTS[0])
+    with pytest.raises(ValueError, match="Gated DeltaNet"):
+        CachedVerifier(targets("gpt_oss"), "mixers").prefill(PROMPTS[0])
     with pytest.raises(ValueError, match="unknown rollback"):
         CachedVerifier(targets("qwen3"), "replay")
 

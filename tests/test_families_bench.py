@@ -12,8 +12,11 @@ def test_bench_rollback_quick_json() -> None:
     data = bench_quick("bench_rollback.py")
     assert data["hybrid_family"] == "qwen3_5" and data["sliding_family"] == "gpt_oss"
     assert "recurrent" in data["hybrid_record_refused"]  # cropping alone cannot restore Gated DeltaNet
-    for key in ("hybrid_rerun", "hybrid_reprefill", "sliding_record", "sliding_rerun", "sliding_reprefill"):
+    assert "Gated DeltaNet" in data["sliding_mixers_refused"]  # no linear-attention mixers to rerun
+    for key in ("hybrid_mixers", "hybrid_rerun", "hybrid_reprefill", "sliding_record", "sliding_rerun",
+                "sliding_reprefill"):
         assert data[f"{key}_exact"] is True, key  # every way offered keeps the target's greedy output
         assert data[f"{key}_rounds"] > 0 and data[f"{key}_verify_ms"] > 0 and data[f"{key}_round_ms"] > 0
-    assert data["sliding_record_extra_forwards"] == 0 < data["sliding_rerun_extra_forwards"]
+    assert data["sliding_record_extra_forwards"] == data["hybrid_mixers_extra_forwards"] == 0
+    assert data["sliding_rerun_extra_forwards"] > 0 and data["hybrid_rerun_extra_forwards"] > 0
     assert isinstance(data["foreign_load_cores"], float) and isinstance(data["busy_machine"], bool)

@@ -11,22 +11,27 @@ drafts. How the rest is taken back depends on the layer:
   but the recurrent state is one matrix per head that the block's forward overwrote with its state
   *after the whole block*; it cannot be cropped (transformers' ``Cache.is_croppable`` is False).
 
-For the recurrent state three ways were measured (``scripts/bench_rollback.py``):
+For the recurrent state four ways were measured (``scripts/bench_rollback.py``):
 
 ``record``     transformers' recording alone: right for attention and windows, wrong for linear layers
                (refused here on a cache that cannot crop).
-``rerun``      keep a copy of the recurrent states before each verify; after a partial acceptance put
-               the cache back to the start of the block (crop the recorded attention and convolution
-               states, copy the recurrent states back) and run the kept tokens again: one extra forward
-               of at most a block, only in rounds that did not accept everything.
+``mixers``     keep a copy of the recurrent states and catch each Gated DeltaNet mixer's input during the
+               verify forward; after a partial acceptance the attention layers drop the rejected
+               positions, each linear-attention layer goes back to the start of the block (convolution
+               cropped, recurrent state copied back) and its mixer alone reads the kept positions'
+               inputs again. By causality those inputs are what a forward of the kept tokens would give
+               it, so the state is exact, and no MLP (MoE), attention layer or LM head runs twice.
+``rerun``      the same copy, but the kept tokens run again through the whole model: one extra forward
+               of at most a block, in rounds that did not accept everything. For linear-attention
+               layers whose mixer is not transformers' ``linear_attn``.
 ``reprefill``  drop the cache and run the whole committed sequence again: a cost that grows with it.
 
-A fourth, prepending the kept tokens to the next verify forward instead of an extra forward, was
+A fifth, prepending the kept tokens to the next verify forward instead of an extra forward, was
 rejected: when that round is partial too, the state after the prepended tokens exists only inside the
 forward, so the tokens to replay pile up over every partial round (with a good drafter, nearly all).
 
-The default is ``record`` where it is exact (every layer can crop: free) and ``rerun`` otherwise (its
-cost is bounded by a block; reprefill's grows with the sequence).
+The default is ``record`` where it is exact (every layer can crop: free), else ``mixers`` (the least
+recomputed), else ``rerun`` (bounded by a block; reprefill's cost grows with the sequence).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-ROLLBACKS = ("record", "rerun", "reprefill")
+ROLLBACKS = ("record", "mixers", "rerun", "reprefill")
 
 
 def new_cache(model):
@@ -48,14 +53,22 @@ def new_cache(model):
         return DynamicCache()
 
 
-def _recurrent_states(cache) -> list[tuple[dict, int]]:
-    """(state dict, index) of every recurrent state the cache holds: the part no crop can take back."""
+def _recurrent_states(cache) -> list[tuple[int, dict, int]]:
+    """(layer, state dict, index) of every recurrent state the cache holds: the part no crop can take back."""
     found = []
-    for layer in getattr(cache, "layers", []):
+    for n, layer in enumerate(getattr(cache, "layers", [])):
         states = getattr(layer, "recurrent_states", None)
         if isinstance(states, dict):
-            found += [(states, i) for i, s in states.items() if isinstance(s, torch.Tensor)]
+            found += [(n, states, i) for i, s in states.items() if isinstance(s, torch.Tensor)]
     return found
+
+
+def _mixers(model, layers: set[int]) -> dict[int, torch.nn.Module] | None:
+    """The linear-attention module of each layer in ``layers`` (transformers' Gated DeltaNet layers call
+    it ``linear_attn``), or None when one is not found."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    found = {i: getattr(decoder.layers[i], "linear_attn", None) for i in layers}
+    return found if all(m is not None for m in found.values()) else None
 
 
 @dataclass
@@ -87,6 +100,7 @@ class CachedVerifier:
         self.forwards = 0
         self._block: torch.Tensor | None = None
         self._saved: list[torch.Tensor] = []
+        self._mixer_inputs: dict[int, torch.Tensor] = {}
 
     def _forward(self, ids: torch.Tensor, start: int, keep: int | None, hidden: bool = True) -> Verified:
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
@@ -113,6 +127,10 @@ class CachedVerifier:
         if drop or hasattr(self.cache, "activate_past_recording"):
             self.cache.crop(-drop)
 
+    def _restore(self) -> None:
+        for (_, states, i), saved in zip(_recurrent_states(self.cache), self._saved, strict=True):
+            states[i].copy_(saved)
+
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int]) -> Verified:
         """Run the prompt; returns the last position's logits and the prompt's hidden states (all positions)."""
@@ -123,10 +141,13 @@ class CachedVerifier:
         # convolution states until the first crop.
         self._record()
         exact = getattr(self.cache, "is_croppable", True) and not _recurrent_states(self.cache)
-        self.rollback = self._requested or ("record" if exact else "rerun")
+        self.mixers = _mixers(self.model, {n for n, _, _ in _recurrent_states(self.cache)})
+        self.rollback = self._requested or ("record" if exact else "mixers" if self.mixers else "rerun")
         if self.rollback == "record" and not exact:
             raise ValueError("rollback 'record' cannot restore this target's recurrent (linear-attention) state; "
-                             "use rerun or reprefill")
+                             "use mixers, rerun or reprefill")
+        if self.rollback == "mixers" and not self.mixers:
+            raise ValueError("rollback 'mixers' needs Gated DeltaNet layers (linear_attn); use rerun or reprefill")
         return Verified(out.logits[-1:], out.hidden_states)
 
     @torch.inference_mode()
@@ -134,9 +155,19 @@ class CachedVerifier:
         """One forward over ``block`` (1-D: the anchor, then the drafts) after the committed tokens."""
         if self.rollback is None:
             raise RuntimeError("prefill before verify")
-        if self.rollback == "rerun":
-            self._saved = [states[i].clone() for states, i in _recurrent_states(self.cache)]
-        out = self._forward(block[None], len(self.ids), None)
+        if self.rollback in ("mixers", "rerun"):
+            self._saved = [states[i].clone() for _, states, i in _recurrent_states(self.cache)]
+        hooks = []
+        if self.rollback == "mixers":  # each mixer's input: what it must read again to advance its state
+            hooks = [m.register_forward_pre_hook(
+                lambda _m, args, kw, i=i: self._mixer_inputs.__setitem__(i, kw.get("hidden_states", args[0] if args
+                                                                               else None)), with_kwargs=True)
+                for i, m in self.mixers.items()]
+        try:
+            out = self._forward(block[None], len(self.ids), None)
+        finally:
+            for h in hooks:
+                h.remove()
         self._block = block
         return out
 
@@ -153,9 +184,19 @@ class CachedVerifier:
             self._crop(drop)
         elif self.rollback == "rerun":
             self._crop(block.shape[0])  # back to the start of the block
-            for (states, i), saved in zip(_recurrent_states(self.cache), self._saved, strict=True):
-                states[i].copy_(saved)
+            self._restore()
             self._forward(block[None, :n], start, 1, hidden=False)
+            self._crop(0)
+        elif self.rollback == "mixers":
+            # Attention layers just drop the rejected positions; each linear-attention layer goes back to
+            # the start of the block and its mixer alone reads the kept positions' inputs again (by
+            # causality the same as in the verify forward), so no MLP, attention or head runs twice.
+            for i, layer in enumerate(self.cache.layers):
+                layer.crop(-(block.shape[0] if i in self.mixers else drop))
+            self._restore()
+            for i, mixer in self.mixers.items():
+                mixer(hidden_states=self._mixer_inputs[i][:, :n], cache=self.cache, attention_mask=None)
+            self._mixer_inputs = {}
             self._crop(0)
         else:  # reprefill
             self.cache = new_cache(self.model)
