@@ -178,3 +178,18 @@ def test_the_writer_reports_an_unexpected_error_and_keeps_working(tmp_path):
     assert [d.step for d in done] == [1, 2]
     assert done[0].path is None and "RuntimeError: boom" in str(done[0].error)
     assert done[1].path == tmp_path / "ok.pt" and done[1].error is None
+
+
+def test_the_first_save_uses_buffers_reserved_off_the_drafter_thread(setup, tmp_path):
+    t = _wired(setup, tmp_path / "run", [])
+    ck = t.checkpoints
+    ck.writer.wait()  # the reservation runs on the writer thread from the start
+    reserved = {b.data_ptr() for bufs in ck.snapshot._spare.values() for b in bufs}
+    n = sum(1 for _ in t.drafter.drafter.parameters())
+    assert len(reserved) == 3 * n  # each parameter and AdamW's two moments of it
+    t.drafter.step(t.targets[0](t.source(0)), 0.5)  # AdamW's moments exist from the first step on
+    t.state.step = 1
+    ck.save(final=True)
+    used = {b.data_ptr() for b in ck.snapshot._buffers.values()}
+    assert reserved <= used and not ck.snapshot._spare  # all of them taken, nothing left over
+    ck.close()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,19 @@ class HostSnapshot:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._spare: dict[tuple[tuple[int, ...], torch.dtype, bool], list[torch.Tensor]] = {}
         self.nbytes = 0  # bytes of tensors in the last snapshot
+
+    def reserve(self, like: Iterable[torch.Tensor]) -> None:
+        """Allocate buffers shaped like `like` ahead of the first save, on another thread: pinning (or,
+        on the host, first touching) a 1B drafter's 12.6 GB takes seconds the first save's step would
+        otherwise wait. `take` uses them for tensors of the same shape and dtype and drops the rest."""
+        for t in like:
+            pin = t.is_cuda
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            if not pin:
+                buf.zero_()  # the pages' first touch is the cost; pinned memory is touched when pinned
+            self._spare.setdefault((tuple(t.shape), t.dtype, pin), []).append(buf)
 
     def take(self, state: Any) -> tuple[Any, torch.cuda.Event | None]:
         """``state`` with every tensor replaced by a host copy, and the CUDA event after which the
@@ -45,6 +57,7 @@ class HostSnapshot:
         self.nbytes = 0
         devices: set[torch.device] = set()
         host = self._copy(state, "", devices)
+        self._spare.clear()  # reserved buffers the state had no tensor for
         if not devices:
             return host, None
         (device, *more) = devices
@@ -67,7 +80,8 @@ class HostSnapshot:
         t = t.detach()
         buf = self._buffers.get(path)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            spare = self._spare.get((tuple(t.shape), t.dtype, t.is_cuda))
+            buf = spare.pop() if spare else torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
             self._buffers[path] = buf
         if t.is_cuda:
             devices.add(t.device)
@@ -107,12 +121,29 @@ class CheckpointWriter:
 
     def submit(self, step: int, state: Any, ready: torch.cuda.Event | None, nbytes: int) -> None:
         """Hand a snapshot over and return at once (after waiting for the previous save, if any)."""
+        t0 = time.perf_counter()
+        self._start(lambda: self._save(step, state, ready, nbytes, t0))
+
+    def prepare(self, work: Callable[[], None]) -> None:
+        """Run `work` on the writer thread before the next save (which waits for it): what the drafter
+        thread should not wait for. A failure is dropped: the save then does the work itself, and fails
+        there in its own words if it must."""
+
+        def quietly() -> None:
+            try:
+                work()
+            except Exception:
+                pass
+
+        self._start(quietly)
+
+    def _start(self, job: Callable[[], None]) -> None:
         self.wait()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=WRITER_THREAD, daemon=True)
             self._thread.start()
         self._idle.clear()
-        self._jobs.put((step, state, ready, nbytes, time.perf_counter()))
+        self._jobs.put(job)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until the save in flight (if any) is on disk or has failed; False when `timeout` ran out."""
@@ -133,19 +164,21 @@ class CheckpointWriter:
     def _run(self) -> None:
         bind_thread(self.device)
         while (job := self._jobs.get()) is not None:
-            step, state, ready, nbytes, t0 = job
-            path, error = None, None
             try:
-                if ready is not None:
-                    ready.synchronize()  # this thread waits for the copies; the drafter's never does
-                path = self.write(step, state)
-            except CheckpointError as e:
-                error = e
-            except Exception as e:  # anything else must not kill the thread and lose later saves
-                error = CheckpointError(f"step {step} not saved: {type(e).__name__}: {e}")
-            end = time.perf_counter()
-            self.last = Written(step, path, error, nbytes, end - t0, end)
-            try:
-                self.on_done(self.last)
+                job()
             finally:
                 self._idle.set()
+
+    def _save(self, step: int, state: Any, ready: torch.cuda.Event | None, nbytes: int, t0: float) -> None:
+        path, error = None, None
+        try:
+            if ready is not None:
+                ready.synchronize()  # this thread waits for the copies; the drafter's never does
+            path = self.write(step, state)
+        except CheckpointError as e:
+            error = e
+        except Exception as e:  # anything else must not kill the thread and lose later saves
+            error = CheckpointError(f"step {step} not saved: {type(e).__name__}: {e}")
+        end = time.perf_counter()
+        self.last = Written(step, path, error, nbytes, end - t0, end)
+        self.on_done(self.last)

@@ -95,6 +95,10 @@ class Checkpointer:
         self.snapshot = HostSnapshot()
         # the writer binds the trainer's device: it waits on the snapshot's CUDA event
         self.writer = CheckpointWriter(self._write, self._written, thread_device(parts.drafter_device))
+        # a checkpoint's bulk: each parameter and AdamW's two moments of it, allocated off the drafter
+        # thread while it trains
+        params = list(parts.drafter.drafter.parameters())
+        self.writer.prepare(lambda: self.snapshot.reserve(params * 3))
 
     def save(self, final: bool = False, collective: bool = True) -> Path | None:
         """Checkpoint the current step. A periodic save returns once its snapshot is taken (None); a
