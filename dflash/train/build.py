@@ -86,57 +86,24 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     (the first target worker's, on `cfg.pipeline.target_devices[0]`; the others get replicas of it).
     The data is `samples` when given, else read from `cfg.run.data` with the target's tokenizer.
     `--epochs` becomes `cfg.run.max_steps` here, once an epoch's length is known."""
-    from dflash.data import DataError, load_samples, resolve_data
-    from dflash.model.drafter import DFlashDrafter, DrafterConfig, init_from_target
-    from dflash.model.export import DrafterLoadError, check_shapes
+    from dflash.data import DataError
     from dflash.telemetry import ProfileStats
 
-    tok = target.tokenizer
     try:
         devices = [resolve(d) for d in cfg.pipeline.target_devices]
         drafter_device = resolve(cfg.pipeline.drafter_device)
         replicas = {dev: target.replica(dev) for dev in dict.fromkeys(devices)}  # CPU workers share one
         verifier = evaluator(cfg, replicas[devices[0]], devices[0], log)
-        if samples is None and (samples := target.own_samples(cfg.data.max_seq_len, cfg.model.block_size)):
-            data_path = Path(cfg.run.hidden_states or "<the target's own rows>")
-        elif samples is None:
-            data_path = resolve_data(cfg.run.data)
-            if tok is None:
-                raise TrainError(f"target {cfg.run.target!r} has no tokenizer: dflash needs one to read the data")
-            samples = load_samples(data_path, tok, max_len=cfg.data.max_seq_len, min_loss_tokens=cfg.model.block_size)
-        else:
-            data_path = Path("<given samples>")
+        samples, data_path = read_samples(cfg, target, samples)
     except (DataError, TargetError) as e:
         raise TrainError(str(e)) from None
     if len(samples) < dist.world_size:
         raise TrainError(f"{data_path} has {len(samples)} usable samples, fewer than the {dist.world_size} ranks")
     first = replicas[devices[0]]
+    tok = target.tokenizer
     pad = 0 if tok is None else tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    start = None  # the weights a fresh run starts from (--init-from), else random
-    if ckpt is not None:
-        try:
-            dcfg = DrafterConfig.from_dict(ckpt["drafter_config"])
-            check_shapes(dcfg, {k: tuple(v.shape) for k, v in ckpt["drafter"].items()}, "the checkpoint")
-        except (DrafterLoadError, TypeError, ValueError, KeyError, AttributeError) as e:
-            raise TrainError(f"--resume: the checkpoint's drafter does not load: {e}") from None
-    else:
-        try:
-            dcfg, start = new_drafter_config(cfg, first)
-        except (DrafterLoadError, ValueError) as e:
-            raise TrainError(str(e)) from None
-    torch.manual_seed(cfg.data.seed)
-    random.seed(cfg.data.seed)
-    model = DFlashDrafter(dcfg)
-    if ckpt is None and start is not None:
-        model.load_state_dict(start)
-        log(f"drafter initialised from {cfg.model.init_from} ({dcfg.describe_layers()})")
-    if cfg.model.init_from_target and ckpt is None:
-        if first.verifier is None:
-            raise TrainError("--init-from-target needs the target's layers, which this target does not load: "
-                             "drop the flag")
-        copied = init_from_target(model, first.verifier.model)
-        log(f"drafter initialised from the target's top {plural(dcfg.num_layers, 'layer')} ({len(copied)} tensors)")
+    model, dcfg = make_drafter(cfg, first, ckpt, log)
     model = model.to(drafter_device)
     # Same drafter init on every rank (DDP also broadcasts rank 0's), different anchors per rank.
     generator = torch.Generator().manual_seed(cfg.data.seed + 1_000_003 * dist.rank)
@@ -145,12 +112,9 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     if cfg.pipeline.enabled:
         stats.worker("batch-producer", Role.DATA)  # registered now so every snapshot lists it
     embed, lm_head = first.frozen_head(drafter_device)
-    if ckpt is not None:
-        model.load_state_dict(ckpt["drafter"])  # before DDP, which broadcasts rank 0's weights
     ddp = distributed.wrap_ddp(model, drafter_device, stats, cfg.distributed.bucket_mb) if dist.enabled else None
-    drafter = DrafterStage(model, embed, lm_head, drafter_device, cfg,
-                           stats.worker("drafter-0", Role.DRAFTER) if cfg.pipeline.enabled else stats.worker("trainer"), generator, ddp,
-                           faults=faults)
+    worker = stats.worker("drafter-0", Role.DRAFTER) if cfg.pipeline.enabled else stats.worker("trainer")
+    drafter = DrafterStage(model, embed, lm_head, drafter_device, cfg, worker, generator, ddp, faults=faults)
     targets = []
     for i, dev in enumerate(devices if cfg.pipeline.enabled else devices[:1]):
         name = f"target-{i}" if cfg.pipeline.enabled else "trainer"
@@ -170,6 +134,59 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
         t.read_ahead(source.sample_ids)
     limit_epochs(cfg, source.per_epoch, log)
     return Components(first, verifier, targets, drafter, dcfg, source, stats, generator, data_path, len(samples))
+
+
+def read_samples(cfg: TrainConfig, target: Target, given: list[Sample] | None) -> tuple[list[Sample], Path]:
+    """The run's samples and where they came from: `given`, else the target's own rows (a cache holds
+    its token ids), else `cfg.run.data` read with the target's tokenizer."""
+    from dflash.data import load_samples, resolve_data
+
+    if given is not None:
+        return given, Path("<given samples>")
+    if own := target.own_samples(cfg.data.max_seq_len, cfg.model.block_size):
+        return own, Path(cfg.run.hidden_states or "<the target's own rows>")
+    data_path = resolve_data(cfg.run.data)
+    if target.tokenizer is None:
+        raise TrainError(f"target {cfg.run.target!r} has no tokenizer: dflash needs one to read the data")
+    return load_samples(data_path, target.tokenizer, max_len=cfg.data.max_seq_len,
+                        min_loss_tokens=cfg.model.block_size), data_path
+
+
+def make_drafter(cfg: TrainConfig, target: Target, ckpt: dict | None,
+                 log: Callable[[str], None]) -> tuple[Any, Any]:
+    """The drafter (on the host) and its DrafterConfig: the checkpoint's shape and weights when resuming,
+    else a fresh one shaped for `target`, started from --init-from's weights or the target's top layers
+    (--init-from-target) or at random (seeded by the run's seed)."""
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig, init_from_target
+    from dflash.model.export import DrafterLoadError, check_shapes
+
+    start = None  # the weights a fresh run starts from (--init-from), else random
+    if ckpt is not None:
+        try:
+            dcfg = DrafterConfig.from_dict(ckpt["drafter_config"])
+            check_shapes(dcfg, {k: tuple(v.shape) for k, v in ckpt["drafter"].items()}, "the checkpoint")
+        except (DrafterLoadError, TypeError, ValueError, KeyError, AttributeError) as e:
+            raise TrainError(f"--resume: the checkpoint's drafter does not load: {e}") from None
+    else:
+        try:
+            dcfg, start = new_drafter_config(cfg, target)
+        except (DrafterLoadError, ValueError) as e:
+            raise TrainError(str(e)) from None
+    torch.manual_seed(cfg.data.seed)
+    random.seed(cfg.data.seed)
+    model = DFlashDrafter(dcfg)
+    if ckpt is not None:
+        model.load_state_dict(ckpt["drafter"])  # before DDP, which broadcasts rank 0's weights
+    elif start is not None:
+        model.load_state_dict(start)
+        log(f"drafter initialised from {cfg.model.init_from} ({dcfg.describe_layers()})")
+    if cfg.model.init_from_target and ckpt is None:
+        if target.verifier is None:
+            raise TrainError("--init-from-target needs the target's layers, which this target does not load: "
+                             "drop the flag")
+        copied = init_from_target(model, target.verifier.model)
+        log(f"drafter initialised from the target's top {plural(dcfg.num_layers, 'layer')} ({len(copied)} tensors)")
+    return model, dcfg
 
 
 def evaluator(cfg: TrainConfig, target: Target, device: torch.device, log: Callable[[str], None]) -> Any:
