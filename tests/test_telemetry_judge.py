@@ -146,6 +146,8 @@ def test_cpu_starved_wins_over_gil_bound_and_gil_bound_needs_the_process_on_one_
     # a machine with idle cores, or workers that ran while busy, is not starved
     assert cpu_starved(raw, CpuFigures(0.35, 0.97, 8, others_cores=1.6, idle_cores=5.0)).verdict == "drafter-bound"
     assert cpu_starved(raw, CpuFigures(0.9, 0.97, 2, others_cores=1.0, idle_cores=0.0)).verdict == "drafter-bound"
+    # workers that mostly wait (a followed cache not yet written) are not limited by a CPU, however busy the machine
+    assert cpu_starved(raw, CpuFigures(0.003, 0.02, 2, others_cores=2.0, idle_cores=0.0)).verdict == "drafter-bound"
 
 
 def test_the_last_snapshot_judges_the_whole_run_and_once_shows_it(tmp_path: Path) -> None:

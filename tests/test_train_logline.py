@@ -48,7 +48,7 @@ def test_a_line_per_interval_only_when_steps_were_made() -> None:
     now, out = [0.0], []
     state, metrics, stats = TrainCounters(), StepMetrics(), _Stats()
     lines = LogLines(updated(TrainConfig(), log_every=10.0, telemetry_interval=1.0), state, stats, metrics, _Pipeline(now),
-                     latest=lambda: None, verdict=lambda: None, report=Reporter(out.append),
+                     latest=lambda: None, verdict=lambda whole_run=None: None, report=Reporter(out.append),
                      devices=[torch.device("cpu")], clock=lambda: now[0])
     now[0] = 10.0
     lines.tick()
@@ -90,7 +90,8 @@ def test_the_last_line_judges_the_whole_run_not_its_wind_down_window() -> None:
     state, metrics = TrainCounters(), StepMetrics()
     lines = LogLines(TrainConfig(), state, _Stats(), metrics, _Pipeline(now),
                      latest=lambda: Snapshot(seq=1, t=0.0, interval_s=1.0, cumulative=run),
-                     verdict=lambda: wind_down, report=Reporter(out.append), devices=[], clock=lambda: now[0])
+                     verdict=lambda whole_run=None: None if whole_run is not None else wind_down,
+                     report=Reporter(out.append), devices=[], clock=lambda: now[0])
     for final in (False, True):
         _step(state, metrics, loss=2.0, tokens=100)
         now[0] += 10.0

@@ -52,6 +52,7 @@ GIL_BOUND_MAX_CPU = 150.0
 GIL_BOUND_MIN_CPU = 70.0
 #: workers that ran on a CPU less than this fraction of the time they were busy were kept off the cores
 STARVED_RATIO = 0.5
+#: ... while busy at least THRESHOLD of their time (workers that mostly wait are not limited by a CPU) ...
 #: ... by other processes using at least this many cores, with fewer than this many left idle
 STARVED_OTHERS_CORES = 0.5
 STARVED_IDLE_CORES = 0.5
@@ -295,7 +296,7 @@ def cpu_starved(b: Bottleneck, cpu: CpuFigures | None) -> Bottleneck:
     while other processes took the cores: the stage that looks slowest is slow because it waits for a
     core, which neither the pipeline's settings nor the GIL explain. Wins over GIL-bound, whose probe
     (a sleeping thread's lateness) also counts waiting for a core."""
-    if cpu is None or b.verdict == vocab.UNKNOWN.name or cpu.worker_busy <= 0:
+    if cpu is None or b.verdict == vocab.UNKNOWN.name or cpu.worker_busy < THRESHOLD:
         return b
     starved = (cpu.worker_cpu < STARVED_RATIO * cpu.worker_busy and cpu.others_cores >= STARVED_OTHERS_CORES
                and cpu.idle_cores < STARVED_IDLE_CORES)
@@ -330,6 +331,7 @@ def agrees_with_evidence(b: Bottleneck) -> bool:
         vocab.DRAFTER_BOUND.name: -gap >= t if device else put >= t and put >= wait,
         vocab.BALANCED.name: abs(gap) < t if device else max(starve, put, wait) < t,
         vocab.GIL_BOUND.name: e.get("gil_contention", 0.0) >= GIL_BOUND,
-        vocab.CPU_STARVED.name: e.get("workers.cpu", 1.0) < STARVED_RATIO * e.get("workers.busy", 0.0),
+        vocab.CPU_STARVED.name: (e.get("workers.busy", 0.0) >= t
+                                 and e.get("workers.cpu", 1.0) < STARVED_RATIO * e.get("workers.busy", 0.0)),
     }
     return checks.get(b.verdict, False)  # a verdict without a rule here agrees with nothing

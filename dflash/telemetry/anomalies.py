@@ -31,8 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dflash.telemetry.protocol import Anomaly
-from dflash.telemetry.summary import WAIT_SUFFIXES, Summary
+from dflash.telemetry.summary import Summary
 from dflash.telemetry.table import seconds
+from dflash.telemetry.vocab import WAIT_SUFFIXES
 from dflash.telemetry.vocab import evaluating as in_evaluation
 
 log = logging.getLogger("dflash.telemetry")

@@ -27,8 +27,8 @@ from typing import Protocol
 import msgspec
 
 from dflash.telemetry.protocol import Cluster, ClusterCategory, ClusterRank, RankFigures
-from dflash.telemetry.summary import WAIT_SUFFIXES, Summary
-from dflash.telemetry.vocab import CLUSTER_THREAD
+from dflash.telemetry.summary import Summary
+from dflash.telemetry.vocab import CLUSTER_THREAD, WAIT_SUFFIXES
 
 log = logging.getLogger(__name__)
 

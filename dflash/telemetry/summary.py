@@ -24,9 +24,6 @@ from dflash.telemetry.table import category_table, merge_category_stats
 
 WorkerStats = dict[str, dict[str, CategoryStats]]
 MetricValue = float | list[float]
-#: category suffixes of a worker waiting for another (a queue get or put): time spent there is the
-#: other side's doing, so such a category is never stalled, anomalous or a straggler's extra work
-WAIT_SUFFIXES = ("_wait", "_put")
 
 
 @dataclass

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from dflash.telemetry.protocol import CategoryStats, DeviceStats, MachineSample
-from dflash.telemetry.vocab import WAIT_CATEGORIES, roles_of
+from dflash.telemetry.vocab import WAIT_SUFFIXES, roles_of
 
 NA = "-"
 
@@ -75,7 +75,7 @@ def pipeline_cpu(workers: Mapping[str, Mapping[str, CategoryStats]], roles: Mapp
     if not pipeline:
         return None
     cpu = sum(thread_cpu[w] for w in pipeline) / 100.0
-    busy = sum(st.share for w in pipeline for c, st in workers[w].items() if c not in WAIT_CATEGORIES)
+    busy = sum(st.share for w in pipeline for c, st in workers[w].items() if not c.endswith(WAIT_SUFFIXES))
     return cpu / len(pipeline), busy / len(pipeline)
 
 

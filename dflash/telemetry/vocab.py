@@ -21,8 +21,9 @@ CATEGORIES = ("batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put
 CACHE_CATEGORIES = ("cache_wait", "cache_read", "cache_write")
 #: categories that are not training: time spent in them pauses the pipeline
 PAUSE_CATEGORIES = ("eval",)
-#: waiting on a queue: time a worker is neither working nor asking for a CPU
-WAIT_CATEGORIES = ("batch_queue_wait", "hs_queue_put", "hs_queue_wait")
+#: a category named with one of these waits (on a queue, for a file not yet written): time a worker is
+#: neither working nor asking for a CPU, and a consequence of another stage's speed
+WAIT_SUFFIXES = ("_wait", "_put")
 #: a role's working share: what it does when it is not waiting on a queue
 TARGET_BUSY = ("target_forward", "cache_read", "pack_hidden", "h2d")
 DRAFTER_BUSY = ("drafter_forward", "drafter_backward", "optimizer_step", "h2d")

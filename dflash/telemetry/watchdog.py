@@ -34,9 +34,9 @@ from pathlib import Path
 
 from dflash.telemetry.introspection import python_stacks, set_ptracer
 from dflash.telemetry.protocol import StackEntry, Stall, ThreadStacks
-from dflash.telemetry.summary import WAIT_SUFFIXES, Summary, percentile
+from dflash.telemetry.summary import Summary, percentile
 from dflash.telemetry.table import seconds
-from dflash.telemetry.vocab import STALL_DUMP_THREAD
+from dflash.telemetry.vocab import STALL_DUMP_THREAD, WAIT_SUFFIXES
 
 log = logging.getLogger("dflash.telemetry")
 

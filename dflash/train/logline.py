@@ -23,8 +23,9 @@ class LogLines:
     def __init__(self, cfg: TrainConfig, state: TrainCounters, stats: Any, metrics: StepMetrics, pipeline: Pipeline,
                  latest: Callable[[], Any], verdict: Callable[[], Any], report: Reporter,
                  devices: list, clock: Callable[[], float] = time.monotonic):
-        """`latest`: the newest telemetry snapshot (or None); `verdict`: the verdict dflash-top shows
-        (per window, with hysteresis) or None; `devices`: the run's devices, for allocator gauges."""
+        """`latest`: the newest telemetry snapshot (or None); `verdict()`: the verdict dflash-top shows
+        (the last 10 s, held) or None, and `verdict(summary)` the whole run's; `devices`: the run's
+        devices, for allocator gauges."""
         self.cfg, self.state, self.stats, self.metrics, self.pipeline = cfg, state, stats, metrics, pipeline
         self.latest, self.verdict, self.report = latest, verdict, report
         self.cuda = list(dict.fromkeys(d for d in devices if d.type == "cuda"))
@@ -99,7 +100,8 @@ class LogLines:
             self.report.log(format_profile_stats(summary, limit=12, cumulative=True))
             # The verdict dflash-top shows (the recent span it names), the whole run at the end; its
             # evidence from that same span, so the line never pairs a verdict with other numbers.
-            b = (None if final else self.verdict()) or whole_run(summary.cumulative, summary.roles, summary.counters.get("steps"))
+            b = self.verdict(summary if final else None) or whole_run(summary.cumulative, summary.roles,
+                                                                     summary.counters.get("steps"))
             scope = f" ({b.scope})" if b.scope else ""
             self.report.log(f"bottleneck{scope}: {b.verdict}" + (f" - {b.reason}" if b.reason else ""))
             if b.evidence:

@@ -111,9 +111,12 @@ class Monitoring:
         """The newest telemetry snapshot (None before the first, or with telemetry off)."""
         return self.server.latest() if self.server is not None else None
 
-    def verdict(self) -> Bottleneck | None:
-        """The bottleneck verdict dflash-top shows (per window, with hysteresis), or None."""
-        return self.server.verdict.current if self.server is not None else None
+    def verdict(self, whole_run: Summary | None = None) -> Bottleneck | None:
+        """The bottleneck verdict dflash-top shows (the last 10 s, held), or None; given the run's last
+        summary, the whole run's, as the last snapshot will carry it (the machine's view included)."""
+        if self.server is None:
+            return None
+        return self.server.verdict.final(whole_run) if whole_run is not None else self.server.verdict.current
 
     def publish_now(self) -> None:
         """A run shorter than one interval still ends with its table."""
