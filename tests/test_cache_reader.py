@@ -11,7 +11,15 @@ import pytest
 import torch
 from conftest import wait_until
 
-from dflash.data.cache_format import SIDECAR, CacheError, CacheMeta, sample_path, write_rows, write_sample
+from dflash.data.cache_format import (
+    SIDECAR,
+    CacheError,
+    CacheMeta,
+    read_sample,
+    sample_path,
+    write_rows,
+    write_sample,
+)
 from dflash.data.cache_reader import CacheReader, open_cache
 from dflash.data.cache_writer import meta_for
 from dflash.data.formats import Sample
@@ -163,3 +171,30 @@ def test_follow_waits_for_files_a_writer_process_adds(tmp_path, tiny):
     finally:
         proc.wait(timeout=60)
     assert proc.returncode == 0
+
+
+def test_the_cache_target_reads_ahead_in_batch_order_and_assembles_padded_batches(tmp_path, tiny):
+    from dflash.targets.cache import READ_AHEAD, load_cache_target
+    from dflash.train.stages import BatchSource
+
+    rows = _rows(12)
+    _cache(tmp_path, tiny, rows)
+    target = load_cache_target(tmp_path, "tiny", None, None, torch.device("cpu"))
+    try:
+        samples = target.own_samples(max_len=512, min_loss_tokens=1)
+        source = BatchSource(samples, batch_size=2, seed=3, pad_id=0)
+        target.read_ahead(source.sample_ids)
+        batch = source(0)
+        hidden = target.hidden_states(batch)
+        # the next READ_AHEAD batches' files are already being read
+        ahead = {r for i in range(1, READ_AHEAD + 1) for r in source.sample_ids(i)}
+        assert ahead <= target.reader.queued
+        h = tiny.hidden_size
+        assert hidden.shape == (2, batch.input_ids.shape[1], 3 * h)
+        for r, p in enumerate(batch.sample_ids):
+            states, _ = read_sample(sample_path(tmp_path, p))
+            n = len(rows[p].input_ids)
+            assert torch.equal(hidden[r, :n], states[:, :3].reshape(n, 3 * h))  # taps in order, final left out
+            assert not hidden[r, n:].any()  # padding stays zero
+    finally:
+        target.close()

@@ -151,6 +151,12 @@ class CacheReader:
                 if r not in self._pending:
                     self._pending[r] = self._pool.submit(self._read, r)
 
+    @property
+    def queued(self) -> set[int]:
+        """Rows whose read has started (or finished) and that nobody has taken yet."""
+        with self._lock:
+            return set(self._pending)
+
     def take(self, row: int) -> torch.Tensor:
         """Row ``row``'s states as the file holds them, ``[seq, file_slots, H]`` (``layout.slots`` says
         which are the taps: cutting them here would copy out of the page-locked buffer)."""
