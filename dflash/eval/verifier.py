@@ -140,8 +140,13 @@ class CachedVerifier:
         # Recording starts after the prefill: recording a long prompt would keep all of its window and
         # convolution states until the first crop.
         self._record()
-        exact = getattr(self.cache, "is_croppable", True) and not _recurrent_states(self.cache)
-        self.mixers = _mixers(self.model, {n for n, _, _ in _recurrent_states(self.cache)})
+        linear = {n for n, _, _ in _recurrent_states(self.cache)}  # layers with a state no crop restores
+        exact = getattr(self.cache, "is_croppable", True) and not linear
+        # mixers only for layers that hold nothing but the linear state: their crop back to the block's
+        # start must not take attention keys/values with it
+        is_linear = getattr(self.cache, "is_linear", None) or []
+        pure = all(n < len(is_linear) and is_linear[n] for n in linear)
+        self.mixers = _mixers(self.model, linear) if pure else None
         self.rollback = self._requested or ("record" if exact else "mixers" if self.mixers else "rerun")
         if self.rollback == "record" and not exact:
             raise ValueError("rollback 'record' cannot restore this target's recurrent (linear-attention) state; "
