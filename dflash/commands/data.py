@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--target T` on this machine uses)")
     c.add_argument("--drafter-layers", type=int, default=None, help="one tap per drafter layer, spread evenly")
     c.add_argument("--batch-size", type=int, default=8)
-    c.add_argument("--device", default="cpu")
+    c.add_argument("--device", default="cpu", help="cpu, cuda (under torchrun: each rank's own GPU), cuda:N")
     c.add_argument("--socket-dir", type=Path, default=None, help="where the telemetry socket goes (as `dflash train`)")
     c.add_argument("--no-telemetry", action="store_true", help="no telemetry socket for dflash-top and no "
                    "DIR/telemetry.jsonl")
@@ -82,9 +82,16 @@ def _cache(args: argparse.Namespace) -> int:
     from dflash.data.cache_writer import meta_for, rank_share, write_cache
     from dflash.targets import load_target
     from dflash.telemetry import ProfileStats
+    from dflash.train.distributed import DistError, from_env, place_devices
 
+    # intra-op threads as OMP_NUM_THREADS says (torch's default otherwise), set once, before any work
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    try:  # under torchrun: this rank's share of the rows, and a bare `cuda` is its own GPU
+        dist = from_env()
+        (device,), _ = place_devices([args.device], "cpu", dist, torch.cuda.device_count())
+    except DistError as e:
+        raise CliError(str(e)) from None
+    rank, world = dist.rank, dist.world_size
     if args.max_samples is not None and args.max_samples < 1:
         raise CliError(f"--max-samples must be at least 1, got {args.max_samples}")
     data = resolve_data(args.data)
@@ -94,7 +101,7 @@ def _cache(args: argparse.Namespace) -> int:
 
         recipe, _ = hardware_recipe(args.target)
         layer_ids, n_taps = recipe.get("target_layer_ids"), recipe.get("drafter_layers")
-    target = load_target(args.target, device=args.device, layer_ids=layer_ids, num_draft_layers=n_taps or 5)
+    target = load_target(args.target, device=device, layer_ids=layer_ids, num_draft_layers=n_taps or 5)
     if target.tokenizer is None:
         raise CliError(f"{args.target}: the target has no tokenizer; the cache needs one to read the data")
     samples = load_samples(data, target.tokenizer, max_len=args.max_seq_len)
