@@ -116,7 +116,20 @@ def test_another_tokenizer_is_refused_at_the_start(work, tmp_path):
                                     "rewrite the cache with this one")
 
 
-@pytest.mark.parametrize("damage", ["nan", "truncated", "missing"])
+def test_a_cache_cut_short_is_refused_at_the_start(work, tmp_path):
+    short = tmp_path / "short"
+    shutil.copytree(work / "hs", short)
+    sample_path(short, 5).unlink()
+    r = _cli_train(short, tmp_path / "run")
+    assert r.returncode == 2 and not (tmp_path / "run" / "checkpoints").exists()
+    rows = CacheMeta.read(short).rows
+    assert _last_line(r.stderr) == (
+        f"dflash train: error: --hidden-states {short}: 1 of {rows} rows have no file (the first: "
+        "hs_5.safetensors); finish it with `dflash data cache` (same --out), or train with --follow while it is "
+        "written")
+
+
+@pytest.mark.parametrize("damage", ["nan", "truncated"])
 def test_a_bad_file_stops_the_run_in_one_line_and_keeps_the_drafter(work, tmp_path, damage):
     bad = tmp_path / "bad"
     shutil.copytree(work / "hs", bad)
@@ -128,15 +141,12 @@ def test_a_bad_file_stops_the_run_in_one_line_and_keeps_the_drafter(work, tmp_pa
             hs = hs.clone()
             hs[0, 0, 0] = float("nan")
             write_sample(path, hs, ids)
-        elif damage == "truncated":
-            path.write_bytes(path.read_bytes()[:-64])
         else:
-            path.unlink()
+            path.write_bytes(path.read_bytes()[:-64])
     r = _cli_train(bad, tmp_path / "run", "--max-steps", "6")
     assert r.returncode == 1, r.stdout[-2000:]
     line = next(x for x in r.stderr.splitlines() if x.startswith("dflash train: ") and "hs_" in x)
-    why = {"nan": "non-finite values (NaN/inf) in layer slots [0]", "truncated": "truncated",
-           "missing": "missing; rerun `dflash data cache`"}[damage]
+    why = {"nan": "non-finite values (NaN/inf) in layer slots [0]", "truncated": "truncated"}[damage]
     assert why in line and str(bad / "hidden_states") in line
     assert "Traceback" not in r.stderr
     assert f"fix the file, then dflash train --resume --run-dir {tmp_path / 'run'}" in line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -52,11 +53,18 @@ def test_the_cache_holds_the_targets_states(cache_dir):
 def test_a_rerun_skips_what_is_written(cache_dir, capsys):
     victim = sample_path(cache_dir, 2)
     victim.unlink()
+    # what a killed writer leaves (its pid is gone), and a live writer's (this process) temporary
+    stale = victim.with_name(".hs_2.safetensors.999999999.tmp")
+    live = victim.with_name(f".hs_7.safetensors.{os.getpid()}.tmp")
+    stale.write_bytes(b"x")
+    live.write_bytes(b"x")
     before = {i: sample_path(cache_dir, i).stat().st_mtime_ns for i in (0, 1, 3, 4, 5)}
     assert main(["data", "cache", "--target", "tiny", "--data", "demo", "--out", str(cache_dir),
                  "--max-samples", "6", "--no-telemetry"]) == 0
     out = capsys.readouterr().out
     assert "5 files of this share already written, skipped" in out and "wrote 1 files" in out
+    assert "removed 1 temporary file a stopped writer left" in out and not stale.exists() and live.exists()
+    live.unlink()
     assert victim.is_file()
     assert {i: sample_path(cache_dir, i).stat().st_mtime_ns for i in before} == before
 

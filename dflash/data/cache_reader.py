@@ -26,6 +26,7 @@ import torch
 
 from dflash.data.cache_format import (
     AUX_ID_OFFSET,
+    HIDDEN_DIR,
     REWRITE,
     SIDECAR,
     CacheError,
@@ -81,6 +82,8 @@ def open_cache(root: Path, target_info: Any, layer_ids: list[int] | None, defaul
     if follow:
         _wait(lambda: rows_ready(root), stop)
     rows = read_rows(root)
+    if not follow:
+        _check_complete(root, len(rows), where)
     meta = CacheMeta.read(root)
     if meta is not None:
         return _with_sidecar(root, rows, meta, target_info, layer_ids, where)
@@ -104,6 +107,17 @@ def open_cache(root: Path, target_info: Any, layer_ids: list[int] | None, defaul
                f"{taps} (engine ids {[i + AUX_ID_OFFSET for i in taps]}), the last slot the final layer, "
                f"{dtype_name(hs.dtype)}, the tokenizer of --target")
     return CacheLayout(root, rows, taps, list(range(aux)), file_slots, hidden, hs.dtype, None, assumed)
+
+
+def _check_complete(root: Path, rows: int, where: str) -> None:
+    """Every row has its file (one directory listing): a cache cut short is refused before training,
+    not at the first missing file hours in."""
+    names = {p.name for p in (root / HIDDEN_DIR).iterdir()} if (root / HIDDEN_DIR).is_dir() else set()
+    missing = [i for i in range(rows) if f"hs_{i}.safetensors" not in names]
+    if missing:
+        raise CacheError(f"{where}: {len(missing)} of {rows} rows have no file (the first: hs_{missing[0]}."
+                         "safetensors); finish it with `dflash data cache` (same --out), or train with --follow "
+                         "while it is written")
 
 
 def _with_sidecar(root: Path, rows: list[Sample], meta: CacheMeta, target: Any, layer_ids: list[int] | None,

@@ -9,6 +9,7 @@ already there; under torchrun each rank writes its own contiguous share of the r
 
 from __future__ import annotations
 
+import os
 import queue
 import shutil
 import threading
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from dflash.data.cache_format import (
+    HIDDEN_DIR,
     CacheError,
     CacheMeta,
     cache_bytes,
@@ -102,6 +104,34 @@ class _Progress:
                      f"{rate:.1f} samples/s, {self.bytes / 1e9:.2f} GB, ETA {clock(eta)}")
 
 
+def _drop_stale_temporaries(hidden_dir: Path, log: Callable[[str], None]) -> None:
+    """Temporaries a killed writer left (``.hs_{i}.safetensors.<pid>.tmp`` of a process that is gone):
+    they are never renamed into place, only take disk. A live writer's (another rank's) stay."""
+    if not hidden_dir.is_dir():
+        return
+    dropped = 0
+    for p in hidden_dir.glob(".hs_*.tmp"):
+        try:
+            pid = int(p.name.rsplit(".", 2)[-2])
+        except ValueError:
+            continue
+        if not _alive(pid):
+            p.unlink(missing_ok=True)
+            dropped += 1
+    if dropped:
+        log(f"cache: removed {plural(dropped, 'temporary file')} a stopped writer left")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
 def check_disk(out: Path, need: int, how: str, log: Callable[[str], None]) -> None:
     """Print what the files will take (``how``: the arithmetic) and refuse when the disk has less free
     space than that."""
@@ -119,6 +149,7 @@ def write_cache(target: Any, samples: list[Sample], out: Path, share: range, sta
                 batch_size: int = 8, log: Callable[[str], None] = print, every: float = 5.0) -> CacheReport:
     """Write ``hs_i`` for every row ``i`` in ``share`` that is not on disk yet. ``stats``: the
     ProfileStats the two workers report to. The rows and the sidecar are the caller's (rank 0's)."""
+    _drop_stale_temporaries(out / HIDDEN_DIR, log)
     todo = [i for i in share if not is_ready(sample_path(out, i))]
     skipped = len(share) - len(todo)
     if skipped:
