@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dflash.model.drafter import mask_token_embedding_ok
+from dflash.targets.heads import capped
 from dflash.words import plural
 
 #: the reference's tap-layer convention, in words (for sidecars and error lines)
@@ -50,7 +51,8 @@ class Target(ABC):
     """A frozen producer of tap-layer hidden states and the parts of the target model a drafter uses.
 
     Subclasses provide ``hidden_states``, ``device`` and ``replica``, and, if they can decode, a
-    ``verifier`` (and ``frozen_head`` where the target transforms its embeddings or logits); the rest (sizes, dtype, mask token, stop tokens) follows from the tokenizer, the
+    ``verifier`` (and ``frozen_embedding`` where the target transforms its embeddings); the rest (sizes,
+    dtype, mask token, stop tokens, a soft-capped head) follows from the tokenizer, the
     config and the embedding they hand to ``__init__``.
     """
 
@@ -120,18 +122,22 @@ class Target(ABC):
 
     def frozen_head(self, device: str | torch.device) -> tuple[nn.Module, nn.Module]:
         """The embedding and the LM head as frozen modules on ``device``, applying them as the target
-        does: ``embed(ids)`` is what the target's first layer reads, ``head(h)`` its logits. Targets
-        that scale embeddings or cap logits wrap the two modules here, the one place that knows.
+        does: ``embed(ids)`` is what the target's first layer reads, ``head(h)`` its logits (soft-capped
+        where the config says: heads.py). A target that transforms its embeddings says how in
+        ``frozen_embedding``.
 
         Kept in the target's own dtype (bf16 on GPUs) rather than float32: under autocast a float32
         frozen weight is cast to bf16 again at every call (it is not a leaf that autocast caches), so
         each LM-head chunk of every step would copy the 152K-row head. On the target's device the
         weights are shared, not copied: nothing ever writes to them.
         """
-        embed = nn.Embedding.from_pretrained(self.embed_tokens.weight.detach().to(device), freeze=True)
         head = nn.Linear(self.hidden_size, self.vocab_size, bias=False, device="meta")
         head.weight = nn.Parameter(self.lm_head.weight.detach().to(device), requires_grad=False)
-        return embed, head
+        return self.frozen_embedding(device), capped(head, self.config)
+
+    def frozen_embedding(self, device: str | torch.device) -> nn.Module:
+        """The embedding part of ``frozen_head``: a plain lookup unless the target transforms it."""
+        return nn.Embedding.from_pretrained(self.embed_tokens.weight.detach().to(device), freeze=True)
 
     def default_mask_token_id(self) -> int:
         """The token id whose embedding fills the masked block slots.

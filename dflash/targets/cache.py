@@ -22,6 +22,7 @@ from dflash.data.cache_format import CacheError, rows_ready
 from dflash.data.cache_reader import CacheLayout, CacheReader, open_cache
 from dflash.data.formats import Sample
 from dflash.targets.base import Target, TargetError, TokenBatch
+from dflash.targets.heads import ScaledEmbedding
 
 #: batches whose files are read ahead of the one being assembled
 READ_AHEAD = 4
@@ -66,16 +67,13 @@ class CacheTarget(Target):
     def replica(self, device: str | torch.device) -> CacheTarget:
         return self  # one reader in host memory serves every target worker
 
-    def frozen_head(self, device: str | torch.device) -> tuple[nn.Module, nn.Module]:
-        """As the target applies them, from its config alone (its modules are not loaded): Gemma's
-        embedding scaled by sqrt(hidden), the LM head soft-capped where the config says."""
-        from dflash.targets.hf import SoftCappedHead
-
-        embed, head = super().frozen_head(device)
+    def frozen_embedding(self, device: str | torch.device) -> nn.Module:
+        """From the config alone (the target's modules are not loaded): Gemma's embedding is scaled by
+        sqrt(hidden) in its forward."""
+        embed = super().frozen_embedding(device)
         if str(getattr(self.config, "model_type", "")).startswith("gemma"):
-            embed = ScaledEmbedding(embed, self.hidden_size ** 0.5)
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        return embed, (SoftCappedHead(head, float(cap)) if cap else head)
+            return ScaledEmbedding(embed, self.hidden_size ** 0.5)
+        return embed
 
     def own_samples(self, max_len: int, min_loss_tokens: int) -> list[Sample]:
         return self.training_samples(min_loss_tokens, max_len)
@@ -103,21 +101,6 @@ class CacheTarget(Target):
 
     def close(self) -> None:
         self.reader.close()
-
-
-class ScaledEmbedding(nn.Module):
-    """An embedding whose output is multiplied by a constant in the weight's dtype, as Gemma's is."""
-
-    def __init__(self, embed: nn.Embedding, scale: float):
-        super().__init__()
-        self.embed, self.scale = embed, scale
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.embed.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed(ids) * torch.tensor(self.scale, dtype=self.embed.weight.dtype)
 
 
 def _head_tensors(path: Path, config: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

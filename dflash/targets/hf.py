@@ -46,22 +46,6 @@ def model_dir(spec: str | Path) -> Path:
     return path
 
 
-class SoftCappedHead(nn.Module):
-    """``cap * tanh(head(h) / cap)``: Gemma's final logit soft-cap, applied where the target applies it.
-    ``weight`` is the head's, for callers that cast their input to the head's dtype."""
-
-    def __init__(self, head: nn.Linear, cap: float):
-        super().__init__()
-        self.head, self.cap = head, cap
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.head.weight
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.head(h) / self.cap) * self.cap
-
-
 # Kinds of layer transformers runs on a slow PyTorch fallback unless an optional kernel package is there:
 # layer type -> (import name, distribution, dflash-trainer extra).
 _KERNELS = {"linear_attention": ("fla", "flash-linear-attention", "linear-attention")}
@@ -104,15 +88,10 @@ class HFTarget(Target):
     def verifier(self) -> HFTarget:
         return self
 
-    def frozen_head(self, device: str | torch.device) -> tuple[nn.Module, nn.Module]:
-        """The model's own embedding module (Gemma's scales by sqrt(hidden) in its forward) and the LM head
-        followed by the final logit soft-cap where the config has one (Gemma)."""
+    def frozen_embedding(self, device: str | torch.device) -> nn.Module:
+        """The model's own embedding module (Gemma's scales by sqrt(hidden) in its forward)."""
         embed = self.embed_tokens
-        if torch.device(device) != self.device:
-            embed = copy.deepcopy(embed).to(device)
-        _, head = super().frozen_head(device)
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        return embed, (SoftCappedHead(head, float(cap)) if cap else head)
+        return embed if torch.device(device) == self.device else copy.deepcopy(embed).to(device)
 
     def describe(self) -> str:
         note = slow_kernel_note(self.config)

@@ -1,0 +1,46 @@
+"""Frozen modules that apply a target's embedding and LM head the way the target applies them, where it
+does more than look up a row or multiply by the head (Gemma scales its embeddings and soft-caps its
+logits). Each exposes the wrapped ``weight``, for callers that cast their input to its dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class _Wrapped(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+
+class ScaledEmbedding(_Wrapped):
+    """An embedding whose output is multiplied by a constant in the weight's dtype, as Gemma's is."""
+
+    def __init__(self, embed: nn.Embedding, scale: float):
+        super().__init__(embed)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(ids) * torch.tensor(self.scale, dtype=self.inner.weight.dtype)
+
+
+class SoftCappedHead(_Wrapped):
+    """``cap * tanh(head(h) / cap)``: Gemma's final logit soft-cap."""
+
+    def __init__(self, head: nn.Linear, cap: float):
+        super().__init__(head)
+        self.cap = cap
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inner(h) / self.cap) * self.cap
+
+
+def capped(head: nn.Linear, config) -> nn.Module:
+    """The head followed by the final logit soft-cap where the target's config has one."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return SoftCappedHead(head, float(cap)) if cap else head
