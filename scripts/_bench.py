@@ -73,3 +73,23 @@ def print_report(report: dict, as_json: bool) -> None:
     if report.get("busy_machine"):
         print(f"WARNING: other processes used {report['foreign_load_cores']:.2f} cores during the run; "
               "figures are unreliable")
+
+
+def rate_after(stamps: list[float], warmup: int) -> float:
+    """Steps per second between the end of step `warmup` and the last step (the warm-up left out)."""
+    steady = stamps[warmup - 1:]
+    return (len(steady) - 1) / (steady[-1] - steady[0])
+
+
+def steady_steps_per_s(trainer, warmup: int) -> float:
+    """Run a Trainer to its end, stamping each step as the trainer finishes it; its steady rate."""
+    stamps: list[float] = []
+    inner = trainer.on_step
+
+    def on_step(r):
+        stamps.append(time.perf_counter())
+        return inner(r)
+
+    trainer.on_step = on_step
+    assert trainer.run() == 0
+    return rate_after(stamps, warmup)

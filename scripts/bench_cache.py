@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from _bench import ForeignLoad, bench_parser, print_report
+from _bench import ForeignLoad, bench_parser, print_report, steady_steps_per_s
 
 
 def measure(args, mode: str) -> dict:
@@ -43,17 +43,7 @@ def measure(args, mode: str) -> dict:
     if mode == "cache":
         overrides["hidden_states"] = args.cache
     trainer = Trainer(make_config({}, overrides), log=lambda s: None)
-    stamps: list[float] = []
-    inner = trainer.on_step
-
-    def on_step(r):
-        stamps.append(time.perf_counter())
-        return inner(r)
-
-    trainer.on_step = on_step
-    assert trainer.run() == 0
-    steady = stamps[args.warmup - 1:]
-    return {"steps_per_s": (len(steady) - 1) / (steady[-1] - steady[0])}
+    return {"steps_per_s": steady_steps_per_s(trainer, args.warmup)}
 
 
 def _child(args, mode: str) -> dict:

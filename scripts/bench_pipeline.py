@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from _bench import ForeignLoad, bench_parser, print_report
+from _bench import ForeignLoad, bench_parser, print_report, rate_after, steady_steps_per_s
 
 # --- measurement processes ---------------------------------------------------------------------------
 
@@ -52,17 +52,7 @@ def _setup(args, pipeline: bool, telemetry: bool):
 
 def measure_trainer(args, pipeline: bool, telemetry: bool) -> dict:
     trainer = _setup(args, pipeline, telemetry)
-    stamps: list[float] = []
-    inner = trainer.on_step
-
-    def on_step(r):
-        stamps.append(time.perf_counter())
-        return inner(r)
-
-    trainer.on_step = on_step
-    assert trainer.run() == 0
-    steady = stamps[args.warmup - 1:]
-    out = {"steps_per_s": (len(steady) - 1) / (steady[-1] - steady[0])}
+    out = {"steps_per_s": steady_steps_per_s(trainer, args.warmup)}
     if telemetry and trainer.server is not None and trainer.server.latest() is not None:
         cum = trainer.server.latest().cumulative
         out["shares"] = {w: {c: round(s.share, 3) for c, s in sorted(cats.items(), key=lambda x: -x[1].share)[:5]}
@@ -86,8 +76,7 @@ def measure_stage(args, which: str) -> dict:
         else:
             drafter.step(hb, 0.5)
         stamps.append(time.perf_counter())
-    steady = stamps[args.warmup - 1:]
-    return {"steps_per_s": (len(steady) - 1) / (steady[-1] - steady[0])}
+    return {"steps_per_s": rate_after(stamps, args.warmup)}
 
 
 def _child(args, mode: str) -> dict:
