@@ -167,7 +167,10 @@ def test_live_scrape_of_a_running_pipeline(sock_dir: Path, exporter: MetricsExpo
                         s, "dflash_span_seconds", worker="target-0", category="target_forward", quantile="0.5"
                     )
                     is not None
-                    and value(s, "dflash_bottleneck", verdict="target-bound") == 1
+                    # target-bound by its waits; its spans are booked with add() and spend no CPU, so where
+                    # other processes hold every core the verdict says CPU-starved instead (the rule's job)
+                    and 1 in (value(s, "dflash_bottleneck", verdict="target-bound"),
+                              value(s, "dflash_bottleneck", verdict="CPU-starved"))
                 ),
             )
             while work.target_steps < 20 or work.drafter_steps < 20:
