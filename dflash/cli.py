@@ -12,6 +12,8 @@ import importlib
 import sys
 import typing
 
+from dflash.commands import CliError
+
 # name -> (module under dflash.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "train a DFlash drafter (pipelined, instrumented)"),
@@ -21,10 +23,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("data", "dataset tools: regenerate responses with the target, build the demo set"),
     "target": ("target", "target tools: build the built-in tiny target"),
 }
-
-
-class CliError(Exception):
-    """A user error: printed as one line, exit status 2."""
 
 
 class CommandParser(argparse.ArgumentParser):

@@ -26,8 +26,8 @@ from textual.reactive import reactive
 from textual.timer import Timer
 from textual.widgets import Footer
 
-from dflash.telemetry.protocol import Hello
-from dflash.telemetry.sockets import SocketInfo, default_socket_dir, discover, group_jobs
+from dflash.telemetry.wire.protocol import Hello
+from dflash.telemetry.wire.sockets import SocketInfo, default_socket_dir, discover, group_jobs
 from dflash_tui import sources
 from dflash_tui.jobs import RecordSettings, take_record, take_snapshot
 from dflash_tui.messages import ProfileDone, SourceUpdated, TrainersFound

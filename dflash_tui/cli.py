@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from dflash.telemetry.sockets import default_socket_dir, discover, group_jobs, is_socket, read_hello
+from dflash.telemetry.wire.sockets import default_socket_dir, discover, group_jobs, is_socket, read_hello
 from dflash_tui.ranks import rank_list
 from dflash_tui.sources import AttachError, resolve
 

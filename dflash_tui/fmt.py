@@ -1,5 +1,5 @@
 """Number formatting shared by the panels and the headless summary: short, unit-aware, N/A-safe.
-Durations are written by ``dflash.telemetry.table`` (``seconds``, ``clock``), as the trainer's log writes them.
+Durations are written by ``dflash.telemetry.wire.table`` (``seconds``, ``clock``), as the trainer's log writes them.
 
 Columns are narrow at 80x24, so every formatter returns at most ~7 characters.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from dflash.telemetry.table import NA, clock, seconds
+from dflash.telemetry.wire.table import NA, clock, seconds
 
 __all__ = ["NA", "age", "clock", "count", "nbytes", "number", "percent", "seconds", "sparkline"]
 

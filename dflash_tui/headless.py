@@ -15,10 +15,10 @@ from typing import Any, TextIO
 
 import msgspec
 
-from dflash.telemetry.protocol import CategoryStats, Cluster, training_shares
-from dflash.telemetry.sockets import default_socket_dir, discover, group_jobs
-from dflash.telemetry.table import category_table, evidence_text
-from dflash.telemetry.vocab import TELEMETRY_THREADS
+from dflash.telemetry.wire.protocol import CategoryStats, Cluster, training_shares
+from dflash.telemetry.wire.sockets import default_socket_dir, discover, group_jobs
+from dflash.telemetry.wire.table import category_table, evidence_text
+from dflash.telemetry.wire.vocab import TELEMETRY_THREADS
 from dflash_tui import fmt
 from dflash_tui.sources import AttachError, Connection, FrameSource, SourceUpdate, open_source, resolve
 from dflash_tui.state import RunState

@@ -10,7 +10,7 @@ from typing import Any
 
 from textual.message import Message
 
-from dflash.telemetry.sockets import SocketInfo
+from dflash.telemetry.wire.sockets import SocketInfo
 from dflash_tui.sources import SourceUpdate
 
 

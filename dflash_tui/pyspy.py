@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.telemetry.protocol import ProtocolError, Reply, Stacks, stacks_of
-from dflash.telemetry.sockets import pid_alive, ptrace_scope
-from dflash.telemetry.vocab import TELEMETRY_LOOPS, TELEMETRY_THREADS
+from dflash.telemetry.wire.protocol import ProtocolError, Reply, Stacks, stacks_of
+from dflash.telemetry.wire.sockets import pid_alive, ptrace_scope
+from dflash.telemetry.wire.vocab import TELEMETRY_LOOPS, TELEMETRY_THREADS
 
 #: ask the trainer something and get its reply; raises on failure (LiveSource.request)
 Ask = Callable[[str, dict[str, Any]], Reply]
@@ -229,7 +229,7 @@ _IMPORT_ROOTS = re.compile(r".*/(?:site-packages|dist-packages|lib/python\d+\.\d
 
 
 def short_path(file: str) -> str:
-    """A source file as py-spy's short names read: from its import root (`dflash/train/stages.py`,
+    """A source file as py-spy's short names read: from its import root (`dflash/train/run/stages.py`,
     `torch/nn/modules/module.py`), else its last three parts; a bare `stages.py` could be anyone's."""
     m = _IMPORT_ROOTS.match(file)
     if m:

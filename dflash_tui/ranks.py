@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.telemetry.protocol import ClusterRank, recording_filename
-from dflash.telemetry.sockets import SocketInfo, discover, is_socket, pid_alive
+from dflash.telemetry.wire.protocol import ClusterRank, recording_filename
+from dflash.telemetry.wire.sockets import SocketInfo, discover, is_socket, pid_alive
 from dflash_tui.sources import LiveLink
 from dflash_tui.state import RunState
 

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from dflash.telemetry.protocol import (
+from dflash.telemetry.wire.protocol import (
     Anomaly,
     Bottleneck,
     Bye,
@@ -28,7 +28,7 @@ from dflash.telemetry.protocol import (
     Stall,
     SystemSample,
 )
-from dflash.telemetry.vocab import Gauge
+from dflash.telemetry.wire.vocab import Gauge
 from dflash_tui.sources import Connection, SourceUpdate
 
 #: points kept per series (at 2 Hz: 2.5 minutes; sparklines show the newest that fit)

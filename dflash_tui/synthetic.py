@@ -11,8 +11,8 @@ import math
 import random
 from pathlib import Path
 
-from dflash.telemetry import vocab
-from dflash.telemetry.protocol import (
+from dflash.telemetry.wire import vocab
+from dflash.telemetry.wire.protocol import (
     PROTO,
     Bottleneck,
     CategoryStats,

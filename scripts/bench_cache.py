@@ -32,7 +32,7 @@ from _bench import ForeignLoad, bench_parser, print_report, steady_steps_per_s
 def measure(args, mode: str) -> dict:
     import torch
 
-    from dflash.train.schema import make_config
+    from dflash.train.config.schema import make_config
     from dflash.train.trainer import Trainer
 
     torch.set_num_threads(1)

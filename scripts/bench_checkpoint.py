@@ -51,7 +51,7 @@ def make_wide_target(out: Path, hidden: int, layers: int) -> Path:
 
 
 def _trainer(target: Path, run_dir: Path, layers: int):
-    from dflash.train.schema import make_config
+    from dflash.train.config.schema import make_config
     from dflash.train.trainer import Trainer
 
     cfg = make_config({}, dict(target=str(target), data="demo", run_dir=str(run_dir), batch_size=1, num_anchors=4,
@@ -67,8 +67,8 @@ def _trainer(target: Path, run_dir: Path, layers: int):
 def measure(t, mode: str, before: int) -> dict:
     """`before` steps for the median, then the save in the next step's hook, then steps until it is on
     disk (and one more)."""
-    from dflash.train import rng
-    from dflash.train.checkpoint import save_checkpoint
+    from dflash.checkpoint_files import save_checkpoint
+    from dflash.train.checkpoint import rng
 
     ck, drafter = t.checkpoints, t.drafter
     hb = t.targets[0](t.source(0))

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def train_drafter(run_dir: Path, seconds: float | None, steps: int | None) -> None:
     """`make train`'s run, cut to `seconds` (or `steps`), without its own evaluation or telemetry."""
-    from dflash.train.schema import load_toml, make_config
+    from dflash.train.config.schema import load_toml, make_config
     from dflash.train.trainer import Trainer
 
     limits = {"max_time": seconds} if steps is None else {"max_steps": steps}
@@ -45,8 +45,8 @@ def measure(run_dir: Path, prompts_n: int, new_tokens: int, rounds: int) -> dict
     from dflash.eval.speculative import evaluate
     from dflash.model.export import load_drafter
     from dflash.targets import load_target
-    from dflash.train.evaluation import torch_threads
-    from dflash.train.schema import config_beside
+    from dflash.train.config.schema import config_beside
+    from dflash.train.reporting.evaluation import torch_threads
 
     cfg = config_beside(run_dir)
     workers = cfg.pipeline.threads_per_worker or 1

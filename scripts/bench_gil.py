@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from dflash.telemetry.analysis import gil_bound
-from dflash.telemetry.protocol import Bottleneck
+from dflash.telemetry.wire.protocol import Bottleneck
 
 REPO = Path(__file__).resolve().parent.parent
 RATE = 100  # py-spy samples per second
@@ -167,8 +167,8 @@ def trainer_row(seconds: float) -> dict:
         monitor = pyspy_monitor_share(proc.pid, seconds)
         proc.wait()
         sys.path.insert(0, str(REPO))
-        from dflash.telemetry.protocol import Snapshot
-        from dflash.telemetry.reader import read_frames
+        from dflash.telemetry.wire.protocol import Snapshot
+        from dflash.telemetry.wire.reader import read_frames
 
         snaps = [f for f in read_frames(rec) if isinstance(f, Snapshot) and t0 <= f.t <= t1]
         vals = [s.gauges["gil_contention"] for s in snaps if "gil_contention" in s.gauges]

@@ -36,7 +36,7 @@ from _bench import ForeignLoad, bench_parser, print_report, rate_after, steady_s
 def _setup(args, pipeline: bool, telemetry: bool):
     import torch
 
-    from dflash.train.schema import make_config
+    from dflash.train.config.schema import make_config
     from dflash.train.trainer import Trainer
 
     torch.set_num_threads(1)

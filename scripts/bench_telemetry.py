@@ -39,9 +39,9 @@ from dflash.telemetry import ProfileStats, TelemetryServer  # noqa: E402
 from dflash.telemetry.analysis import analyze  # noqa: E402
 from dflash.telemetry.anomalies import AnomalyDetector  # noqa: E402
 from dflash.telemetry.gil import GilProbe  # noqa: E402
-from dflash.telemetry.protocol import encode  # noqa: E402
 from dflash.telemetry.summary import to_snapshot  # noqa: E402
 from dflash.telemetry.watchdog import Watchdog  # noqa: E402
+from dflash.telemetry.wire.protocol import encode  # noqa: E402
 
 CATS = [
     "batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put", "hs_queue_wait", "h2d",

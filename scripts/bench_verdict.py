@@ -46,8 +46,8 @@ def train(run_dir: Path, seconds: float) -> Path:
 
 def measure(recording: Path) -> dict:
     from dflash.telemetry.analysis import agrees_with_evidence, analyze
-    from dflash.telemetry.protocol import Snapshot
-    from dflash.telemetry.reader import read_frames
+    from dflash.telemetry.wire.protocol import Snapshot
+    from dflash.telemetry.wire.reader import read_frames
 
     snaps = [f for f in read_frames(recording) if isinstance(f, Snapshot) and f.bottleneck is not None]
     if len(snaps) < 3:

@@ -103,10 +103,10 @@ def make_parts(ctx: Ctx, target, drafter_layers: int, seq_len: int, num_anchors:
     import torch
 
     from dflash.data import Sample
-    from dflash.train.build import build
     from dflash.train.config import TrainConfig
+    from dflash.train.config.schema import updated
     from dflash.train.distributed import Dist
-    from dflash.train.schema import updated
+    from dflash.train.run.build import build
 
     vocab = target.vocab_size
     g = torch.Generator().manual_seed(1)
@@ -121,8 +121,8 @@ def make_parts(ctx: Ctx, target, drafter_layers: int, seq_len: int, num_anchors:
 def run_pipeline(source, tstage, dstage, cfg, stats, steps: int, pipeline: bool, on_step_extra=None,
                  timeout_s: float = 120.0) -> list[float]:
     """Runs the real Pipeline for ``steps`` steps; returns the host time at the end of every step."""
-    from dflash.train.pipeline import Pipeline, TrainCounters
-    from dflash.train.schema import updated
+    from dflash.train.config.schema import updated
+    from dflash.train.run.pipeline import Pipeline, TrainCounters
 
     state, stamps = TrainCounters(), []
 
@@ -193,14 +193,14 @@ def check_sync_free(ctx: Ctx) -> dict:
 
 def _steady_trainer(ctx: Ctx, warm: int, steady: int) -> str:
     """The whole trainer (producer planning, pinned batches, metrics) on the built-in tiny target,
-    through dflash.train.steady where this checkout has it."""
+    through dflash.train.run.steady where this checkout has it."""
     import contextlib
 
     try:
-        from dflash.train.steady import cuda_sync_errors, run_steady
+        from dflash.train.run.steady import cuda_sync_errors, run_steady
     except ImportError:
         return "unavailable"
-    from dflash.train.schema import make_config
+    from dflash.train.config.schema import make_config
 
     dev = "cuda" if ctx.cuda else "cpu"
     cfg = make_config({}, dict(target="tiny", data="demo", run_dir=str(ctx.tmp / "steady"), batch_size=4,
@@ -363,7 +363,7 @@ def check_side_stream_copy(ctx: Ctx) -> dict:
     import torch
 
     from dflash.telemetry import ProfileStats
-    from dflash.train.stages import TargetStage
+    from dflash.train.run.stages import TargetStage
 
     if ctx.cuda:
         from torch.cuda._sanitizer import enable_cuda_sanitizer
@@ -535,7 +535,7 @@ def check_ddp_resume(ctx: Ctx) -> dict:
     import torch
 
     from dflash.train import distributed
-    from dflash.train.schema import make_config
+    from dflash.train.config.schema import make_config
     from dflash.train.trainer import Trainer
 
     class OneRankTrainer(Trainer):
@@ -771,8 +771,8 @@ def check_host_gap(ctx: Ctx) -> dict:
     import contextlib
 
     from dflash.train import distributed
-    from dflash.train.schema import make_config
-    from dflash.train.steady import cuda_sync_errors, run_steady
+    from dflash.train.config.schema import make_config
+    from dflash.train.run.steady import cuda_sync_errors, run_steady
 
     dev = "cuda" if ctx.cuda else "cpu"
     warm, steady = (2, 4) if ctx.smoke else (12, 100)
@@ -812,11 +812,11 @@ def check_checkpoint_1b(ctx: Ctx) -> dict:
     """One asynchronous save of a 1B-parameter drafter (5 layers at Qwen3-8B's shapes, with its Adam
     state): the step times around it against the median step, the save's own duration and size."""
     try:
-        from dflash.train.checkpoint_writer import CheckpointWriter, HostSnapshot
+        from dflash.train.checkpoint.writer import CheckpointWriter, HostSnapshot
     except ImportError:
         raise Skip("no asynchronous checkpoint writer in this checkout") from None
-    from dflash.train import devices
-    from dflash.train.checkpoint import save_checkpoint
+    from dflash.checkpoint_files import save_checkpoint
+    from dflash.train.run import devices
 
     shape = TINY if ctx.smoke else {**QWEN3_8B, "vocab_size": 32768}
     target = make_target(ctx, shape, layers=2)
@@ -858,8 +858,8 @@ def check_thread_device(ctx: Ctx) -> dict:
     """The device every CUDA-touching thread of a real run bound (devices.bindings()): the pipeline's
     workers, the telemetry publisher, the main thread (evaluation, checkpoints) and the checkpoint
     writer; all must be the trainer's GPU (on a multi-GPU rank, never GPU 0 by default)."""
-    from dflash.train import devices
-    from dflash.train.schema import make_config
+    from dflash.train.config.schema import make_config
+    from dflash.train.run import devices
     from dflash.train.trainer import Trainer
 
     dev = "cuda:0" if ctx.cuda else "cpu"
@@ -872,7 +872,7 @@ def check_thread_device(ctx: Ctx) -> dict:
     bound = devices.bindings()
     expected = ["MainThread", "batch-producer", "target-0", "drafter-0", "dflash-telemetry"]
     try:
-        from dflash.train.checkpoint_writer import WRITER_THREAD
+        from dflash.train.checkpoint.writer import WRITER_THREAD
 
         expected.append(WRITER_THREAD)
     except ImportError:

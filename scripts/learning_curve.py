@@ -51,7 +51,7 @@ def evaluate(path: Path, prompts: int, tokens: int) -> dict:
 
 def interval_means(run_dir: Path, start: float, end: float) -> dict[str, float]:
     """Means of the recorded loss gauge and simulated-tau metric over [start, end) seconds trained."""
-    from dflash.telemetry.reader import read_frames
+    from dflash.telemetry.wire.reader import read_frames
 
     loss, sim = [], []
     for f in read_frames(run_dir / "telemetry.jsonl"):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.telemetry import protocol
+from dflash.telemetry.wire import protocol
 
 REPO = Path(__file__).resolve().parents[1]
 

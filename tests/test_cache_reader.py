@@ -175,7 +175,7 @@ def test_follow_waits_for_files_a_writer_process_adds(tmp_path, tiny):
 
 def test_the_cache_target_reads_ahead_in_batch_order_and_assembles_padded_batches(tmp_path, tiny):
     from dflash.targets.cache import READ_AHEAD, load_cache_target
-    from dflash.train.stages import BatchSource
+    from dflash.train.run.stages import BatchSource
 
     rows = _rows(12)
     _cache(tmp_path, tiny, rows)

@@ -39,7 +39,7 @@ def work(tmp_path_factory) -> Path:
 
 def _train(run_dir: Path, **extra) -> list[float]:
     """A short real run in this process; the per-step losses, read after each step."""
-    from dflash.train.schema import make_config
+    from dflash.train.config.schema import make_config
     from dflash.train.trainer import Trainer
 
     cfg = make_config({}, dict(target="tiny", run_dir=str(run_dir), max_steps=4, batch_size=4, num_anchors=16,

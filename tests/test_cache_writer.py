@@ -26,7 +26,7 @@ def cache_dir(tmp_path_factory):
 
 def test_the_cache_holds_the_targets_states(cache_dir):
     from dflash.targets import load_target
-    from dflash.train.recipes import hardware_recipe
+    from dflash.train.config.recipes import hardware_recipe
 
     # by default the taps a bare `dflash train --target tiny` reads on this machine
     recipe, _ = hardware_recipe("tiny")

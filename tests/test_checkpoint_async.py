@@ -16,9 +16,9 @@ import torch
 from test_model_helpers import make_target_dir, make_tokenizer, one_thread  # noqa: F401
 from test_train_pipeline import _cfg, _params, _write_data
 
-from dflash.train.checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint, read_manifest
-from dflash.train.checkpoint_writer import CheckpointWriter, HostSnapshot, Written
-from dflash.train.checkpointer import checkpoint_bytes, default_interval
+from dflash.checkpoint_files import checkpoint_dir, list_checkpoints, load_checkpoint, read_manifest
+from dflash.train.checkpoint.checkpointer import checkpoint_bytes, default_interval
+from dflash.train.checkpoint.writer import CheckpointWriter, HostSnapshot, Written
 from dflash.train.trainer import Trainer
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]

@@ -29,15 +29,15 @@ from conftest import wait_until
 from test_model_helpers import make_target_dir, make_tokenizer
 from test_train_pipeline import _cfg, _cli, _env, _write_data
 
-from dflash.model.export import export_drafter, load_drafter
-from dflash.train import rng
-from dflash.train.checkpoint import (
+from dflash.checkpoint_files import (
     CheckpointError,
     list_checkpoints,
     load_checkpoint,
     read_manifest,
     save_checkpoint,
 )
+from dflash.model.export import export_drafter, load_drafter
+from dflash.train.checkpoint import rng
 from dflash.train.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(300)

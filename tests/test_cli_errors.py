@@ -11,8 +11,8 @@ import torch
 from dflash.cli import main
 from dflash.data.formats import iter_rows
 from dflash.train.config import ConfigError
-from dflash.train.monitoring import top_command
-from dflash.train.schema import make_config
+from dflash.train.config.schema import make_config
+from dflash.train.reporting.monitoring import top_command
 from dflash.train.trainer import train
 
 
@@ -104,7 +104,7 @@ def test_an_unknown_setting_names_the_closest_valid_one():
 
 
 def test_a_sectioned_toml_and_a_flat_one_make_the_same_config(tmp_path):
-    from dflash.train.schema import load_toml
+    from dflash.train.config.schema import load_toml
 
     flat, sectioned = tmp_path / "flat.toml", tmp_path / "sectioned.toml"
     flat.write_text('[train]\nlr = 3e-3\nbatch_size = 2\nmax_steps = 5\npipeline = false\ndata = "demo"\n')

@@ -27,9 +27,9 @@ from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig, Ro
 from dflash.model.export import DrafterLoadError, config_from_hf, export_drafter, hf_config, load_exported
 from dflash.model.released import ReleaseMismatch, start_from_release
 from dflash.targets import load_target
-from dflash.train.build import build, run_target
+from dflash.train.config.schema import make_config
 from dflash.train.distributed import Dist
-from dflash.train.schema import make_config
+from dflash.train.run.build import build, run_target
 from dflash.train.trainer import train
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}

@@ -97,7 +97,7 @@ def test_a_run_is_evaluated_against_the_target_it_trained_against(setup, capsys,
     """Without --target, `dflash eval` reads the run's config.json (a run directory, or the one above a
     checkpoint file) instead of assuming the built-in target, whose shapes would not fit."""
     from dflash.train.config import TrainConfig
-    from dflash.train.schema import config_beside, updated
+    from dflash.train.config.schema import config_beside, updated
 
     root, target_dir, data = setup
     run = tmp_path / "run"

@@ -12,7 +12,7 @@ from test_model_helpers import make_target_dir, make_tokenizer
 from test_train_pipeline import _cfg, _write_data
 
 from dflash.cli import main
-from dflash.train.evaluation import threads_text, torch_threads
+from dflash.train.reporting.evaluation import threads_text, torch_threads
 from dflash.train.trainer import Trainer
 
 

@@ -200,7 +200,7 @@ def test_bf16_export_evaluated_as_dflash_eval_does_matches_fp32_far_into_the_seq
 
 
 def test_export_of_a_run_dir_names_its_checkpoint_and_never_overwrites_silently(tmp_path, capsys):
-    from dflash.train.checkpoint import FORMAT, save_checkpoint
+    from dflash.checkpoint_files import FORMAT, save_checkpoint
 
     run = tmp_path / "run"
     for step in (3, 7):  # written as the trainer writes them: manifest, format tag

@@ -19,7 +19,7 @@ from dflash.eval.verifier import CachedVerifier
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.targets import load_target
 from dflash.targets.families import FAMILIES, SLIDING_WINDOW, build_family_target
-from dflash.train.schema import make_config
+from dflash.train.config.schema import make_config
 from dflash.train.trainer import train
 
 HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # Gated DeltaNet + full attention

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from dflash.telemetry import ProfileStats, TelemetryServer
-from dflash.telemetry import protocol as P
-from dflash.telemetry.sockets import discover
+from dflash.telemetry.wire import protocol as P
+from dflash.telemetry.wire.sockets import discover
 from dflash_tui import synthetic
 
 NOBODY = 65534

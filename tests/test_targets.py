@@ -17,12 +17,12 @@ from dflash.targets import (
     make_target,
 )
 from dflash.targets.hf import HFTarget
-from dflash.telemetry.vocab import Role
-from dflash.train.build import TrainError, build
+from dflash.telemetry.wire.vocab import Role
 from dflash.train.config import TrainConfig
+from dflash.train.config.schema import updated
 from dflash.train.distributed import Dist
-from dflash.train.schema import updated
-from dflash.train.stages import BatchSource
+from dflash.train.run.build import TrainError, build
+from dflash.train.run.stages import BatchSource
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from dflash.telemetry.analysis import agrees_with_evidence, analyze
-from dflash.telemetry.protocol import CategoryStats, DeviceStats, Snapshot
-from dflash.telemetry.vocab import roles_of
+from dflash.telemetry.wire.protocol import CategoryStats, DeviceStats, Snapshot
+from dflash.telemetry.wire.vocab import roles_of
 
 
 def cs(share: float, wall: float = 1.0) -> CategoryStats:
@@ -174,7 +174,7 @@ def test_a_cpu_stage_counts_its_host_time_against_a_gpu_stage() -> None:
 
 
 def test_device_share_survives_the_wire_and_old_frames_still_decode() -> None:
-    from dflash.telemetry.protocol import decode, encode
+    from dflash.telemetry.wire.protocol import decode, encode
 
     snap = Snapshot(seq=1, t=0.0, interval_s=1.0, workers=gpu_pipeline(0.95, 0.45))
     back = decode(encode(snap))

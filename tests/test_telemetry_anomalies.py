@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from dflash.telemetry.anomalies import AnomalyDetector
-from dflash.telemetry.protocol import CategoryStats
 from dflash.telemetry.summary import Summary
+from dflash.telemetry.wire.protocol import CategoryStats
 
 
 def _window(t: float, cats: dict[str, float]) -> Summary:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from dflash.telemetry import ProfileStats, TelemetryServer
-from dflash.telemetry import protocol as P
-from dflash.telemetry.reader import read_frames
+from dflash.telemetry.wire import protocol as P
+from dflash.telemetry.wire.reader import read_frames
 from dflash_tui import synthetic
 
 NESTED = 1000  # ~2 KB of brackets: what made msgspec raise RecursionError

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from dflash.telemetry import ProfileStats
-from dflash.telemetry import protocol as P
 from dflash.telemetry.summary import to_snapshot
+from dflash.telemetry.wire import protocol as P
 
 
 def _hold(stats: ProfileStats, worker: str, category: str, cuda: bool = False):

@@ -17,13 +17,13 @@ import pytest
 from conftest import wait_until
 
 from dflash.telemetry import ProfileStats, TelemetryServer
-from dflash.telemetry import protocol as P
 from dflash.telemetry.analysis import CpuFigures, agrees_with_evidence, analyze, cpu_starved, gil_bound
 from dflash.telemetry.judge import PublishedVerdict, RecentWindows
-from dflash.telemetry.reader import read_frames
 from dflash.telemetry.summary import Summary
 from dflash.telemetry.system import SystemSampler
-from dflash.telemetry.vocab import Role
+from dflash.telemetry.wire import protocol as P
+from dflash.telemetry.wire.reader import read_frames
+from dflash.telemetry.wire.vocab import Role
 from dflash_tui.headless import run_once
 
 ROLES = {"target-0": "target", "drafter-0": "drafter"}

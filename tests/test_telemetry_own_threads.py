@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash.telemetry import protocol as P
-from dflash.telemetry.vocab import GIL_PROBE_THREAD, PUBLISHER_THREAD
+from dflash.telemetry.wire import protocol as P
+from dflash.telemetry.wire.vocab import GIL_PROBE_THREAD, PUBLISHER_THREAD
 from dflash_tui.pyspy import TELEMETRY_MARK, ThreadStack, parse_speedscope, thread_title
 from dflash_tui.state import RunState
 from dflash_tui.widgets.threads import threads_text
@@ -20,7 +20,7 @@ def test_a_record_leaves_the_gil_probe_out_of_the_functions_and_marks_its_thread
         {"name": "_run", "file": "/app/dflash/telemetry/gil.py", "line": 80},
         {"name": "_publish", "file": "/app/dflash/telemetry/server.py", "line": 390},
         {"name": "drain", "file": "/app/dflash/telemetry/stats.py", "line": 420},
-        {"name": "step", "file": "/app/dflash/train/stages.py", "line": 200},
+        {"name": "step", "file": "/app/dflash/train/run/stages.py", "line": 200},
         {"name": "__exit__", "file": "/app/dflash/telemetry/stats.py", "line": 240},
     ]
     profiles = [

@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from prometheus_client.samples import Sample  # noqa: E402
 
 from dflash.telemetry import ProfileStats, TelemetryServer  # noqa: E402
-from dflash.telemetry import protocol as P  # noqa: E402
 from dflash.telemetry.prometheus import MetricsExporter, MetricsServerError  # noqa: E402
+from dflash.telemetry.wire import protocol as P  # noqa: E402
 
 FAST = 0.05
 #: fake span durations, powers of two so that sums of them are exact in binary floating point

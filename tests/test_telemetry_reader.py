@@ -10,8 +10,8 @@ import threading
 import time
 from pathlib import Path
 
-from dflash.telemetry import protocol as P
-from dflash.telemetry.reader import FrameReader, read_frames
+from dflash.telemetry.wire import protocol as P
+from dflash.telemetry.wire.reader import FrameReader, read_frames
 from dflash_tui import synthetic
 from dflash_tui.sources import Connection, LiveSource, ReplaySource, SourceUpdate
 

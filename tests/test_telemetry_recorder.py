@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from dflash.telemetry import ProfileStats, TelemetryServer
-from dflash.telemetry import protocol as P
-from dflash.telemetry.reader import read_frames
 from dflash.telemetry.recorder import Recorder
 from dflash.telemetry.summary import Summary, to_snapshot
+from dflash.telemetry.wire import protocol as P
+from dflash.telemetry.wire.reader import read_frames
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from dflash.telemetry import ProfileStats, TelemetryServer
-from dflash.telemetry import protocol as P
-from dflash.telemetry import sockets as S
-from dflash.telemetry.reader import read_frames
+from dflash.telemetry.wire import protocol as P
+from dflash.telemetry.wire import sockets as S
+from dflash.telemetry.wire.reader import read_frames
 
 FAST = 0.05
 REPO = Path(__file__).resolve().parents[1]

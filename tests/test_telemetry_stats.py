@@ -11,10 +11,10 @@ import types
 import pytest
 
 from dflash.telemetry import ProfileStats, format_profile_stats
-from dflash.telemetry import protocol as P
 from dflash.telemetry.reservoir import Reservoir
 from dflash.telemetry.summary import merge_windows, percentile, to_snapshot
-from dflash.telemetry.table import merge_category_stats
+from dflash.telemetry.wire import protocol as P
+from dflash.telemetry.wire.table import merge_category_stats
 
 
 def test_import_does_not_pull_torch_or_tui(run_python) -> None:

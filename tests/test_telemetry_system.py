@@ -10,8 +10,8 @@ import types
 import pynvml
 import pytest
 
-from dflash.telemetry import protocol as P
 from dflash.telemetry.system import SystemSampler
+from dflash.telemetry.wire import protocol as P
 
 
 def _spin(stop: threading.Event) -> None:

@@ -8,11 +8,11 @@ import time
 import pytest
 
 from dflash.telemetry import ProfileStats
-from dflash.telemetry import protocol as P
 from dflash.telemetry.analysis import analyze
 from dflash.telemetry.summary import to_snapshot
-from dflash.telemetry.vocab import CATEGORIES, VERDICTS, Role
-from dflash.train.trackers import interval_scalars
+from dflash.telemetry.wire import protocol as P
+from dflash.telemetry.wire.vocab import CATEGORIES, VERDICTS, Role
+from dflash.train.reporting.trackers import interval_scalars
 from dflash_tui.widgets import palette
 from dflash_tui.widgets.bottleneck import VERDICT_STYLE
 from dflash_tui.widgets.help import verdicts as help_verdicts

@@ -14,11 +14,11 @@ from conftest import wait_until
 from dflash.telemetry import ProfileStats
 from dflash.telemetry.cluster import _Smoother, build_cluster, make_report
 from dflash.telemetry.introspection import thread_map
-from dflash.telemetry.protocol import CategoryStats, Event, Snapshot, Stall
-from dflash.telemetry.reader import read_frames
 from dflash.telemetry.server import TelemetryServer
 from dflash.telemetry.summary import Summary
 from dflash.telemetry.watchdog import FIRST_GRACE_S, Watchdog
+from dflash.telemetry.wire.protocol import CategoryStats, Event, Snapshot, Stall
+from dflash.telemetry.wire.reader import read_frames
 
 
 def blocking_call(release: threading.Event) -> None:
@@ -53,7 +53,7 @@ def test_timeout_comes_from_history_with_a_floor_and_a_first_step_grace() -> Non
 
 
 def test_waiting_and_finished_workers_are_not_stalled() -> None:
-    from dflash.telemetry.protocol import OpenSpan
+    from dflash.telemetry.wire.protocol import OpenSpan
 
     wd = Watchdog(timeout=1.0, native=False)
     events = []

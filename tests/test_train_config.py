@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflash.train.config import ConfigError, OptimSettings, PipelineSettings, TelemetrySettings, TrainConfig
-from dflash.train.schema import (
+from dflash.train.config.schema import (
     SECTIONS,
     SETTINGS,
     add_flags,

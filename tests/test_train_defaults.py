@@ -14,8 +14,8 @@ import torch
 from test_model_helpers import make_target_dir, make_tokenizer
 from test_train_pipeline import _write_data
 
-from dflash.train.recipes import CPU_RECIPE, TINY_CPU_TAPS, hardware_recipe
-from dflash.train.schema import load_toml, make_config
+from dflash.train.config.recipes import CPU_RECIPE, TINY_CPU_TAPS, hardware_recipe
+from dflash.train.config.schema import load_toml, make_config
 from dflash.train.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent

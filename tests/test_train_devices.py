@@ -14,11 +14,11 @@ from conftest import REPO, wait_until
 
 from dflash.telemetry import ProfileStats
 from dflash.train.config import TrainConfig
-from dflash.train.devices import bindings
+from dflash.train.config.schema import updated
 from dflash.train.distributed import Dist
-from dflash.train.pipeline import Pipeline, TrainCounters
 from dflash.train.reporting import Reporter
-from dflash.train.schema import updated
+from dflash.train.run.devices import bindings
+from dflash.train.run.pipeline import Pipeline, TrainCounters
 
 G0, G1 = torch.device("cuda:0"), torch.device("cuda:1")
 
@@ -110,7 +110,7 @@ def test_the_telemetry_publisher_binds_the_trainers_gpu_before_it_resolves_event
                                                                                   sock_dir) -> None:
     """The publisher thread resolves the workers' CUDA events; unbound, it would open a context on GPU 0
     from every rank. Monitoring starts it bound to the trainer's device."""
-    from dflash.train.monitoring import Monitoring
+    from dflash.train.reporting.monitoring import Monitoring
 
     calls = CudaCalls(monkeypatch)
     cfg = updated(TrainConfig(), run_dir=str(tmp_path / "run"), socket_dir=str(sock_dir), stall_timeout=0.0)
@@ -159,7 +159,7 @@ def test_pyproject_declares_the_torch_the_start_check_accepts() -> None:
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
 
-    from dflash.train.versions import BELOW_TORCH, MIN_TORCH
+    from dflash.train.run.versions import BELOW_TORCH, MIN_TORCH
 
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert f"torch>={MIN_TORCH},<{BELOW_TORCH}" in deps
@@ -181,7 +181,7 @@ def test_an_older_torch_is_refused_at_start_in_one_line(monkeypatch, tmp_path, c
 def test_the_checkpoint_writer_binds_the_trainers_gpu(monkeypatch, tmp_path) -> None:
     """The writer thread waits on the snapshot's CUDA event: bound to the trainer's GPU first, like
     every thread that touches CUDA (a CPU state here: nothing to wait for, the binding is the point)."""
-    from dflash.train.checkpoint_writer import WRITER_THREAD, CheckpointWriter
+    from dflash.train.checkpoint.writer import WRITER_THREAD, CheckpointWriter
 
     calls = CudaCalls(monkeypatch)
     done: list = []

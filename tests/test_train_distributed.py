@@ -19,11 +19,11 @@ import torch
 from test_model_helpers import make_target_dir, make_tokenizer
 from test_train_pipeline import _write_data
 
-from dflash.telemetry.protocol import Hello, Snapshot
-from dflash.telemetry.reader import read_frames
-from dflash.telemetry.sockets import parse_socket_filename
-from dflash.train.checkpoint import list_checkpoints
-from dflash.train.stages import BatchSource
+from dflash.checkpoint_files import list_checkpoints
+from dflash.telemetry.wire.protocol import Hello, Snapshot
+from dflash.telemetry.wire.reader import read_frames
+from dflash.telemetry.wire.sockets import parse_socket_filename
+from dflash.train.run.stages import BatchSource
 
 pytestmark = pytest.mark.timeout(300)
 

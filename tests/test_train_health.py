@@ -12,10 +12,10 @@ import torch
 from test_model_helpers import make_target_dir, make_tokenizer
 from test_train_pipeline import _cli, _env, _write_data
 
-from dflash.telemetry.protocol import Event, Snapshot
-from dflash.telemetry.reader import read_frames
-from dflash.train.checkpoint import list_checkpoints
-from dflash.train.faults import FaultPlan, FaultSpecError, parse
+from dflash.checkpoint_files import list_checkpoints
+from dflash.telemetry.wire.protocol import Event, Snapshot
+from dflash.telemetry.wire.reader import read_frames
+from dflash.train.run.faults import FaultPlan, FaultSpecError, parse
 
 
 @pytest.fixture(scope="module")

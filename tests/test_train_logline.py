@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import torch
 
 from dflash.train.config import TrainConfig
-from dflash.train.logline import LogLines
-from dflash.train.metrics import StepMetrics
-from dflash.train.pipeline import TrainCounters
+from dflash.train.config.schema import updated
 from dflash.train.reporting import Reporter
-from dflash.train.schema import updated
+from dflash.train.reporting.logline import LogLines
+from dflash.train.run.metrics import StepMetrics
+from dflash.train.run.pipeline import TrainCounters
 
 
 class _Stats:
@@ -74,7 +74,7 @@ def test_the_last_line_judges_the_whole_run_not_its_wind_down_window() -> None:
     the run judges the cumulative shares: the last window is the wind-down, where a stage that waits
     on a stopped one looks blocked (84% there against 25% over the run, in a real `make train`)."""
     from dflash.telemetry.analysis import analyze
-    from dflash.telemetry.protocol import CategoryStats, Snapshot
+    from dflash.telemetry.wire.protocol import CategoryStats, Snapshot
 
     def cs(share: float) -> CategoryStats:
         return CategoryStats(n=10, total=share, mean=share / 10, p50=share / 10, p95=share / 10,

@@ -11,8 +11,9 @@ from test_model_helpers import one_thread  # noqa: F401
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.objective import dflash_loss, plan_blocks
 from dflash.telemetry import ProfileStats
+from dflash.train.config.schema import make_config
 from dflash.train.distributed import Dist
-from dflash.train.memory import (
+from dflash.train.run.memory import (
     GIB,
     HEADROOM,
     AllocatorRetries,
@@ -25,8 +26,7 @@ from dflash.train.memory import (
     saved_bytes,
     size_to_device,
 )
-from dflash.train.schema import make_config
-from dflash.train.stages import DrafterStage
+from dflash.train.run.stages import DrafterStage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 H, VOCAB, SEQ = 128, 512, 192

@@ -20,9 +20,9 @@ import torch
 from conftest import wait_until
 from test_model_helpers import WORDS, make_target_dir, make_tokenizer, one_thread  # noqa: F401
 
-from dflash.telemetry.reader import read_frames
-from dflash.train.checkpoint import list_checkpoints, load_checkpoint
-from dflash.train.schema import make_config, read_saved
+from dflash.checkpoint_files import list_checkpoints, load_checkpoint
+from dflash.telemetry.wire.reader import read_frames
+from dflash.train.config.schema import make_config, read_saved
 from dflash.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -264,7 +264,7 @@ def test_config_file_and_overrides(tmp_path):
     cfg_file = tmp_path / "c.toml"
     cfg_file.write_text('[train]\nlr = 1e-3\nbatch_size = 2\nmax_steps = 5\ntarget_devices = ["cpu", "cpu"]\n')
     from dflash.train.config import ConfigError
-    from dflash.train.schema import load_toml
+    from dflash.train.config.schema import load_toml
 
     cfg = make_config(load_toml(cfg_file), {"batch_size": 3})
     assert (cfg.optim.lr, cfg.data.batch_size, cfg.run.max_steps, cfg.pipeline.target_devices) == (1e-3, 3, 5, ["cpu", "cpu"])

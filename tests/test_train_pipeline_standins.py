@@ -12,8 +12,8 @@ import torch
 
 from dflash.telemetry import ProfileStats
 from dflash.train.config import TrainConfig
-from dflash.train.pipeline import Pipeline, TrainCounters
-from dflash.train.schema import updated
+from dflash.train.config.schema import updated
+from dflash.train.run.pipeline import Pipeline, TrainCounters
 
 CPU = torch.device("cpu")
 

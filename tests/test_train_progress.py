@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash.train.progress import EvalProgress, Progress, clock
+from dflash.train.reporting.progress import EvalProgress, Progress, clock
 
 
 def test_clock():

@@ -14,7 +14,7 @@ from test_train_pipeline import _write_data
 
 from dflash.cli import main
 from dflash.train.config import ConfigError
-from dflash.train.schema import make_config, resumed
+from dflash.train.config.schema import make_config, resumed
 
 
 @pytest.fixture(scope="module")

@@ -132,7 +132,7 @@ def test_a_missing_tracker_package_is_one_line_before_any_work(tmp_path):
 
 def test_an_unknown_tracker_is_refused_at_load():
     from dflash.train.config import ConfigError
-    from dflash.train.schema import make_config
+    from dflash.train.config.schema import make_config
 
     with pytest.raises(ConfigError, match="report_to: unknown tracker 'comet'; choose from tensorboard, wandb, mlflow"):
         make_config({}, {"report_to": "comet", "max_steps": 1})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from test_tui_snapshots import settle, utc  # noqa: F401  (utc: autouse, fixes the zone of event times)
 
-from dflash.telemetry.protocol import Anomaly, OpenSpan, Snapshot, Stall
+from dflash.telemetry.wire.protocol import Anomaly, OpenSpan, Snapshot, Stall
 from dflash_tui import synthetic
 from dflash_tui.app import DFlashTop
 from dflash_tui.sources import MemorySource

@@ -9,7 +9,7 @@ import pytest
 from conftest import screen_text
 from test_tui_snapshots import settle, utc  # noqa: F401 (utc: autouse fixture)
 
-from dflash.telemetry.protocol import CategoryStats, Snapshot
+from dflash.telemetry.wire.protocol import CategoryStats, Snapshot
 from dflash_tui import synthetic
 from dflash_tui.app import DFlashTop
 from dflash_tui.pyspy import FunctionStat, RecordReport

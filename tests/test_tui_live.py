@@ -25,7 +25,8 @@ import pytest
 from conftest import screen_text
 from textual.containers import VerticalScroll
 
-from dflash.telemetry import ProfileStats, TelemetryServer, protocol
+from dflash.telemetry import ProfileStats, TelemetryServer
+from dflash.telemetry.wire import protocol
 from dflash_tui import synthetic
 from dflash_tui.app import DFlashTop
 from dflash_tui.pyspy import ProfileFailure, StackReport, find_pyspy

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dflash.telemetry.protocol import Reply, stacks_of
+from dflash.telemetry.wire.protocol import Reply, stacks_of
 from dflash_tui.pyspy import (
     PySpyError,
     find_pyspy,
@@ -183,7 +183,7 @@ def test_record_summary_is_readable_python_first_natives_short_addresses_grouped
     from dflash_tui.widgets.record import record_text
 
     frames = [
-        {"name": "train_step", "file": "/app/dflash/train/stages.py", "line": 120},
+        {"name": "train_step", "file": "/app/dflash/train/run/stages.py", "line": 120},
         {"name": "at::native::(anonymous namespace)::cpu_kernel_vec<at::native::AddFunctor<float>, "
                  "at::vec::Vectorized<float> >(at::TensorIteratorBase&, float, float)", "file": "/x/libtorch_cpu.so"},
         {"name": "0x7f3a2b001234", "file": "/usr/lib/libcuda.so.1"},

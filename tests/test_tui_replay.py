@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import wait_until
 
-from dflash.telemetry import protocol
-from dflash.telemetry.sockets import SocketInfo, discover, group_jobs
+from dflash.telemetry.wire import protocol
+from dflash.telemetry.wire.sockets import SocketInfo, discover, group_jobs
 from dflash_tui import synthetic
 from dflash_tui.ranks import rank_list, rank_socket, rank_sockets
 from dflash_tui.sources import (

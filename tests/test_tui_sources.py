@@ -10,7 +10,7 @@ from pathlib import Path
 
 from test_tui_snapshots import settle, utc  # noqa: F401 (utc: autouse fixture)
 
-from dflash.telemetry.sockets import socket_filename
+from dflash.telemetry.wire.sockets import socket_filename
 from dflash_tui import synthetic
 from dflash_tui.app import DFlashTop
 from dflash_tui.ranks import RankFollower

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import math
+from pathlib import Path
 
-from dflash.telemetry import protocol
-from dflash.telemetry.table import evidence_value
+from dflash.telemetry.wire import protocol
+from dflash.telemetry.wire.table import evidence_value
 from dflash_tui import fmt, synthetic
 from dflash_tui.headless import render_text, summarize
 from dflash_tui.ranks import step_rank
@@ -214,13 +216,37 @@ def test_once_summary_and_text_carry_the_cluster_view() -> None:
     assert summarize(single)["cluster"] is None and "cluster" not in render_text(summarize(single))
 
 
-def test_dflash_top_takes_only_the_protocol_from_dflash_and_never_torch(run_python):
+def test_dflash_top_takes_only_the_wire_from_dflash_and_never_torch(run_python):
     code = ("import sys, dflash_tui.app, dflash_tui.cli, dflash_tui.headless, dflash_tui.pyspy, dflash_tui.ranks\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dflash', 'torch')))")
-    out = run_python(code)
-    # the protocol side only: the frames, their reader, where the sockets are, the table's text, the words
-    assert out.strip() == ("['dflash', 'dflash.telemetry', 'dflash.telemetry.protocol', 'dflash.telemetry.reader', "
-                           "'dflash.telemetry.sockets', 'dflash.telemetry.table', 'dflash.telemetry.vocab']")
+    loaded = ast.literal_eval(run_python(code).strip())
+    outside = [m for m in loaded if m not in ("dflash", "dflash.telemetry", "dflash.telemetry.wire")
+               and not m.startswith("dflash.telemetry.wire.")]
+    assert outside == [], "dflash-top loaded more of dflash than the wire package (or torch)"
+    assert "dflash.telemetry.wire.protocol" in loaded and "dflash.telemetry.wire.vocab" in loaded
+
+
+def _imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+    return names
+
+
+def test_the_wire_is_the_only_door_between_the_trainer_and_dflash_top() -> None:
+    """Every import of dflash in dflash_tui (lazy ones included) names the wire package, and the wire
+    imports nothing of dflash but itself: the two sides share only frames, sockets, the table and words."""
+    root = Path(__file__).resolve().parents[1]
+    tui = {str(f.relative_to(root)): m for f in (root / "dflash_tui").rglob("*.py") for m in _imports(f)
+           if m.split(".")[0] == "dflash" and not m.startswith("dflash.telemetry.wire")}
+    assert tui == {}
+    wire = {str(f.relative_to(root)): m for f in (root / "dflash" / "telemetry" / "wire").rglob("*.py")
+            for m in _imports(f) if m.split(".")[0] in ("dflash", "torch", "dflash_tui")
+            and not m.startswith("dflash.telemetry.wire")}
+    assert wire == {}
 
 
 def test_gpu_panel_shows_cuda_ordinal_gpm_activity_and_mig_instances() -> None:

@@ -7,8 +7,8 @@ import io
 import json
 from pathlib import Path
 
-from dflash.telemetry import protocol
-from dflash.telemetry.protocol import Bottleneck, Bye, CategoryStats, Event, Hello, Snapshot
+from dflash.telemetry.wire import protocol
+from dflash.telemetry.wire.protocol import Bottleneck, Bye, CategoryStats, Event, Hello, Snapshot
 from dflash_tui.headless import run_once
 
 T0 = 1_800_000_000.0

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dflash.cli import CliError
+from dflash.commands import CliError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,11 +78,11 @@ def _cache(args: argparse.Namespace) -> int:
     import torch
 
     from dflash.data import load_samples, resolve_data
-    from dflash.data.cache_format import CacheMeta, read_rows, rows_ready, write_rows
+    from dflash.data.cache_format import rows_ready, write_rows
     from dflash.data.cache_writer import meta_for, rank_share, write_cache
-    from dflash.targets import load_target
     from dflash.telemetry import ProfileStats
     from dflash.train.distributed import DistError, from_env, place_devices
+    from dflash.train.run.devices import bind_thread, resolve, thread_device
 
     # intra-op threads as OMP_NUM_THREADS says (torch's default otherwise), set once, before any work
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
@@ -95,28 +95,14 @@ def _cache(args: argparse.Namespace) -> int:
     if args.max_samples is not None and args.max_samples < 1:
         raise CliError(f"--max-samples must be at least 1, got {args.max_samples}")
     data = resolve_data(args.data)
-    layer_ids, n_taps = args.target_layer_ids, args.drafter_layers
-    if layer_ids is None and n_taps is None:  # the taps a bare `dflash train --target T` reads here
-        from dflash.train.recipes import hardware_recipe
-
-        recipe, _ = hardware_recipe(args.target)
-        layer_ids, n_taps = recipe.get("target_layer_ids"), recipe.get("drafter_layers")
-    target = load_target(args.target, device=device, layer_ids=layer_ids, num_draft_layers=n_taps or 5)
-    if target.tokenizer is None:
-        raise CliError(f"{args.target}: the target has no tokenizer; the cache needs one to read the data")
+    bind_thread(thread_device(resolve(device)))  # never a context on GPU 0 for a rank on another GPU
+    target = _cache_target(args, device)
     samples = load_samples(data, target.tokenizer, max_len=args.max_seq_len)
     if args.max_samples is not None:
         samples = samples[:args.max_samples]
     meta = meta_for(target, args.target, len(samples))
     out: Path = args.out
-    old = CacheMeta.read(out)
-    if old is not None and old != meta:
-        diff = [k for k, v in vars(meta).items() if getattr(old, k) != v and k != "dflash_version"]
-        if diff:
-            raise CliError(f"--out {out} holds a cache of another target or data ({', '.join(diff)} differ); "
-                           "choose another --out or delete it")
-    if rows_ready(out) and read_rows(out) != samples:
-        raise CliError(f"--out {out} holds a cache of other data rows; choose another --out or delete it")
+    _check_out(out, meta, samples)
     if rank == 0:
         if not rows_ready(out):
             write_rows(out, samples)
@@ -144,3 +130,35 @@ def _cache(args: argparse.Namespace) -> int:
     print(f"cache: wrote {report.written} files ({report.bytes / 1e9:.2f} GB) in {report.seconds:.1f}s, "
           f"skipped {report.skipped}; train with: dflash train --target {args.target} --hidden-states {out}")
     return 0
+
+
+def _cache_target(args: argparse.Namespace, device: str):
+    """The target whose states the cache holds, tapped where a bare `dflash train --target T` would tap
+    it unless --target-layer-ids / --drafter-layers say otherwise."""
+    from dflash.targets import load_target
+
+    layer_ids, n_taps = args.target_layer_ids, args.drafter_layers
+    if layer_ids is None and n_taps is None:
+        from dflash.train.config.recipes import hardware_recipe
+
+        recipe, _ = hardware_recipe(args.target)
+        layer_ids, n_taps = recipe.get("target_layer_ids"), recipe.get("drafter_layers")
+    target = load_target(args.target, device=device, layer_ids=layer_ids, num_draft_layers=n_taps or 5)
+    if target.tokenizer is None:
+        raise CliError(f"{args.target}: the target has no tokenizer; the cache needs one to read the data")
+    return target
+
+
+def _check_out(out: Path, meta, samples: list) -> None:
+    """Refuse, in one line, an --out that holds the cache of another target, data or rows (a rerun of the
+    same cache resumes it)."""
+    from dflash.data.cache_format import CacheMeta, read_rows, rows_ready
+
+    old = CacheMeta.read(out)
+    if old is not None and old != meta:
+        diff = [k for k, v in vars(meta).items() if getattr(old, k) != v and k != "dflash_version"]
+        if diff:
+            raise CliError(f"--out {out} holds a cache of another target or data ({', '.join(diff)} differ); "
+                           "choose another --out or delete it")
+    if rows_ready(out) and read_rows(out) != samples:
+        raise CliError(f"--out {out} holds a cache of other data rows; choose another --out or delete it")

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from dflash.cli import CliError
+from dflash.commands import CliError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash.eval.speculative import evaluate
-    from dflash.train.evaluation import threads_text, torch_threads
+    from dflash.train.reporting.evaluation import threads_text, torch_threads
 
     drafter, target, prompts, run_cfg = _load(args)
     threads, source = args.threads, "--threads"
@@ -61,7 +61,7 @@ def _load(args: argparse.Namespace) -> tuple:
     from dflash.targets import TargetError, load_target
     from dflash.targets.hf import slow_kernel_note
     from dflash.train.config import ConfigError, check_device
-    from dflash.train.devices import bind_thread, resolve, thread_device
+    from dflash.train.run.devices import bind_thread, resolve, thread_device
 
     if args.max_new_tokens < 1 or args.num_prompts < 1:
         raise CliError("--max-new-tokens and --num-prompts must be at least 1")
@@ -106,7 +106,7 @@ def _run_config(drafter: str):
     """The training config of the run the drafter comes from (its target and threads), None where
     there is no run around it."""
     from dflash.train.config import ConfigError
-    from dflash.train.schema import config_beside
+    from dflash.train.config.schema import config_beside
 
     try:
         return config_beside(drafter)

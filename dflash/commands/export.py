@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dflash.cli import CliError
+from dflash.commands import CliError
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "keep": None}
 

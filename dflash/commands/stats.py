@@ -13,17 +13,17 @@ from typing import Any
 
 import msgspec
 
-from dflash.cli import CliError
+from dflash.commands import CliError
 from dflash.telemetry.analysis import analyze
-from dflash.telemetry.protocol import Bye, Event, Hello, Snapshot, training_shares
-from dflash.telemetry.reader import read_frames
 from dflash.telemetry.summary import (
     WorkerStats,
     format_profile_stats,
     merge_windows,
     untracked_of,
 )
-from dflash.telemetry.table import evidence_text, seconds
+from dflash.telemetry.wire.protocol import Bye, Event, Hello, Snapshot, training_shares
+from dflash.telemetry.wire.reader import read_frames
+from dflash.telemetry.wire.table import evidence_text, seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash.cli import CliError
+    from dflash.commands import CliError
     from dflash.targets.tiny import TINY_DIR
     from dflash.targets.tiny_build import TinyRecipe, build_tiny, refine_tiny
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dflash.cli import CliError
+from dflash.commands import CliError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,15 +15,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--resume", action="store_true", help="continue from the newest checkpoint in the run dir")
     a("--nproc", type=int, help="train with N ranks on this machine (runs torchrun; each rank one pipeline "
                                  "replica, drafters in DDP)")
-    from dflash.train.schema import add_flags
+    from dflash.train.config.schema import add_flags
 
-    add_flags(p)  # every setting's flag, derived from the section classes (dflash/train/config.py)
+    add_flags(p)  # every setting's flag, derived from the section classes (dflash/train/config/__init__.py)
 
 
 def run(args: argparse.Namespace) -> int:
     from dflash.train.config import ConfigError
-    from dflash.train.recipes import fresh_run_dir, hardware_recipe
-    from dflash.train.schema import config_beside, flag_values, load_toml, make_config, resumed
+    from dflash.train.config.recipes import fresh_run_dir, hardware_recipe
+    from dflash.train.config.schema import config_beside, flag_values, load_toml, make_config, resumed
     from dflash.train.trainer import train
 
     if args.resume and args.run_dir is None:
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_dir_in(config) -> bool:
     from dflash.train.config import ConfigError
-    from dflash.train.schema import load_toml
+    from dflash.train.config.schema import load_toml
 
     try:
         return config is not None and "run_dir" in load_toml(config)

@@ -34,7 +34,7 @@ from dflash.data.cache_format import (
     write_sample,
 )
 from dflash.data.formats import Sample
-from dflash.telemetry.table import clock
+from dflash.telemetry.wire.table import clock
 from dflash.words import plural
 
 

@@ -13,7 +13,7 @@ Export directory (what SGLang/vLLM and z-lab's ``DFlashDraftModel.from_pretraine
                        ``fc.weight``, ``hidden_norm.weight``, ``norm.weight`` (no embedding, no LM
                        head: those are the target's).
 
-Training checkpoints (written by dflash/train/checkpoint.py) are ``torch.save``d dicts holding
+Training checkpoints (written by dflash/checkpoint_files.py) are ``torch.save``d dicts holding
 ``drafter_config`` (``dataclasses.asdict(DrafterConfig)``) and ``drafter`` (the state_dict).
 """
 
@@ -274,7 +274,7 @@ def find_checkpoint(directory: Path) -> Path | None:
 
 def load_checkpoint_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
     """The drafter inside a training checkpoint file."""
-    from dflash.train.checkpoint import CheckpointError, safe_load
+    from dflash.checkpoint_files import CheckpointError, safe_load
 
     path = Path(path)
     try:
@@ -289,7 +289,7 @@ def _newest_verified_drafter(run_dir: Path, dtype: torch.dtype | None) -> DFlash
     ``--resume`` picks it (skipped ones are named on stderr); None when there are none."""
     import sys
 
-    from dflash.train.checkpoint import MANIFEST, CheckpointError, checkpoint_dir, load_latest
+    from dflash.checkpoint_files import MANIFEST, CheckpointError, checkpoint_dir, load_latest
 
     if not (checkpoint_dir(run_dir) / MANIFEST).is_file():
         return None  # not written by the trainer (or by an older one): plain newest-file rules

@@ -3,13 +3,19 @@ block alike), in float32 whatever dtype the drafter runs in."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from dflash.model.drafter import DrafterConfig
+
+class RopeSettings(Protocol):
+    """What the rotation needs of a drafter's config (a DrafterConfig has it)."""
+
+    head_dim: int
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
 
 
 class Rotary(nn.Module):
@@ -25,7 +31,7 @@ class Rotary(nn.Module):
     4000). cos/sin are computed in float32 and only then cast to the activations' dtype.
     """
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: RopeSettings):
         super().__init__()
         self.head_dim, self.theta, self.scaling = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
         self.max_positions = cfg.max_position_embeddings

@@ -14,9 +14,9 @@ import importlib
 
 __all__ = ["ProfileStats", "Summary", "TelemetryServer", "Worker", "format_profile_stats"]
 
-# Resolved on first use, so that importing the protocol side (protocol, reader, sockets, table, vocab: all
-# dflash-top takes from this package) loads nothing else of it, and code that only times things never loads the server (psutil,
-# selectors).
+# Resolved on first use, so that importing the wire (dflash/telemetry/wire/: all dflash-top takes from
+# this package) loads nothing else of it, and code that only times things never loads the server
+# (psutil, selectors).
 _WHERE = {"ProfileStats": "stats", "Worker": "stats", "Summary": "summary", "format_profile_stats": "summary",
           "TelemetryServer": "server"}
 

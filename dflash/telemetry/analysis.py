@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from dflash.telemetry import vocab
-from dflash.telemetry.protocol import Bottleneck, CategoryStats
-from dflash.telemetry.vocab import (
+from dflash.telemetry.wire import vocab
+from dflash.telemetry.wire.protocol import Bottleneck, CategoryStats
+from dflash.telemetry.wire.vocab import (
     DRAFTER_BUSY,
     HOLD_WINDOWS,
     MIN_TRACKED,

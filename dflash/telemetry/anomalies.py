@@ -30,11 +30,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dflash.telemetry.protocol import Anomaly
 from dflash.telemetry.summary import Summary
-from dflash.telemetry.table import seconds
-from dflash.telemetry.vocab import WAIT_SUFFIXES
-from dflash.telemetry.vocab import evaluating as in_evaluation
+from dflash.telemetry.wire.protocol import Anomaly
+from dflash.telemetry.wire.table import seconds
+from dflash.telemetry.wire.vocab import WAIT_SUFFIXES
+from dflash.telemetry.wire.vocab import evaluating as in_evaluation
 
 log = logging.getLogger("dflash.telemetry")
 

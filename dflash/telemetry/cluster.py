@@ -26,9 +26,9 @@ from typing import Protocol
 
 import msgspec
 
-from dflash.telemetry.protocol import Cluster, ClusterCategory, ClusterRank, RankFigures
 from dflash.telemetry.summary import Summary
-from dflash.telemetry.vocab import CLUSTER_THREAD, WAIT_SUFFIXES
+from dflash.telemetry.wire.protocol import Cluster, ClusterCategory, ClusterRank, RankFigures
+from dflash.telemetry.wire.vocab import CLUSTER_THREAD, WAIT_SUFFIXES
 
 log = logging.getLogger(__name__)
 

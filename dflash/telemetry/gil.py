@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 from dflash.telemetry.summary import Summary
-from dflash.telemetry.vocab import GIL_PROBE_THREAD, Gauge
+from dflash.telemetry.wire.vocab import GIL_PROBE_THREAD, Gauge
 
 #: seconds the probe sleeps between wake-ups
 INTERVAL_S = 0.005

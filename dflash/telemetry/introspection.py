@@ -14,8 +14,8 @@ import sys
 import threading
 from typing import Any
 
-from dflash.telemetry.protocol import StackEntry, ThreadStacks
-from dflash.telemetry.sockets import ptrace_scope
+from dflash.telemetry.wire.protocol import StackEntry, ThreadStacks
+from dflash.telemetry.wire.sockets import ptrace_scope
 
 #: prctl option of Yama: "this pid (and its descendants) may ptrace me"
 PR_SET_PTRACER = 0x59616D61

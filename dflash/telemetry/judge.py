@@ -17,10 +17,16 @@ from dataclasses import dataclass, field
 import msgspec
 
 from dflash.telemetry.analysis import CpuFigures, SteadyVerdict, analyze, cpu_starved, gil_bound
-from dflash.telemetry.protocol import Bottleneck, CategoryStats, MachineSample, SystemSample, training_shares
 from dflash.telemetry.summary import Summary, WorkerStats
-from dflash.telemetry.table import clock, pipeline_cpu
-from dflash.telemetry.vocab import CPU_STARVED, PAUSE_CATEGORIES, VERDICT_SPAN_S, Gauge, evaluating
+from dflash.telemetry.wire.protocol import (
+    Bottleneck,
+    CategoryStats,
+    MachineSample,
+    SystemSample,
+    training_shares,
+)
+from dflash.telemetry.wire.table import clock, pipeline_cpu
+from dflash.telemetry.wire.vocab import CPU_STARVED, PAUSE_CATEGORIES, VERDICT_SPAN_S, Gauge, evaluating
 
 
 @dataclass

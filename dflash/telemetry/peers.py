@@ -15,9 +15,9 @@ import selectors
 import socket
 from collections.abc import Callable
 
-from dflash.telemetry.protocol import Reply, encode
-from dflash.telemetry.reader import LineSplitter
-from dflash.telemetry.sockets import peer_credentials, trusted_uid
+from dflash.telemetry.wire.protocol import Reply, encode
+from dflash.telemetry.wire.reader import LineSplitter
+from dflash.telemetry.wire.sockets import peer_credentials, trusted_uid
 
 log = logging.getLogger("dflash.telemetry")
 

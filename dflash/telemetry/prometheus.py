@@ -64,13 +64,13 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from dflash.telemetry.vocab import VERDICTS
+from dflash.telemetry.wire.vocab import VERDICTS
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
-    from dflash.telemetry.protocol import Snapshot, SpanStats
     from dflash.telemetry.summary import Summary
+    from dflash.telemetry.wire.protocol import Snapshot, SpanStats
 
 log = logging.getLogger("dflash.telemetry")
 

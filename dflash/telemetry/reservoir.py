@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import random
 
-from dflash.telemetry.protocol import CategoryStats, DeviceStats
 from dflash.telemetry.summary import category_stats, percentile
+from dflash.telemetry.wire.protocol import CategoryStats, DeviceStats
 
 #: reservoir of a window whose worker had to fold (windows that did not fold keep every sample)
 RESERVOIR = 2048

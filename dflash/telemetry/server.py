@@ -26,7 +26,11 @@ import msgspec
 from dflash.telemetry.introspection import ptrace_allow, python_stacks, thread_map
 from dflash.telemetry.judge import PublishedVerdict
 from dflash.telemetry.peers import MAX_REQUEST_BYTES, Client, Peers
-from dflash.telemetry.protocol import (
+from dflash.telemetry.recorder import Recorder
+from dflash.telemetry.stats import ProfileStats
+from dflash.telemetry.summary import Summary, to_snapshot
+from dflash.telemetry.system import SystemSampler
+from dflash.telemetry.wire.protocol import (
     PROTO,
     Bye,
     Cluster,
@@ -40,8 +44,7 @@ from dflash.telemetry.protocol import (
     encode,
     recording_filename,
 )
-from dflash.telemetry.recorder import Recorder
-from dflash.telemetry.sockets import (
+from dflash.telemetry.wire.sockets import (
     clean_stale_sockets,
     default_socket_dir,
     ensure_socket_dir,
@@ -49,10 +52,7 @@ from dflash.telemetry.sockets import (
     probe,
     socket_filename,
 )
-from dflash.telemetry.stats import ProfileStats
-from dflash.telemetry.summary import Summary, to_snapshot
-from dflash.telemetry.system import SystemSampler
-from dflash.telemetry.vocab import PUBLISHER_THREAD
+from dflash.telemetry.wire.vocab import PUBLISHER_THREAD
 
 log = logging.getLogger("dflash.telemetry")
 

@@ -32,10 +32,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from dflash.telemetry.protocol import CategoryStats, OpenSpan
 from dflash.telemetry.reservoir import RESERVOIR, Reservoir
 from dflash.telemetry.summary import MetricValue, Summary, untracked_of
-from dflash.telemetry.vocab import Role
+from dflash.telemetry.wire.protocol import CategoryStats, OpenSpan
+from dflash.telemetry.wire.vocab import Role
 
 _perf = time.perf_counter
 

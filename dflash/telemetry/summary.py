@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dflash.telemetry.protocol import (
+from dflash.telemetry.wire.protocol import (
     Anomaly,
     Bottleneck,
     CategoryStats,
@@ -20,7 +20,7 @@ from dflash.telemetry.protocol import (
     Stall,
     SystemSample,
 )
-from dflash.telemetry.table import category_table, merge_category_stats
+from dflash.telemetry.wire.table import category_table, merge_category_stats
 
 WorkerStats = dict[str, dict[str, CategoryStats]]
 MetricValue = float | list[float]
@@ -54,7 +54,7 @@ class Summary:
     inflight: dict[str, OpenSpan] = field(default_factory=dict)
     #: worker -> seconds since it last completed a span (resolution: one window)
     since_done: dict[str, float] = field(default_factory=dict)
-    #: worker -> its pipeline role (dflash.telemetry.vocab.Role), as the worker registered it
+    #: worker -> its pipeline role (dflash.telemetry.wire.vocab.Role), as the worker registered it
     roles: dict[str, str] = field(default_factory=dict)
     #: set by the publisher on the run's last window (monitors end what they have in force)
     final: bool = False

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import psutil
 
-from dflash.telemetry.protocol import GpuSample, MachineSample, MigSample, SystemSample, ThreadSample
+from dflash.telemetry.wire.protocol import GpuSample, MachineSample, MigSample, SystemSample, ThreadSample
 
 T = TypeVar("T")
 

@@ -33,10 +33,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from dflash.telemetry.introspection import python_stacks, set_ptracer
-from dflash.telemetry.protocol import StackEntry, Stall, ThreadStacks
 from dflash.telemetry.summary import Summary, percentile
-from dflash.telemetry.table import seconds
-from dflash.telemetry.vocab import STALL_DUMP_THREAD, WAIT_SUFFIXES
+from dflash.telemetry.wire.protocol import StackEntry, Stall, ThreadStacks
+from dflash.telemetry.wire.table import seconds
+from dflash.telemetry.wire.vocab import STALL_DUMP_THREAD, WAIT_SUFFIXES
 
 log = logging.getLogger("dflash.telemetry")
 

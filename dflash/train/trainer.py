@@ -22,25 +22,30 @@ import torch
 
 from dflash.data.cache_format import CacheError
 from dflash.train import distributed
-from dflash.train.build import Components, TrainError, build, restore, run_target
-from dflash.train.checkpointer import Checkpointer, checkpoint_bytes, checkpoint_to_resume, default_interval
+from dflash.train.checkpoint.checkpointer import (
+    Checkpointer,
+    checkpoint_bytes,
+    checkpoint_to_resume,
+    default_interval,
+)
 from dflash.train.config import ConfigError, TrainConfig
+from dflash.train.config.schema import flat_values
 from dflash.train.control import Interval, StepControl
-from dflash.train.devices import bind_thread, resolve, thread_device
 from dflash.train.distributed import Dist, DistError
-from dflash.train.evaluation import Evaluations
-from dflash.train.faults import FaultPlan, FaultSpecError
-from dflash.train.guard import NonFiniteWatch
-from dflash.train.logline import LogLines
-from dflash.train.metrics import StepMetrics
-from dflash.train.monitoring import Monitoring
-from dflash.train.pipeline import Pipeline, TrainCounters
 from dflash.train.reporting import Reporter
-from dflash.train.schema import flat_values
+from dflash.train.reporting.evaluation import Evaluations
+from dflash.train.reporting.logline import LogLines
+from dflash.train.reporting.monitoring import Monitoring
+from dflash.train.reporting.trackers import TrackerError, Trackers, check_available
+from dflash.train.run.build import Components, TrainError, build, restore, run_target
+from dflash.train.run.devices import bind_thread, resolve, thread_device
+from dflash.train.run.faults import FaultPlan, FaultSpecError
+from dflash.train.run.guard import NonFiniteWatch
+from dflash.train.run.metrics import StepMetrics
+from dflash.train.run.pipeline import Pipeline, TrainCounters
+from dflash.train.run.stages import StepResult
+from dflash.train.run.versions import check_torch
 from dflash.train.signals import stop_on_signals
-from dflash.train.stages import StepResult
-from dflash.train.trackers import TrackerError, Trackers, check_available
-from dflash.train.versions import check_torch
 from dflash.words import plural
 
 

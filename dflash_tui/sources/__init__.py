@@ -2,7 +2,7 @@
 
 `base` is the interface (what a source can do, the batches it hands over), `live`, `replay` and
 `memory` the three sources, `resolve` finds the socket or recording a user named. Every source turns
-bytes into frames with the one telemetry reader (``dflash.telemetry.reader``). Nothing here imports
+bytes into frames with the one telemetry reader (``dflash.telemetry.wire.reader``). Nothing here imports
 Textual.
 """
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from dflash.telemetry.protocol import PROTO, Frame, Reply
-from dflash.telemetry.sockets import SocketInfo
+from dflash.telemetry.wire.protocol import PROTO, Frame, Reply
+from dflash.telemetry.wire.sockets import SocketInfo
 
 
 class Connection(enum.StrEnum):

@@ -9,9 +9,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash.telemetry.protocol import Bye, Hello, Reply, Request, encode
-from dflash.telemetry.reader import FrameReader
-from dflash.telemetry.sockets import SocketInfo, discover, untrusted_server
+from dflash.telemetry.wire.protocol import Bye, Hello, Reply, Request, encode
+from dflash.telemetry.wire.reader import FrameReader
+from dflash.telemetry.wire.sockets import SocketInfo, discover, untrusted_server
 from dflash_tui.sources.base import Connection, RequestFailed, SourceUpdate, mismatch_message
 
 if TYPE_CHECKING:  # the interface's types, named in annotations only

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash.telemetry.protocol import Frame, Reply
+from dflash.telemetry.wire.protocol import Frame, Reply
 from dflash_tui.sources.base import Connection, RequestFailed, SourceUpdate
 
 if TYPE_CHECKING:  # the interface's types, named in annotations only

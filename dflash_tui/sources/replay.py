@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from dflash.telemetry.protocol import Reply, Snapshot
-from dflash.telemetry.reader import FrameReader, Read, read_file
+from dflash.telemetry.wire.protocol import Reply, Snapshot
+from dflash.telemetry.wire.reader import FrameReader, Read, read_file
 from dflash_tui.sources.base import Connection, RequestFailed, SourceUpdate, mismatch_message
 
 if TYPE_CHECKING:  # the interface's types, named in annotations only

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash.telemetry.protocol import recording_filename
-from dflash.telemetry.sockets import (
+from dflash.telemetry.wire.protocol import recording_filename
+from dflash.telemetry.wire.sockets import (
     SocketInfo,
     default_socket_dir,
     discover,

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 from rich.text import Text
 
-from dflash.telemetry.protocol import Anomaly
+from dflash.telemetry.wire.protocol import Anomaly
 from dflash_tui import fmt
 from dflash_tui.state import RunState
 from dflash_tui.widgets.base import TextPanel, cropped

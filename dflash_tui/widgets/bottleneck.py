@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from dflash.telemetry.table import evidence_text, machine_text, pipeline_cpu
+from dflash.telemetry.wire.table import evidence_text, machine_text, pipeline_cpu
 from dflash_tui.state import RunState
 from dflash_tui.widgets.base import TextPanel
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 from rich.text import Text
 
-from dflash.telemetry.protocol import Cluster, ClusterCategory, ClusterRank
+from dflash.telemetry.wire.protocol import Cluster, ClusterCategory, ClusterRank
 from dflash_tui import fmt
 from dflash_tui.state import RunState
 from dflash_tui.widgets.base import TextPanel, cropped

@@ -1,7 +1,7 @@
 """`?` / F1: every key and what the numbers mean, so a first look needs no README.
 
 The key list is built from the app's own bindings (a new key appears here by itself); the verdicts and
-their thresholds come from the shared vocabulary (dflash.telemetry.vocab), so a new verdict appears here
+their thresholds come from the shared vocabulary (dflash.telemetry.wire.vocab), so a new verdict appears here
 by itself too (dflash-top does not import the analysis: it only reads the verdict the trainer sends).
 """
 
@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.binding import Binding
 
-from dflash.telemetry.vocab import HOLD_WINDOWS, VERDICT_SPAN_S, VERDICTS
+from dflash.telemetry.wire.vocab import HOLD_WINDOWS, VERDICT_SPAN_S, VERDICTS
 from dflash_tui.widgets.modal import ReportScreen
 
 #: action -> when it works, for keys that depend on the source

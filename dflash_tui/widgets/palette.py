@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import zlib
 
-from dflash.telemetry.vocab import CATEGORIES
+from dflash.telemetry.wire.vocab import CATEGORIES
 from dflash_tui.sources import Connection
 
 #: the trainer's own categories first, in pipeline order (also the display order)

@@ -14,7 +14,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, OptionList, Static
 from textual.widgets.option_list import Option
 
-from dflash.telemetry.sockets import SocketInfo
+from dflash.telemetry.wire.sockets import SocketInfo
 from dflash_tui.ranks import RankChoice, job_label
 
 T = TypeVar("T")

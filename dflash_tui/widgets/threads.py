@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from dflash.telemetry.vocab import TELEMETRY_THREADS
+from dflash.telemetry.wire.vocab import TELEMETRY_THREADS
 from dflash_tui import fmt
 from dflash_tui.state import RunState
 from dflash_tui.widgets.base import TextPanel, cropped, waiting_for_system

@@ -11,12 +11,12 @@ from typing import Any
 
 from dflash.train.config import TrainConfig
 from dflash.train.control import Interval
-from dflash.train.memory import AllocatorRetries, allocator_gauges
-from dflash.train.metrics import StepMetrics, Totals
-from dflash.train.pipeline import Pipeline, TrainCounters
-from dflash.train.progress import Progress
 from dflash.train.reporting import Reporter
-from dflash.train.trackers import interval_scalars
+from dflash.train.reporting.progress import Progress
+from dflash.train.reporting.trackers import interval_scalars
+from dflash.train.run.memory import AllocatorRetries, allocator_gauges
+from dflash.train.run.metrics import StepMetrics, Totals
+from dflash.train.run.pipeline import Pipeline, TrainCounters
 
 
 class LogLines:
@@ -94,7 +94,7 @@ class LogLines:
         if summary is not None:
             from dflash.telemetry import format_profile_stats
             from dflash.telemetry.judge import whole_run
-            from dflash.telemetry.table import evidence_text
+            from dflash.telemetry.wire.table import evidence_text
 
             # Cumulative: a 1 s window is too noisy for a line printed every few seconds.
             self.report.log(format_profile_stats(summary, limit=12, cumulative=True))

@@ -1,4 +1,4 @@
-"""What the section classes of `dflash/train/config.py` are turned into: a table of settings by flat
+"""What the section classes of `dflash/train/config/__init__.py` are turned into: a table of settings by flat
 name, the TOML file's keys, the command line's flags, and the merge of defaults <- hardware recipe <-
 file <- flags into a checked TrainConfig. Nothing here names a setting: a new field in a section class
 is a new flag and a new TOML key."""
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.train.config import ConfigError, TrainConfig
-from dflash.train.typecheck import coerce, is_bool, number_type
+from dflash.train.config.typecheck import coerce, is_bool, number_type
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def make_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any],
                 recipe: Mapping[str, Any] | None = None) -> TrainConfig:
     """Defaults <- hardware recipe <- file <- CLI; unknown keys and wrong types are errors, not silently
     ignored. With no step, time or epoch limit anywhere, the run makes one pass over the data."""
-    from dflash.train.recipes import fresh_run_dir
+    from dflash.train.config.recipes import fresh_run_dir
 
     cfg = TrainConfig()
     for where, values in (("recipe", recipe or {}), ("config file", file_values)):

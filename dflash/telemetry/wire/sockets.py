@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from dflash.telemetry.protocol import Hello
-from dflash.telemetry.reader import FrameReader
+from dflash.telemetry.wire.protocol import Hello
+from dflash.telemetry.wire.reader import FrameReader
 
 log = logging.getLogger("dflash.telemetry")
 

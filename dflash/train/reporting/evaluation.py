@@ -16,11 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dflash.train.build import Components
 from dflash.train.config import TrainConfig
-from dflash.train.progress import EvalProgress
 from dflash.train.reporting import Reporter
-from dflash.train.trackers import eval_scalars
+from dflash.train.reporting.progress import EvalProgress
+from dflash.train.reporting.trackers import eval_scalars
+from dflash.train.run.build import Components
 from dflash.words import plural
 
 

@@ -1,7 +1,7 @@
 """Training configuration: every setting of a run, declared once, in the section class it belongs to.
 
 A setting is a field of a section (``cfg.optim.lr``, ``cfg.pipeline.target_devices``) with its type,
-default and help line; `dflash/train/schema.py` derives the rest from these classes: the flag
+default and help line; `dflash/train/config/schema.py` derives the rest from these classes: the flag
 (``--lr``), the TOML keys (``[optim] lr = 3e-3`` or a flat ``lr = 3e-3``), the type check and the
 merge of defaults, hardware recipe, file and flags. A setting's flat name (its field name, unless it
 says otherwise) is unique across sections: it is the flag, the top-level TOML key and the key of
@@ -204,7 +204,7 @@ class DistributedSettings:
 @dataclass
 class TrainConfig:
     """Every setting of a run, by section. ``to_dict()`` (config.json, a checkpoint's "config") nests the
-    same way; `dflash.train.schema.read_saved` reads it back, and the flat form of earlier releases."""
+    same way; `dflash.train.config.schema.read_saved` reads it back, and the flat form of earlier releases."""
 
     run: RunSettings = field(default_factory=RunSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
@@ -259,7 +259,7 @@ class TrainConfig:
             raise ConfigError("--metrics-port needs telemetry; drop --no-telemetry")
         if tel.metrics_port is not None and not 0 <= tel.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be 0-65535, got {tel.metrics_port}")
-        from dflash.train.trackers import KNOWN
+        from dflash.train.reporting.trackers import KNOWN
 
         unknown = [t for t in tel.report_to if t not in KNOWN]
         if unknown:

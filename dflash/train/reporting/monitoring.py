@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash.train.build import TrainError
 from dflash.train.config import TrainConfig
 from dflash.train.distributed import Dist
 from dflash.train.reporting import Reporter
+from dflash.train.run.build import TrainError
 
 if TYPE_CHECKING:  # the telemetry side is imported when a run starts it (none of it with --no-telemetry)
     import torch
@@ -22,8 +22,8 @@ if TYPE_CHECKING:  # the telemetry side is imported when a run starts it (none o
     from dflash.telemetry import ProfileStats, Summary, TelemetryServer
     from dflash.telemetry.cluster import ClusterExchange
     from dflash.telemetry.prometheus import MetricsExporter
-    from dflash.telemetry.protocol import Bottleneck, Stall
     from dflash.telemetry.watchdog import Watchdog
+    from dflash.telemetry.wire.protocol import Bottleneck, Stall
 
 
 class Monitoring:
@@ -70,7 +70,7 @@ class Monitoring:
             self.exchange.start()
 
     def _bind_publisher(self) -> None:
-        from dflash.train.devices import bind_thread
+        from dflash.train.run.devices import bind_thread
 
         bind_thread(self.device)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from dflash.telemetry.protocol import MAX_FRAME_BYTES, Frame, ProtocolError, SegmentGate, decode
+from dflash.telemetry.wire.protocol import MAX_FRAME_BYTES, Frame, ProtocolError, SegmentGate, decode
 
 #: bytes read from a file at a time
 CHUNK = 1 << 16

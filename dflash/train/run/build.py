@@ -19,15 +19,16 @@ import torch
 
 from dflash.data import Sample
 from dflash.targets import Target, TargetError
-from dflash.telemetry.vocab import Role
-from dflash.train import distributed, rng
+from dflash.telemetry.wire.vocab import Role
+from dflash.train import distributed
+from dflash.train.checkpoint import rng
 from dflash.train.config import TrainConfig
-from dflash.train.devices import resolve
 from dflash.train.distributed import Dist
-from dflash.train.faults import FaultPlan
-from dflash.train.memory import RecipeError, size_to_device
-from dflash.train.pipeline import TrainCounters
-from dflash.train.stages import BatchSource, DrafterStage, TargetStage
+from dflash.train.run.devices import resolve
+from dflash.train.run.faults import FaultPlan
+from dflash.train.run.memory import RecipeError, size_to_device
+from dflash.train.run.pipeline import TrainCounters
+from dflash.train.run.stages import BatchSource, DrafterStage, TargetStage
 from dflash.words import plural
 
 

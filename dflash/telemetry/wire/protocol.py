@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from dflash.telemetry.vocab import PAUSE_CATEGORIES
+from dflash.telemetry.wire.vocab import PAUSE_CATEGORIES
 
 PROTO = 1
 #: A frame longer than this is rejected by readers (a snapshot of 8 workers x 12 categories is ~20 KB).
@@ -117,7 +117,7 @@ class SystemSample(msgspec.Struct, omit_defaults=True):
 
 
 class Bottleneck(msgspec.Struct, omit_defaults=True):
-    #: one of dflash.telemetry.vocab.VERDICTS
+    #: one of dflash.telemetry.wire.vocab.VERDICTS
     verdict: str
     reason: str = ""
     #: the figures the verdict was decided from, over the same time as the verdict
@@ -283,7 +283,7 @@ class Snapshot(msgspec.Struct, tag_field="type", tag="snapshot", omit_defaults=T
     stalls: list[Stall] = []
     #: worker/category timings that deviate from their baseline now
     anomalies: list[Anomaly] = []
-    #: worker -> its pipeline role ("target", "drafter", "data": dflash.telemetry.vocab.Role); empty in
+    #: worker -> its pipeline role ("target", "drafter", "data": dflash.telemetry.wire.vocab.Role); empty in
     #: recordings written before roles were on the wire
     roles: dict[str, str] = {}
 

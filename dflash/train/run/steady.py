@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 from dflash.train.config import TrainConfig
-from dflash.train.schema import updated
-from dflash.train.stages import StepResult
+from dflash.train.config.schema import updated
+from dflash.train.run.stages import StepResult
 from dflash.train.trainer import Trainer
 
 

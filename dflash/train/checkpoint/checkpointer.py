@@ -12,9 +12,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.train import distributed, rng
-from dflash.train.build import Components, TrainError
-from dflash.train.checkpoint import (
+from dflash.checkpoint_files import (
     FORMAT,
     CheckpointError,
     clean_partial,
@@ -22,14 +20,17 @@ from dflash.train.checkpoint import (
     load_latest,
     save_checkpoint,
 )
-from dflash.train.checkpoint_writer import CheckpointWriter, HostSnapshot, Written
+from dflash.train import distributed
+from dflash.train.checkpoint import rng
+from dflash.train.checkpoint.writer import CheckpointWriter, HostSnapshot, Written
 from dflash.train.config import TrainConfig
 from dflash.train.control import Interval
-from dflash.train.devices import thread_device
 from dflash.train.distributed import Dist, DistError
-from dflash.train.memory import trained_bytes
-from dflash.train.pipeline import TrainCounters
 from dflash.train.reporting import Reporter
+from dflash.train.run.build import Components, TrainError
+from dflash.train.run.devices import thread_device
+from dflash.train.run.memory import trained_bytes
+from dflash.train.run.pipeline import TrainCounters
 
 
 def checkpoint_to_resume(run_dir: Path, dist: Dist, resume: bool, report: Reporter) -> dict | None:

@@ -15,7 +15,7 @@ from dflash.train.distributed import Dist
 
 if TYPE_CHECKING:
     from dflash.telemetry import TelemetryServer
-    from dflash.train.trackers import Trackers
+    from dflash.train.reporting.trackers import Trackers
 
 
 class Reporter:

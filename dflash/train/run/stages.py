@@ -22,8 +22,8 @@ from dflash.data import Sample
 from dflash.model.objective import BlockPlan, LossOutput, dflash_loss, plan_blocks
 from dflash.targets.base import Target
 from dflash.train.distributed import explain_backward_error
-from dflash.train.faults import FaultPlan
-from dflash.train.guard import NonFiniteGuard
+from dflash.train.run.faults import FaultPlan
+from dflash.train.run.guard import NonFiniteGuard
 
 
 @dataclass

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash.telemetry.table import NA
-from dflash.telemetry.table import clock as _clock
-from dflash.telemetry.vocab import Gauge
+from dflash.telemetry.wire.table import NA
+from dflash.telemetry.wire.table import clock as _clock
+from dflash.telemetry.wire.vocab import Gauge
 
 
 def clock(seconds: float | None) -> str:

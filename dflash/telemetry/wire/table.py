@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from dflash.telemetry.protocol import CategoryStats, DeviceStats, MachineSample
-from dflash.telemetry.vocab import WAIT_SUFFIXES, roles_of
+from dflash.telemetry.wire.protocol import CategoryStats, DeviceStats, MachineSample
+from dflash.telemetry.wire.vocab import WAIT_SUFFIXES, roles_of
 
 NA = "-"
 

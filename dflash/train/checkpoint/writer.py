@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from dflash.train.checkpoint import CheckpointError
-from dflash.train.devices import bind_thread
+from dflash.checkpoint_files import CheckpointError
+from dflash.train.run.devices import bind_thread
 
 #: the writer thread's name, as the telemetry thread map and py-spy show it
 WRITER_THREAD = "checkpoint-writer"
