@@ -440,7 +440,7 @@ def _verdict(ctx: Ctx, target_layers: int, drafter_layers: int, anchors: int, sh
     run_pipeline(*parts, steps=steps, pipeline=True)
     _sync(ctx)
     summary = stats.drain()
-    b = analyze(summary.workers, summary.roles, steps=summary.counters.get("steps"))
+    b = analyze(summary.workers, summary.roles, steps=steps)  # the steps this window measured
     return {"verdict": b.verdict, "reason": b.reason}
 
 
