@@ -127,7 +127,9 @@ def analyze(
         "threshold": threshold,
     }
     if data:
-        evidence["data.busy"] = round(_mean([sum(cs.share for cs in c.values()) for c in data]), 4)
+        # busy = not blocked: the producer spends most of a healthy run waiting on a full batch queue
+        evidence["data.busy"] = round(_mean([sum(cs.share for k, cs in c.items() if not k.endswith(vocab.WAIT_SUFFIXES))
+                                             for c in data]), 4)
 
     pipeline = targets + drafters
     tracked = _mean([sum(cs.share for cs in c.values()) for c in pipeline])
@@ -139,58 +141,35 @@ def analyze(
         )
         return Bottleneck(verdict=vocab.UNKNOWN.name, reason=why, evidence=evidence)
 
+    def judged(verdict: vocab.Verdict, reason: str) -> Bottleneck:
+        return Bottleneck(verdict=verdict.name, reason=reason, evidence=evidence)
+
     if targets and target_starve >= threshold and target_starve >= target_blocked:
-        return Bottleneck(
-            verdict=vocab.DATA_BOUND.name,
-            reason=(
-                f"targets wait {target_starve:.0%} of their time for batches (batch_queue_wait): the data "
-                "producer (one thread) limits throughput; make batch building cheaper"
-            ),
-            evidence=evidence,
-        )
+        return judged(vocab.DATA_BOUND, f"targets wait {target_starve:.0%} of their time for batches "
+                      "(batch_queue_wait): the data producer (one thread) limits throughput; make batch building cheaper")
     if targets and input_starve >= threshold and input_starve >= target_blocked:
-        return Bottleneck(
-            verdict=vocab.INPUT_BOUND.name,
-            reason=(
-                f"waiting for hidden states: the cache reader waits {input_starve:.0%} of its time for files "
-                "not yet written (cache_wait); the engine or `dflash data cache` writing them limits throughput"
-            ),
-            evidence=evidence,
-        )
+        return judged(vocab.INPUT_BOUND, f"waiting for hidden states: the cache reader waits {input_starve:.0%} of "
+                      "its time for files not yet written (cache_wait); the engine or `dflash data cache` writing "
+                      "them limits throughput")
     has_device = any(_device(c, TARGET_BUSY) is not None for c in targets) or any(
         _device(c, DRAFTER_BUSY) is not None for c in drafters)
     if targets and drafters and has_device:
         return _by_device_time(targets, drafters, threshold, evidence, steps)
     if max(drafter_starve, target_blocked) >= threshold:
         if drafters and drafter_starve >= target_blocked:
-            return Bottleneck(
-                verdict=vocab.TARGET_BOUND.name,
-                reason=(
-                    f"drafters wait {drafter_starve:.0%} of their time for hidden states (hs_queue_wait) "
-                    f"while targets block only {target_blocked:.0%}: the target forward limits throughput; "
-                    "add target workers/GPUs (--target-devices) or batch the target more"
-                ),
-                evidence=evidence,
-            )
-        return Bottleneck(
-            verdict=vocab.DRAFTER_BOUND.name,
-            reason=(
-                f"targets spend {target_blocked:.0%} of their time blocked on a full hidden-state queue "
-                f"(hs_queue_put) while drafters wait only {drafter_starve:.0%}: drafter training limits "
-                "throughput; make the drafter step cheaper (fewer anchors or drafter layers) or add ranks (--nproc, "
-                "torchrun), each with its own drafter"
-            ),
-            evidence=evidence,
-        )
+            return judged(vocab.TARGET_BOUND, f"drafters wait {drafter_starve:.0%} of their time for hidden states "
+                          f"(hs_queue_wait) while targets block only {target_blocked:.0%}: the target forward limits "
+                          "throughput; add target workers/GPUs (--target-devices) or batch the target more")
+        return judged(vocab.DRAFTER_BOUND, f"targets spend {target_blocked:.0%} of their time blocked on a full "
+                      f"hidden-state queue (hs_queue_put) while drafters wait only {drafter_starve:.0%}: drafter "
+                      "training limits throughput; make the drafter step cheaper (fewer anchors or drafter layers) "
+                      "or add ranks (--nproc, torchrun), each with its own drafter")
     worst = max(
         ("batch_queue_wait", target_starve), ("hs_queue_wait", drafter_starve), ("hs_queue_put", target_blocked),
         key=lambda kv: kv[1],
     )
-    return Bottleneck(
-        verdict=vocab.BALANCED.name,
-        reason=f"no stage waits more than {threshold:.0%} of its time (largest: {worst[0]} {worst[1]:.0%})",
-        evidence=evidence,
-    )
+    return judged(vocab.BALANCED, f"no stage waits more than {threshold:.0%} of its time (largest: {worst[0]} "
+                  f"{worst[1]:.0%})")
 
 
 class SteadyVerdict:
