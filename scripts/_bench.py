@@ -22,6 +22,15 @@ def bench_parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def parse_with_quick(p: argparse.ArgumentParser, quick: dict) -> argparse.Namespace:
+    """Parse a benchmark's arguments; with `--quick` (a smoke run that proves the script works, as its
+    test does) the settings in `quick` replace the given ones."""
+    args = p.parse_args()
+    if args.quick:
+        vars(args).update(quick)
+    return args
+
+
 def busy_seconds() -> float:
     """CPU seconds the whole machine has spent non-idle since boot (guest time is already in user)."""
     t = psutil.cpu_times()

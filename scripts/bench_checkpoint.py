@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench import ForeignLoad, bench_parser, print_report
+from _bench import ForeignLoad, bench_parser, parse_with_quick, print_report
 
 GOAL = 2.0
 
@@ -110,9 +110,7 @@ def main() -> None:
     p.add_argument("--before", type=int, default=4, help="steps measured before each save (default 4)")
     p.add_argument("--hidden", type=int, default=2048, help="the target's (and drafter's) hidden size")
     p.add_argument("--layers", type=int, default=2, help="target layers = drafter layers (default 2)")
-    args = p.parse_args()
-    if args.quick:
-        args.hidden, args.rounds, args.before = 256, 1, 2
+    args = parse_with_quick(p, dict(hidden=256, rounds=1, before=2))
 
     import torch
 

@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 
-from _bench import ForeignLoad, bench_parser, print_report
+from _bench import ForeignLoad, bench_parser, parse_with_quick, print_report
 
 TARGETS = {"hybrid": "qwen3_5", "sliding": "gpt_oss"}
 PROMPT = 32
@@ -74,9 +74,7 @@ def main() -> None:
     p.add_argument("--scale", type=int, default=4, help="target width: hidden 64 x scale (default 4)")
     p.add_argument("--window", type=int, default=64, help="the sliding target's window (default 64)")
     p.add_argument("--keep", type=float, default=0.7, help="chance each next draft is accepted (default 0.7)")
-    args = p.parse_args()
-    if args.quick:
-        args.tokens, args.block, args.layers, args.scale, args.window = 40, 4, 4, 1, 6
+    args = parse_with_quick(p, dict(tokens=40, block=4, layers=4, scale=1, window=6))
     import torch
 
     from dflash.eval.speculative import greedy_generate
