@@ -58,6 +58,23 @@ def test_one_second_windows_flip_but_the_published_verdict_judges_the_span() -> 
     assert last.evidence["target.hs_queue_put"] == pytest.approx(sum(puts[-10:]) / 10, abs=1e-4)
 
 
+def test_a_stage_bound_verdict_stands_until_its_wait_falls_below_the_band() -> None:
+    """Reached at 20%, left below 15%: spans whose targets block 17-19% (what make train's wobbled
+    between, flipping the verdict 12 times in 300 s) keep it drafter-bound, with the threshold used in
+    its evidence; a real drop to 10% ends it."""
+    published = PublishedVerdict(span_s=3.0)
+    shown = [published.update(window(p, float(i)), None).verdict for i, p in enumerate([0.25] * 6 + [0.17, 0.19] * 10)]
+    assert set(shown) == {"drafter-bound"}
+    held = published.current
+    assert held.evidence["threshold"] == 0.15 and agrees_with_evidence(held)
+    after = [published.update(window(0.10, 40.0 + i), None) for i in range(10)]
+    assert after[-1].verdict == "balanced" and after[-1].evidence["threshold"] == 0.20
+    assert all(agrees_with_evidence(b) for b in after)
+    # the band only widens what stands: from balanced, 17-19% is still balanced
+    fresh = PublishedVerdict(span_s=3.0)
+    assert {fresh.update(window(p, float(i)), None).verdict for i, p in enumerate([0.17, 0.19] * 10)} == {"balanced"}
+
+
 def test_a_span_covers_its_seconds_not_a_count_of_windows() -> None:
     recent = RecentWindows(span_s=10.0)
     for i in range(30):

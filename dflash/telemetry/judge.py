@@ -26,7 +26,22 @@ from dflash.telemetry.wire.protocol import (
     training_shares,
 )
 from dflash.telemetry.wire.table import clock, pipeline_cpu
-from dflash.telemetry.wire.vocab import CPU_STARVED, PAUSE_CATEGORIES, VERDICT_SPAN_S, Gauge, evaluating
+from dflash.telemetry.wire.vocab import (
+    CPU_STARVED,
+    DATA_BOUND,
+    DRAFTER_BOUND,
+    INPUT_BOUND,
+    PAUSE_CATEGORIES,
+    TARGET_BOUND,
+    THRESHOLD,
+    VERDICT_SPAN_S,
+    Gauge,
+    evaluating,
+)
+
+#: where a stage-bound verdict is left again (it is reached at THRESHOLD): see PublishedVerdict._threshold
+LEAVE_THRESHOLD = 0.15
+_STAGE_BOUND = {v.name for v in (DATA_BOUND, INPUT_BOUND, TARGET_BOUND, DRAFTER_BOUND)}
 
 
 @dataclass
@@ -128,10 +143,10 @@ class RecentWindows:
         total, steps = sum(w.seconds for w in self._windows), self.steps()
         return f"last {total:.0f} s" + (f", {steps:.0f} steps" if steps is not None else "")
 
-    def judge(self) -> Bottleneck:
+    def judge(self, threshold: float = THRESHOLD) -> Bottleneck:
         """The verdict over the span, with its evidence and the machine's view from the same span."""
         workers = self.merged()
-        raw = analyze(workers, self._roles, steps=self.steps())
+        raw = analyze(workers, self._roles, threshold=threshold, steps=self.steps())
         contention = _mean([(w.seconds, w.contention) for w in self._windows if w.contention is not None])
         process = _mean([(w.seconds, w.process_cpu) for w in self._windows if w.process_cpu is not None])
         return msgspec.structs.replace(refine(raw, self.cpu_figures(workers), contention, process), scope=self.scope())
@@ -213,8 +228,15 @@ class PublishedVerdict:
             self._evaluating = now
         self.recent.add(summary, system)
         self.run.add(summary, system)
-        self.current = self.steady.update(self.recent.judge())
+        self.current = self.steady.update(self.recent.judge(self._threshold()))
         return self.current
+
+    def _threshold(self) -> float:
+        """A band, not a line: a stage-bound verdict is reached when a wait passes THRESHOLD and stands
+        until it falls below LEAVE_THRESHOLD, so a share wobbling around one number (the tiny trainer's
+        targets block 12-27% of each span) does not flip the verdict; the evidence says which was used."""
+        standing = self.steady.current
+        return LEAVE_THRESHOLD if standing is not None and standing.verdict in _STAGE_BOUND else THRESHOLD
 
     def final(self, summary: Summary) -> Bottleneck:
         """The whole run's verdict, the machine's view and the GIL probe over its training windows."""
