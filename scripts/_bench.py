@@ -22,12 +22,17 @@ def bench_parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def parse_with_quick(p: argparse.ArgumentParser, quick: dict) -> argparse.Namespace:
-    """Parse a benchmark's arguments; with `--quick` (a smoke run that proves the script works, as its
-    test does) the settings in `quick` replace the given ones."""
+def bench_args(doc: str, options: dict[str, tuple[object, str]], quick: tuple[str, dict]) -> argparse.Namespace:
+    """A benchmark's command line from its docstring and its settings (name -> (default, help); the
+    type is the default's), with `--json` and `--quick`: `quick` is (what the smoke run is, the
+    settings it replaces), the run its test makes to prove the script works."""
+    p = bench_parser(doc)
+    p.add_argument("--quick", action="store_true", help=quick[0])
+    for name, (default, text) in options.items():
+        p.add_argument(f"--{name}", type=type(default), default=default, help=f"{text} (default {default})")
     args = p.parse_args()
     if args.quick:
-        vars(args).update(quick)
+        vars(args).update(quick[1])
     return args
 
 

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench import ForeignLoad, bench_parser, parse_with_quick, print_report
+from _bench import ForeignLoad, bench_args, print_report
 
 GOAL = 2.0
 
@@ -103,14 +103,14 @@ def measure(t, mode: str, before: int) -> dict:
     return out
 
 
+#: the command line: name -> (default, help)
+OPTIONS = {"rounds": (2, "sync and async saves per mode"), "before": (4, "steps measured before each save"),
+           "hidden": (2048, "the target's (and drafter's) hidden size"), "layers": (2, "target layers = drafter layers")}
+
+
 def main() -> None:
-    p = bench_parser(__doc__)
-    p.add_argument("--quick", action="store_true", help="a small drafter and one round: proves the script runs")
-    p.add_argument("--rounds", type=int, default=2, help="sync and async saves per mode (default 2)")
-    p.add_argument("--before", type=int, default=4, help="steps measured before each save (default 4)")
-    p.add_argument("--hidden", type=int, default=2048, help="the target's (and drafter's) hidden size")
-    p.add_argument("--layers", type=int, default=2, help="target layers = drafter layers (default 2)")
-    args = parse_with_quick(p, dict(hidden=256, rounds=1, before=2))
+    args = bench_args(__doc__, OPTIONS, ("a small drafter and one round: proves the script runs",
+                                         dict(hidden=256, rounds=1, before=2)))
 
     import torch
 

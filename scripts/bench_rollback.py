@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 
-from _bench import ForeignLoad, bench_parser, parse_with_quick, print_report
+from _bench import ForeignLoad, bench_args, print_report
 
 TARGETS = {"hybrid": "qwen3_5", "sliding": "gpt_oss"}
 PROMPT = 32
@@ -65,16 +65,15 @@ def decode(target, reference: list[int], prompt: list[int], plan: list[int], blo
             "extra_forwards": v.forwards - 1 - rounds}
 
 
+#: the command line: name -> (default, help)
+OPTIONS = {"tokens": (256, "tokens decoded per way"), "block": (16, "block size"), "layers": (8, "target layers"),
+           "scale": (4, "target width: hidden 64 x scale"), "window": (64, "the sliding target's window"),
+           "keep": (0.7, "chance each next draft is accepted")}
+
+
 def main() -> None:
-    p = bench_parser(__doc__)
-    p.add_argument("--quick", action="store_true", help="a small target and a short decode (a smoke run)")
-    p.add_argument("--tokens", type=int, default=256, help="tokens decoded per way (default 256)")
-    p.add_argument("--block", type=int, default=16, help="block size (default 16)")
-    p.add_argument("--layers", type=int, default=8, help="target layers (default 8)")
-    p.add_argument("--scale", type=int, default=4, help="target width: hidden 64 x scale (default 4)")
-    p.add_argument("--window", type=int, default=64, help="the sliding target's window (default 64)")
-    p.add_argument("--keep", type=float, default=0.7, help="chance each next draft is accepted (default 0.7)")
-    args = parse_with_quick(p, dict(tokens=40, block=4, layers=4, scale=1, window=6))
+    args = bench_args(__doc__, OPTIONS, ("a small target and a short decode (a smoke run)",
+                                         dict(tokens=40, block=4, layers=4, scale=1, window=6)))
     import torch
 
     from dflash.eval.speculative import greedy_generate

@@ -159,6 +159,19 @@ def _sync(ctx: Ctx) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+
+_REGISTERED: dict[str, tuple[Callable[[Ctx], dict], float]] = {}
+
+
+def check(budget_s: float) -> Callable[[Callable[[Ctx], dict]], Callable[[Ctx], dict]]:
+    """Register `check_<name>` as the check <name> with its time limit on a GPU (seconds)."""
+    def register(fn: Callable[[Ctx], dict]) -> Callable[[Ctx], dict]:
+        _REGISTERED[fn.__name__.removeprefix("check_")] = (fn, budget_s)
+        return fn
+    return register
+
+
+@check(budget_s=20)
 def check_sync_free(ctx: Ctx) -> dict:
     """20 steady pipelined steps under set_sync_debug_mode("error"), of the real stages and Pipeline at
     8B-layer shapes, and of the whole trainer on the tiny target: any host sync in a worker raises
@@ -258,6 +271,7 @@ def _flex_against_sdpa(ctx: Ctx, target, dstage, seq: int, n: int, pad: int, see
             "ok": loss_rel < 1e-2 and grad_rel < 5e-2}
 
 
+@check(budget_s=20)
 def check_flex_vs_sdpa(ctx: Ctx) -> dict:
     """Loss and gradients of the packed-block drafter under compiled FlexAttention (block mask from
     tile metadata) vs SDPA (dense mask), in bf16 autocast. CPU: forward only (no flex backward there)."""
@@ -271,6 +285,7 @@ def check_flex_vs_sdpa(ctx: Ctx) -> dict:
     return {"ok": ok, **r, "backward_compared": ctx.cuda, "flex_fallback": masks._flex_failed}
 
 
+@check(budget_s=30)
 def check_flex_uneven(ctx: Ctx) -> dict:
     """Flex vs SDPA, forward and backward in bf16, where tiles and shapes do not line up: anchor counts
     not a multiple of 8, lengths not a multiple of 128, padded rows; and no fallback to SDPA."""
@@ -284,6 +299,7 @@ def check_flex_uneven(ctx: Ctx) -> dict:
     return {"ok": ok, "shapes": runs, "backward_compared": ctx.cuda, "flex_fallback": masks._flex_failed}
 
 
+@check(budget_s=15)
 def check_compile_count(ctx: Ctx) -> dict:
     """Compiled FlexAttention over varying sequence lengths and anchor counts (forward + backward):
     at most 2 compilations (torch._dynamo's unique graphs), and no fallback to SDPA."""
@@ -319,6 +335,7 @@ def check_compile_count(ctx: Ctx) -> dict:
             "seconds_per_shape": times, "flex_fallback": masks._flex_failed}
 
 
+@check(budget_s=10)
 def check_mask_build(ctx: Ctx) -> dict:
     """The recipe-size block mask (512 anchors x 16, 4096 tokens, batch 2): build time, peak memory
     (vs the dense mask's bytes) and, on CUDA, no host sync while building."""
@@ -356,6 +373,7 @@ def check_mask_build(ctx: Ctx) -> dict:
     return out
 
 
+@check(budget_s=15)
 def check_side_stream_copy(ctx: Ctx) -> dict:
     """Hidden states handed from target to drafter through the side-stream copy (CPU target -> GPU
     drafter: pinned, non-blocking; GPU -> same GPU) equal a direct forward, checksum for checksum,
@@ -389,6 +407,7 @@ def check_side_stream_copy(ctx: Ctx) -> dict:
             "sanitizer": ctx.cuda}
 
 
+@check(budget_s=10)
 def check_cuda_spans(ctx: Ctx) -> dict:
     """CUDA spans from a worker thread on its own stream resolve to device times via query(), and
     after the GPU is idle one drain leaves nothing pending."""
@@ -444,6 +463,7 @@ def _verdict(ctx: Ctx, target_layers: int, drafter_layers: int, anchors: int, sh
     return {"verdict": b.verdict, "reason": b.reason}
 
 
+@check(budget_s=20)
 def check_verdicts(ctx: Ctx) -> dict:
     """The bottleneck verdict on a target-heavy run (deep target, one small drafter layer, few
     anchors) and a drafter-heavy one (shallow target, deep drafter, many anchors)."""
@@ -455,6 +475,7 @@ def check_verdicts(ctx: Ctx) -> dict:
     return {"ok": ok, "target_heavy": heavy_t, "drafter_heavy": heavy_d}
 
 
+@check(budget_s=10)
 def check_nvml(ctx: Ctx) -> dict:
     """NVML sample of this GPU under load: fields present, the GPU found as this process's cuda:0 by
     UUID, and GPM SM-active / tensor-active where the GPU supports it."""
@@ -529,6 +550,7 @@ def one_rank_world() -> Iterator[type]:
                 os.environ[k] = v
 
 
+@check(budget_s=20)
 def check_ddp_resume(ctx: Ctx) -> dict:
     """The trainer's multi-rank path (DDP, agreed stops, process groups) with one rank, NCCL on CUDA
     (gloo on CPU): 6 steps straight equal stop after a few, resume, run to 6 (drafter weights)."""
@@ -581,6 +603,7 @@ def check_ddp_resume(ctx: Ctx) -> dict:
             "stopped_at": first.state.step, "backend": "nccl" if ctx.cuda else "gloo", "ddp": type(second.drafter.forward_module).__name__}
 
 
+@check(budget_s=10)
 def check_eval_lossless(ctx: Ctx) -> dict:
     """`dflash eval`'s decode loop with a bf16 drafter and bf16 target: speculative output equals the
     target's own greedy output (no real divergence; near-ties listed apart where eval reports them)."""
@@ -624,6 +647,7 @@ def step_flops(target, drafter_cfg, batch: int, seq: int, anchors: int) -> float
     return fwd_t + 3 * fwd_d + head
 
 
+@check(budget_s=55)
 def check_throughput(ctx: Ctx) -> dict:
     """Qwen3-8B-shaped target (random weights), the recipe drafter (5 layers, 512 anchors, block 16),
     4096-token sequences: tokens/s pipelined vs --pipeline off, and MFU against the bf16 dense peak."""
@@ -656,6 +680,7 @@ def check_throughput(ctx: Ctx) -> dict:
     return out
 
 
+@check(budget_s=50)  # fills the Inductor cache the others share: it runs first
 def check_prewarm(ctx: Ctx) -> dict:
     """Compiles FlexAttention forward and backward once for each drafter shape the checks use (the
     Qwen3-8B-shaped one and the built-in tiny target's, which the whole-trainer checks run), into the
@@ -700,6 +725,7 @@ def _device_ms(window, worker: str, cats: tuple[str, ...]) -> tuple[float, float
     return share, secs
 
 
+@check(budget_s=40)
 def check_device_shares(ctx: Ctx) -> dict:
     """Target and drafter on one GPU, each worker on its own stream: the two stages' device shares sum
     to at most 1.05, and each stage's device ms per step pipelined matches that stage alone (sync mode:
@@ -732,6 +758,7 @@ def check_device_shares(ctx: Ctx) -> dict:
     return {"ok": ok, **out, "pipelined_over_alone": ratios}
 
 
+@check(budget_s=45)
 def check_memory_recipe(ctx: Ctx) -> dict:
     """The default recipe's shapes (batch 8, 512 anchors x block 16, 4096 tokens, 5 drafter layers,
     Qwen3-8B-shaped target): peak memory, the allocator's retries (each one synchronises the device)
@@ -762,6 +789,7 @@ def check_memory_recipe(ctx: Ctx) -> dict:
     return {"ok": out["alloc_retries"] == 0 and out["ooms"] == 0, **out}
 
 
+@check(budget_s=35)
 def check_host_gap(ctx: Ctx) -> dict:
     """The whole trainer in steady state as it really runs: telemetry on (publisher resolving events,
     recorder, monitors) and DDP with one rank, under set_sync_debug_mode("error") past iteration 100
@@ -808,6 +836,7 @@ def check_host_gap(ctx: Ctx) -> dict:
     return {"ok": result == "no sync" and out.get("largest_over_median", 99) < 3.0, **out}
 
 
+@check(budget_s=60)  # writes and hashes ~12.6 GB
 def check_checkpoint_1b(ctx: Ctx) -> dict:
     """One asynchronous save of a 1B-parameter drafter (5 layers at Qwen3-8B's shapes, with its Adam
     state): the step times around it against the median step, the save's own duration and size."""
@@ -854,6 +883,7 @@ def check_checkpoint_1b(ctx: Ctx) -> dict:
     return {"ok": ok if ctx.cuda else None, **out}
 
 
+@check(budget_s=15)
 def check_thread_device(ctx: Ctx) -> dict:
     """The device every CUDA-touching thread of a real run bound (devices.bindings()): the pipeline's
     workers, the telemetry publisher, the main thread (evaluation, checkpoints) and the checkpoint
@@ -881,26 +911,14 @@ def check_thread_device(ctx: Ctx) -> dict:
     return {"ok": code == 0 and not wrong, "expected": dev, "bindings": bound, "wrong": wrong}
 
 
-CHECKS: dict[str, tuple[Callable[[Ctx], dict], float]] = {  # by importance (running order), budgets (s)
-    "prewarm": (check_prewarm, 50),  # fills the Inductor cache the others share: it runs first
-    "flex_uneven": (check_flex_uneven, 30),
-    "host_gap": (check_host_gap, 35),
-    "sync_free": (check_sync_free, 20),
-    "thread_device": (check_thread_device, 15),
-    "device_shares": (check_device_shares, 40),
-    "flex_vs_sdpa": (check_flex_vs_sdpa, 20),
-    "memory_recipe": (check_memory_recipe, 45),
-    "throughput": (check_throughput, 55),
-    "checkpoint_1b": (check_checkpoint_1b, 60),  # writes and hashes ~12.6 GB
-    "side_stream_copy": (check_side_stream_copy, 15),
-    "cuda_spans": (check_cuda_spans, 10),
-    "ddp_resume": (check_ddp_resume, 20),
-    "compile_count": (check_compile_count, 15),
-    "verdicts": (check_verdicts, 20),
-    "eval_lossless": (check_eval_lossless, 10),
-    "mask_build": (check_mask_build, 10),
-    "nvml": (check_nvml, 10),
-}
+#: the checks by importance, which is their running order: a run cut short has answered what matters most
+IMPORTANCE = (
+    "prewarm", "flex_uneven", "host_gap", "sync_free", "thread_device", "device_shares",
+    "flex_vs_sdpa", "memory_recipe", "throughput", "checkpoint_1b", "side_stream_copy",
+    "cuda_spans", "ddp_resume", "compile_count", "verdicts", "eval_lossless", "mask_build", "nvml",
+)
+CHECKS = {name: _REGISTERED[name] for name in IMPORTANCE}
+assert len(CHECKS) == len(_REGISTERED), "a registered check is missing from IMPORTANCE"
 
 
 def plan() -> dict:
