@@ -30,6 +30,7 @@ import msgspec
 
 from dflash.telemetry.wire import vocab
 from dflash.telemetry.wire.protocol import Bottleneck, CategoryStats
+from dflash.telemetry.wire.table import busy_share
 from dflash.telemetry.wire.vocab import (
     DRAFTER_BUSY,
     HOLD_WINDOWS,
@@ -128,8 +129,7 @@ def analyze(
     }
     if data:
         # busy = not blocked: the producer spends most of a healthy run waiting on a full batch queue
-        evidence["data.busy"] = round(_mean([sum(cs.share for k, cs in c.items() if not k.endswith(vocab.WAIT_SUFFIXES))
-                                             for c in data]), 4)
+        evidence["data.busy"] = round(_mean([busy_share(c) for c in data]), 4)
 
     pipeline = targets + drafters
     tracked = _mean([sum(cs.share for cs in c.values()) for c in pipeline])

@@ -67,6 +67,11 @@ def evidence_text(evidence: dict[str, float]) -> str:
     return "  ".join(f"{k} {evidence_value(k, v)}" for k, v in evidence.items())
 
 
+def busy_share(categories: Mapping[str, CategoryStats]) -> float:
+    """The share of wall time a worker spent in spans that are not queue waits (its work)."""
+    return sum(st.share for c, st in categories.items() if not c.endswith(WAIT_SUFFIXES))
+
+
 def pipeline_cpu(workers: Mapping[str, Mapping[str, CategoryStats]], roles: Mapping[str, str] | None,
                  thread_cpu: Mapping[str, float]) -> tuple[float, float] | None:
     """(mean share of wall time a pipeline worker's thread ran on a CPU, mean share it was busy in spans
@@ -75,7 +80,7 @@ def pipeline_cpu(workers: Mapping[str, Mapping[str, CategoryStats]], roles: Mapp
     if not pipeline:
         return None
     cpu = sum(thread_cpu[w] for w in pipeline) / 100.0
-    busy = sum(st.share for w in pipeline for c, st in workers[w].items() if not c.endswith(WAIT_SUFFIXES))
+    busy = sum(busy_share(workers[w]) for w in pipeline)
     return cpu / len(pipeline), busy / len(pipeline)
 
 
