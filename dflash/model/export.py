@@ -337,5 +337,6 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDr
 
 
 def checkpoint_dict(drafter: DFlashDrafter) -> dict:
-    """The two entries a training checkpoint must hold for ``load_drafter`` to read it."""
+    """The two entries a training checkpoint must hold for ``load_drafter`` to read it (the
+    checkpointer writes them through this, so the two cannot drift apart)."""
     return {"drafter_config": asdict(drafter.config), "drafter": drafter.state_dict()}

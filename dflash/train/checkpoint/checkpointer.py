@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from dflash.checkpoint_files import (
     load_latest,
     save_checkpoint,
 )
+from dflash.model.export import checkpoint_dict
 from dflash.train import distributed
 from dflash.train.checkpoint import rng
 from dflash.train.checkpoint.writer import CheckpointWriter, HostSnapshot, Written
@@ -156,8 +156,7 @@ class Checkpointer:
         drafter, st = self.parts.drafter, self.state
         return {
             "format": FORMAT,
-            "drafter_config": asdict(self.parts.dcfg),
-            "drafter": drafter.drafter.state_dict(),
+            **checkpoint_dict(drafter.drafter),  # what load_drafter reads back
             "optimizer": drafter.optimizer.state_dict(),
             "rng": rng_state,
             "rng_per_rank": rng_per_rank,
