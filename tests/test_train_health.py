@@ -15,6 +15,7 @@ from test_train_pipeline import _cli, _env, _write_data
 from dflash.checkpoint_files import list_checkpoints
 from dflash.telemetry.wire.protocol import Event, Snapshot
 from dflash.telemetry.wire.reader import read_frames
+from dflash.telemetry.wire.vocab import WAIT_SUFFIXES
 from dflash.train.run.faults import FaultPlan, FaultSpecError, parse
 
 
@@ -145,10 +146,13 @@ def test_a_slowdown_raises_one_anomaly(setup, tmp_path):
     events, snaps = _frames(run_dir)
     anomalies = [e for e in events if e.kind == "anomaly"]
     # One for the slowed stage, raised first; the drafter's longer waits raise none. (A knock-on
-    # deviation of another worker's own work, e.g. the producer's batch_build p95 on 2 shared cores,
-    # may follow: it is real, if small, and not the fault's stage.)
+    # deviation of another worker's own work may follow: the producer's batch_build p95 on 2 shared
+    # cores, or the drafter's optimizer_step when another process takes a core: it is real, and not
+    # the fault's stage.)
     assert [(e.data["worker"], e.data["category"]) for e in anomalies].count(("target-0", "target_forward")) == 1
-    assert not [e for e in anomalies if e.data["worker"].startswith("drafter")], [e.message for e in anomalies]
+    waits = [e for e in anomalies
+             if e.data["worker"].startswith("drafter") and e.data["category"].endswith(WAIT_SUFFIXES)]
+    assert not waits, [e.message for e in anomalies]
     a = anomalies[0]
     assert (a.data["worker"], a.data["category"]) == ("target-0", "target_forward") and a.data["ratio"] >= 2
     assert a.message.startswith("target-0/target_forward ") and "x its baseline (" in a.message

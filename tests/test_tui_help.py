@@ -97,7 +97,7 @@ def test_help_screen(snap_compare, size) -> None:
     async def open_help(pilot) -> None:
         await settle(pilot)
         await pilot.press("question_mark")
-        await pilot.pause()
+        await settle(pilot)
 
     assert snap_compare(fixed_app(gpus=0), terminal_size=size, run_before=open_help)
 

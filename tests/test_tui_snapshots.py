@@ -50,32 +50,44 @@ def footer_current(app) -> bool:
 def panels_current(app) -> bool:
     """Every shown text panel has been drawn for its current width and laid out at its text's height
     (a panel whose text changed height waits for the next layout pass)."""
-    shown = [p for p in app.screen.query(TextPanel) if p.display and p.parent.display and p.content_size.width > 0]
+    shown = [p for p in app._main.query(TextPanel) if p.display and p.parent.display and p.content_size.width > 0]
     return all(p._width == max(10, p.content_size.width or 80) for p in shown) and all(
         p.size.height == max(1, len(p._strips)) and p.parent.content_size.height == p.outer_size.height
         for p in shown if p.styles.height.is_auto and p.parent.styles.height.is_auto)
 
 
 def log_current(app) -> bool:
-    """The events log has written every line and scrolled to the newest (both wait for a refresh)."""
-    log = app.screen.query_one(EventsLog)
-    return not log._deferred_renders and log.scroll_y == log.max_scroll_y
+    """The events log has written every line at the panel's present width and scrolled to the newest
+    (each waits for a refresh or a layout pass)."""
+    log = app._main.query_one(EventsLog)
+    width = log.scrollable_content_region.width  # 0: hidden (another panel zoomed), nothing to wait for
+    return not width or (not log._deferred_renders and log.wrapped_at == width and log.scroll_y == log.max_scroll_y)
 
 
 async def settle(pilot) -> None:
-    """Until the data is in, every panel is drawn at its final size and the footer is up to date: a
-    busy machine delays each of these by an unknown time, so the test waits on them, not on a pause."""
+    """Until the data is in, every panel is drawn at its final size, the footer is up to date and two
+    renders of the screen in a row are the same (styles of a screen just pushed, say, land a pass
+    later): a busy machine delays each of these by an unknown time, so the test waits on them, not on
+    a pause."""
     app = pilot.app
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
+    previous = None
     while True:
         await pilot.pause()
+        waiting = ["the first snapshot"]
         if app.state.snapshot is not None:
             app.refresh_panels(slow=True)
-            await pilot.pause()
-            if (app._refresh_timer is None and footer_current(app) and panels_current(app) and log_current(app)
-                    and app._cluster_box.display == (app.state.cluster is not None)):
+            await pilot.wait_for_scheduled_animations()
+            checks = {"the refresh timer": app._refresh_timer is None, "the footer": footer_current(app),
+                      "the panels": panels_current(app), "the events log": log_current(app),
+                      "the cluster panel": app._cluster_box.display == (app.state.cluster is not None)}
+            waiting = [what for what, ok in checks.items() if not ok]
+            shown = app.export_screenshot() if not waiting else None
+            if shown is not None and shown == previous:
                 return
-        assert time.monotonic() < deadline, "the screen never settled"
+            previous = shown
+            waiting = waiting or ["two equal renders"]
+        assert time.monotonic() < deadline, f"the screen never settled: waiting for {', '.join(waiting)}"
         await pilot.pause(0.05)
 
 
@@ -91,7 +103,7 @@ def test_gpu_panel_zoomed_says_no_driver(snap_compare) -> None:
     async def zoom(pilot) -> None:
         await settle(pilot)
         await pilot.press("3")
-        await pilot.pause()
+        await settle(pilot)
 
     assert snap_compare(fixed_app(gpus=0), terminal_size=(80, 24), run_before=zoom)
 
