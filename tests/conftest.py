@@ -129,3 +129,23 @@ def screen_text(app) -> str:
                       legacy_windows=False)
     console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
     return console.export_text()
+
+
+def screen_styles(app, text: str) -> list:
+    """The Rich styles the terminal shows `text` in, one per place it appears on one line of the screen
+    (the compositor's own strips: what is drawn, whichever widget drew it)."""
+    update = app.screen._compositor.render_update(full=True, screen_stack=app._background_screens)
+    found = []
+    for line in update.strips:
+        for strip in line:
+            found.extend(seg.style for seg in strip if text in seg.text)
+    return found
+
+
+
+async def until(pilot, cond: Callable[[], object], what: str = "the condition", timeout: float = 30.0) -> None:
+    """`wait_until` for a running Textual app: the app keeps running (pauses) while the test waits."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        await pilot.pause(0.05)

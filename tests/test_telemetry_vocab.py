@@ -11,14 +11,14 @@ from dflash.telemetry import ProfileStats
 from dflash.telemetry.analysis import analyze
 from dflash.telemetry.summary import to_snapshot
 from dflash.telemetry.wire import protocol as P
-from dflash.telemetry.wire.vocab import CATEGORIES, VERDICTS, Role
+from dflash.telemetry.wire.verdicts import VERDICTS
+from dflash.telemetry.wire.vocab import CATEGORIES, Role
 from dflash.train.reporting.trackers import interval_scalars
 from dflash_tui.widgets import palette
-from dflash_tui.widgets.bottleneck import VERDICT_STYLE
 from dflash_tui.widgets.help import verdicts as help_verdicts
 
 
-def test_every_verdict_has_help_text_a_tracker_key_a_prometheus_value_and_a_colour() -> None:
+def test_every_verdict_has_help_text_a_tracker_key_and_a_prometheus_value() -> None:
     pytest.importorskip("prometheus_client")
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
@@ -30,7 +30,6 @@ def test_every_verdict_has_help_text_a_tracker_key_a_prometheus_value_and_a_colo
     try:
         for name in VERDICTS:
             assert len(helps.get(name, "")) > 20, f"{name} has no help text"
-            assert name in VERDICT_STYLE, f"{name} has no colour in the verdict panel"
             scalars = interval_scalars(loss=1.0, accuracy=0.5, sim_tau=1.0, per_position=[], tokens_per_s=1.0,
                                        lr=1e-4, grad_norm=1.0, workers=None, verdict=name)
             # one-hot over every verdict: this one 1, every other one 0 (a verdict missing here reports zeros)
@@ -83,3 +82,36 @@ def test_every_verdict_can_be_checked_against_its_evidence() -> None:
     empty = {name: agrees_with_evidence(P.Bottleneck(verdict=name, evidence={"threshold": 0.2})) for name in VERDICTS}
     # with no waits at all only balanced (and unknown, which claims nothing) agree
     assert {name for name, ok in empty.items() if ok} == {"balanced", "unknown"}, empty
+
+
+@pytest.mark.parametrize("name", [*VERDICTS, "from-a-newer-trainer"])
+async def test_every_verdict_is_shown_on_screen_in_its_own_style(name: str) -> None:
+    """The verdict panel draws each verdict's name in the style the verdict table gives it; a verdict the
+    table does not know (a newer trainer's) still shows, in a style that is none of the known ones."""
+    from conftest import screen_styles, until
+    from rich.style import Style
+
+    from dflash.telemetry.wire import verdicts
+    from dflash_tui import synthetic
+    from dflash_tui.app import DFlashTop
+    from dflash_tui.sources import MemorySource
+
+    frames = synthetic.frames(3, workers=4, gpus=0)
+    frames[-1].bottleneck = P.Bottleneck(verdict=name, reason="a reason")
+    app = DFlashTop(source=MemorySource(frames), pyspy_exe="py-spy")
+    async with app.run_test(size=(100, 30)) as pilot:
+        label = f" {name.upper()} "
+        await until(pilot, lambda: screen_styles(app, label), f"{label!r} on the screen")
+        # the screen holds true colours (the terminal theme maps the named ones): compare those
+        theme = app.ansi_theme
+
+        def look(style: Style) -> tuple:
+            return tuple(c.get_truecolor(theme) if c is not None else None for c in (style.bgcolor, style.color))
+
+        shown = {look(s) for s in screen_styles(app, label)}
+        known = {v.name: look(Style.parse(v.style)) for v in verdicts.VERDICTS.values()}
+        assert len(set(known.values())) == len(known)  # no two verdicts look alike
+        if name in known:
+            assert shown == {known[name]}
+        else:
+            assert all(s.reverse for s in screen_styles(app, label)) and not shown & set(known.values())

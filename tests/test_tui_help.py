@@ -8,6 +8,7 @@ from conftest import screen_text
 from test_tui_snapshots import fixed_app, settle, utc  # noqa: F401 (utc: autouse fixture)
 
 from dflash.telemetry import analysis
+from dflash.telemetry.wire import verdicts
 from dflash_tui.app import DFlashTop
 from dflash_tui.state import RunState
 from dflash_tui.widgets import help as help_screen
@@ -19,7 +20,7 @@ from dflash_tui.widgets.timebars import TimeBars
 
 def test_the_help_states_the_analysis_thresholds():
     assert help_screen.HOLD_WINDOWS == analysis.SteadyVerdict().hold
-    assert f">= {analysis.THRESHOLD:.0%}" in dict(help_screen.verdicts())["target-bound"]
+    assert f">= {verdicts.THRESHOLD:.0%}" in dict(help_screen.verdicts())["target-bound"]
 
 
 def test_the_help_lists_every_key_and_term():

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import screen_text
+from conftest import screen_text, until
 from textual.containers import VerticalScroll
 
 from dflash.telemetry import ProfileStats, TelemetryServer
@@ -159,14 +159,6 @@ def trainers() -> Iterator[Callable[..., tuple[subprocess.Popen, Path]]]:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-
-
-async def until(pilot, cond: Callable[[], object], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.05)
 
 
 def text_of(app: DFlashTop, selector: str) -> str:

@@ -26,18 +26,16 @@ from dflash.telemetry.wire.protocol import (
     training_shares,
 )
 from dflash.telemetry.wire.table import clock, pipeline_cpu
-from dflash.telemetry.wire.vocab import (
+from dflash.telemetry.wire.verdicts import (
     CPU_STARVED,
     DATA_BOUND,
     DRAFTER_BOUND,
     INPUT_BOUND,
-    PAUSE_CATEGORIES,
     TARGET_BOUND,
     THRESHOLD,
     VERDICT_SPAN_S,
-    Gauge,
-    evaluating,
 )
+from dflash.telemetry.wire.vocab import PAUSE_CATEGORIES, Gauge, evaluating
 
 #: where a stage-bound verdict is left again (it is reached at THRESHOLD): see PublishedVerdict._threshold
 LEAVE_THRESHOLD = 0.15

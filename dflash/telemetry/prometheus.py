@@ -64,7 +64,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from dflash.telemetry.wire.vocab import VERDICTS
+from dflash.telemetry.wire.verdicts import VERDICTS
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry

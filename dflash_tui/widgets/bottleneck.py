@@ -10,14 +10,9 @@ from __future__ import annotations
 from rich.text import Text
 
 from dflash.telemetry.wire.table import evidence_text, machine_text, pipeline_cpu
+from dflash.telemetry.wire.verdicts import style_of
 from dflash_tui.state import RunState
 from dflash_tui.widgets.base import TextPanel
-
-VERDICT_STYLE = {"target-bound": "bold white on dark_orange3", "drafter-bound": "bold white on purple4",
-                 "data-bound": "bold black on yellow",
-                 "input-bound": "bold black on cyan", "GIL-bound": "bold white on red3",
-                 "CPU-starved": "bold white on dark_red", "balanced": "bold black on green",
-                 "unknown": "bold white on grey35"}
 
 
 def bottleneck_text(state: RunState) -> Text:
@@ -30,7 +25,7 @@ def bottleneck_text(state: RunState) -> Text:
                         "target; the verdict returns with training")
     if b is None:
         return t.append("no verdict yet (needs a few snapshot windows)", style="dim")
-    t.append(f" {b.verdict.upper()} ", style=VERDICT_STYLE.get(b.verdict, "bold reverse"))
+    t.append(f" {b.verdict.upper()} ", style=style_of(b.verdict))
     if b.scope:
         t.append(f" {b.scope}", style="italic")
     if b.reason:

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.binding import Binding
 
-from dflash.telemetry.wire.vocab import HOLD_WINDOWS, VERDICT_SPAN_S, VERDICTS
+from dflash.telemetry.wire.verdicts import HOLD_WINDOWS, VERDICT_SPAN_S, VERDICTS
 from dflash_tui.widgets.modal import ReportScreen
 
 #: action -> when it works, for keys that depend on the source

@@ -117,7 +117,7 @@ class SystemSample(msgspec.Struct, omit_defaults=True):
 
 
 class Bottleneck(msgspec.Struct, omit_defaults=True):
-    #: one of dflash.telemetry.wire.vocab.VERDICTS
+    #: one of dflash.telemetry.wire.verdicts.VERDICTS
     verdict: str
     reason: str = ""
     #: the figures the verdict was decided from, over the same time as the verdict

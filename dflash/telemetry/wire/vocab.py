@@ -8,7 +8,6 @@ imports it, so it imports nothing but the standard library.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from enum import StrEnum
 
 # --- categories ------------------------------------------------------------------------------------
@@ -59,56 +58,6 @@ def roles_of(workers: Iterable[str], roles: Mapping[str, str] | None) -> dict[st
         return {w: legacy_role(w) for w in workers}
     known = {r.value for r in Role}
     return {w: Role(roles[w]) if roles.get(w) in known else None for w in workers}
-
-
-# --- the bottleneck verdicts -----------------------------------------------------------------------
-
-#: a wait above this share of a worker's wall time counts as starving/blocked
-THRESHOLD = 0.20
-#: below this much timed work per pipeline worker there is nothing to judge (start-up, eval pauses)
-MIN_TRACKED = 0.05
-#: the published verdict judges this many seconds of recent windows merged, not one window
-VERDICT_SPAN_S = 10.0
-#: a new verdict shows once it has won this many judgements (one per window) in a row
-HOLD_WINDOWS = 3
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """One verdict: its name (on the wire, a Prometheus label value, a tracker key) and what it means."""
-
-    name: str
-    meaning: str
-
-    @property
-    def tracker_key(self) -> str:
-        """The verdict's one-hot scalar in TensorBoard / W&B."""
-        return f"bottleneck/{self.name}"
-
-
-_T, _M = f"{THRESHOLD:.0%}", f"{MIN_TRACKED:.0%}"
-DATA_BOUND = Verdict("data-bound", f"targets wait >= {_T} of their time for batches (batch_queue_wait), at "
-                     "least as much as they block on puts: the batch producer limits throughput.")
-TARGET_BOUND = Verdict("target-bound", f"drafters wait >= {_T} for hidden states (hs_queue_wait), more than "
-                       "targets block: the target forward limits throughput.")
-DRAFTER_BOUND = Verdict("drafter-bound", f"targets spend >= {_T} blocked on a full hidden-state queue "
-                        "(hs_queue_put), more than drafters wait: drafter training limits throughput.")
-GIL_BOUND = Verdict("GIL-bound", "a probe thread waits half its time or more for the interpreter lock, the "
-                    "process runs on about one core and its workers' CPU time matches their busy time: "
-                    "Python threads take turns, so the bounding stage is limited by the GIL, not by compute.")
-CPU_STARVED = Verdict("CPU-starved", "the workers are busy far longer than they get a CPU (their CPU time is "
-                      "well below their busy time) while other processes use the machine's cores: the "
-                      "machine, not the pipeline, limits throughput.")
-INPUT_BOUND = Verdict("input-bound", f"the hidden-states reader waits >= {_T} for files not yet written "
-                      "(cache_wait, --follow), at least as much as it blocks on puts: the engine or `dflash data "
-                      "cache` writing the cache limits throughput (waiting for hidden states).")
-BALANCED = Verdict("balanced", f"no stage waits {_T} or more of its time.")
-UNKNOWN = Verdict("unknown", f"less than {_M} timed work per pipeline worker (start-up, a pause) or no "
-                  "pipeline workers.")
-
-#: every verdict the analysis can return, in the order help and exports list them
-VERDICTS: dict[str, Verdict] = {v.name: v for v in (DATA_BOUND, INPUT_BOUND, TARGET_BOUND, DRAFTER_BOUND,
-                                                    GIL_BOUND, CPU_STARVED, BALANCED, UNKNOWN)}
 
 
 # --- gauge names shared across processes -----------------------------------------------------------

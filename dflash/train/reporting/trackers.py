@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dflash.telemetry.wire.vocab import VERDICTS
+from dflash.telemetry.wire.verdicts import VERDICTS
 
 #: --report-to name -> (module that must import, pip extra)
 KNOWN = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
