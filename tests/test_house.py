@@ -1,25 +1,11 @@
-"""The house rules of issue #23 that a test can hold: names the docs gave at their old addresses still
-import, and no two project modules import each other in a circle."""
+"""The house rules a test can hold: no two project modules import each other in a circle."""
 
 from __future__ import annotations
 
 import ast
-import importlib
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.mark.parametrize("old, new, name", [
-    ("dflash.telemetry.protocol", "dflash.telemetry.wire.protocol", "decode"),
-    ("dflash.telemetry.reader", "dflash.telemetry.wire.reader", "read_frames"),
-    ("dflash.train.schema", "dflash.train.config.schema", "read_saved"),
-    ("dflash.train.steady", "dflash.train.run.steady", "run_steady"),
-])
-def test_a_documented_name_still_imports_from_its_old_address(old, new, name) -> None:
-    assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new), name)
 
 
 def _project_imports() -> dict[str, set[str]]:
