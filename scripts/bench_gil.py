@@ -1,4 +1,4 @@
-"""Validate the GIL contention gauge (dflash/telemetry/gil.py) on real workloads, side by side with
+"""Validate the GIL contention gauge (dflash/telemetry/verdict/gil.py) on real workloads, side by side with
 `gilknocker` (when installed) and the GIL-held share from `py-spy record --gil`, and measure its cost:
 by throughput (ops with and without the probe) and, in the trainer, by py-spy (the share of all samples
 that fall in dflash's own telemetry threads, the probe's and the publisher's).
@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from dflash.telemetry.analysis import gil_bound
+from dflash.telemetry.verdict.evidence import gil_bound
 from dflash.telemetry.wire.protocol import Bottleneck
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ RATE = 100  # py-spy samples per second
 def _child(kind: str, threads: int, seconds: float, probe: str) -> None:
     """One workload; prints {"ops_per_s", "probe", "probe_wait_ms", "knocker"} as JSON."""
     sys.path.insert(0, str(REPO))
-    from dflash.telemetry.gil import INTERVAL_S, GilProbe
+    from dflash.telemetry.verdict.gil import INTERVAL_S, GilProbe
 
     stop = threading.Event()
     counts = [0] * threads
@@ -220,7 +220,7 @@ def main() -> None:
         rows[f"{a.threads} {kind} threads"] = {
             **on, "knocker": kn["knocker"] if kn else None, "pyspy": spy, "ratio": on["ops_per_s"] / off["ops_per_s"],
             "kratio": kn["ops_per_s"] / off["ops_per_s"] if kn else None,
-            # what the trainer's verdict would say (dflash.telemetry.analysis.gil_bound)
+            # what the trainer's verdict would say (dflash.telemetry.verdict.evidence.gil_bound)
             "verdict": gil_bound(Bottleneck(verdict="balanced"), on["probe"], on["cpu_percent"]).verdict}
     if not a.skip_trainer:
         rows["trainer (tiny-cpu)"] = trainer_row(a.seconds)

@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _bench import ForeignLoad, bench_parser  # noqa: E402
 
 from dflash.telemetry import ProfileStats, TelemetryServer  # noqa: E402
-from dflash.telemetry.analysis import analyze  # noqa: E402
-from dflash.telemetry.anomalies import AnomalyDetector  # noqa: E402
-from dflash.telemetry.gil import GilProbe  # noqa: E402
 from dflash.telemetry.summary import to_snapshot  # noqa: E402
-from dflash.telemetry.watchdog import Watchdog  # noqa: E402
+from dflash.telemetry.verdict.anomalies import AnomalyDetector  # noqa: E402
+from dflash.telemetry.verdict.evidence import analyze  # noqa: E402
+from dflash.telemetry.verdict.gil import GilProbe  # noqa: E402
+from dflash.telemetry.verdict.watchdog import Watchdog  # noqa: E402
 from dflash.telemetry.wire.protocol import encode  # noqa: E402
 
 CATS = [

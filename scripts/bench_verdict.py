@@ -45,7 +45,7 @@ def train(run_dir: Path, seconds: float) -> Path:
 
 
 def measure(recording: Path) -> dict:
-    from dflash.telemetry.analysis import agrees_with_evidence, analyze
+    from dflash.telemetry.verdict.evidence import agrees_with_evidence, analyze
     from dflash.telemetry.wire.protocol import Snapshot
     from dflash.telemetry.wire.reader import read_frames
 

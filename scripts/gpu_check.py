@@ -447,7 +447,7 @@ def check_cuda_spans(ctx: Ctx) -> dict:
 
 
 def _verdict(ctx: Ctx, target_layers: int, drafter_layers: int, anchors: int, shape: dict, seq: int) -> dict:
-    from dflash.telemetry.analysis import analyze
+    from dflash.telemetry.verdict.evidence import analyze
 
     target = make_target(ctx, shape, layers=target_layers)
     parts = make_parts(ctx, target, drafter_layers, seq, anchors, 2)
@@ -481,7 +481,7 @@ def check_nvml(ctx: Ctx) -> dict:
     UUID, and GPM SM-active / tensor-active where the GPU supports it."""
     import torch
 
-    from dflash.telemetry.system import SystemSampler
+    from dflash.telemetry.publish.system import SystemSampler
 
     sampler = SystemSampler()
     first = sampler.sample({})
@@ -730,7 +730,7 @@ def check_device_shares(ctx: Ctx) -> dict:
     """Target and drafter on one GPU, each worker on its own stream: the two stages' device shares sum
     to at most 1.05, and each stage's device ms per step pipelined matches that stage alone (sync mode:
     one thread, one stream, the stages one after the other, so each span times only its own kernels)."""
-    from dflash.telemetry.analysis import DRAFTER_BUSY, TARGET_BUSY
+    from dflash.telemetry.verdict.evidence import DRAFTER_BUSY, TARGET_BUSY
 
     if not ctx.cuda:
         raise Skip("device time needs CUDA events")

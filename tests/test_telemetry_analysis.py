@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from dflash.telemetry.analysis import agrees_with_evidence, analyze
+from dflash.telemetry.verdict.evidence import agrees_with_evidence, analyze
 from dflash.telemetry.wire.protocol import CategoryStats, DeviceStats, Snapshot
 from dflash.telemetry.wire.vocab import roles_of
 
@@ -96,7 +96,7 @@ def test_only_targets_starving_on_puts_is_drafter_bound() -> None:
 
 
 def test_the_verdict_does_not_flip_on_noise_around_a_threshold() -> None:
-    from dflash.telemetry.analysis import SteadyVerdict
+    from dflash.telemetry.verdict.published import SteadyVerdict
 
     steady = SteadyVerdict(hold=3)
     # drafters wait 19-21%: the raw verdict alternates balanced / target-bound every window
@@ -117,7 +117,7 @@ def test_the_verdict_does_not_flip_on_noise_around_a_threshold() -> None:
 
 
 def test_after_unknown_the_next_verdict_shows_at_once() -> None:
-    from dflash.telemetry.analysis import SteadyVerdict
+    from dflash.telemetry.verdict.published import SteadyVerdict
 
     steady = SteadyVerdict(hold=3)
     idle = analyze({"target-0": {"target_forward": cs(0.01)}, "drafter-0": {"eval": cs(0.0)}})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from dflash.telemetry.anomalies import AnomalyDetector
 from dflash.telemetry.summary import Summary
+from dflash.telemetry.verdict.anomalies import AnomalyDetector
 from dflash.telemetry.wire.protocol import CategoryStats
 
 

@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 
 from dflash.telemetry import ProfileStats
-from dflash.telemetry.cluster import ClusterExchange, RankReport, build_cluster
+from dflash.telemetry.export.cluster import ClusterExchange, RankReport, build_cluster
 
 
 def _rep(rank: int, allreduce: float, **shares: float) -> RankReport:

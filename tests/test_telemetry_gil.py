@@ -8,13 +8,13 @@ import time
 
 import pytest
 
-from dflash.telemetry.analysis import gil_bound
-from dflash.telemetry.gil import GilProbe
 from dflash.telemetry.summary import Summary
+from dflash.telemetry.verdict.evidence import gil_bound
+from dflash.telemetry.verdict.gil import GilProbe
 from dflash.telemetry.wire.protocol import Bottleneck
 
 # gilknocker is compared in scripts/bench_gil.py, in child processes: it can abort the interpreter
-# that loaded it at exit (see dflash/telemetry/gil.py), which must not be pytest's
+# that loaded it at exit (see dflash/telemetry/verdict/gil.py), which must not be pytest's
 BACKENDS = ["sleep"]
 
 

@@ -17,10 +17,16 @@ import pytest
 from conftest import wait_until
 
 from dflash.telemetry import ProfileStats, TelemetryServer
-from dflash.telemetry.analysis import CpuFigures, agrees_with_evidence, analyze, cpu_starved, gil_bound
-from dflash.telemetry.judge import PublishedVerdict, RecentWindows
+from dflash.telemetry.publish.system import SystemSampler
 from dflash.telemetry.summary import Summary
-from dflash.telemetry.system import SystemSampler
+from dflash.telemetry.verdict.evidence import (
+    CpuFigures,
+    agrees_with_evidence,
+    analyze,
+    cpu_starved,
+    gil_bound,
+)
+from dflash.telemetry.verdict.published import PublishedVerdict, RecentWindows
 from dflash.telemetry.wire import protocol as P
 from dflash.telemetry.wire.reader import read_frames
 from dflash.telemetry.wire.vocab import Role

@@ -17,8 +17,8 @@ def test_a_record_leaves_the_gil_probe_out_of_the_functions_and_marks_its_thread
     """In a real `make train` record GilProbe._run was the third-hottest function (13.9% of samples)."""
     frames = [
         {"name": "run", "file": "/usr/lib/python3.11/threading.py", "line": 982},
-        {"name": "_run", "file": "/app/dflash/telemetry/gil.py", "line": 80},
-        {"name": "_publish", "file": "/app/dflash/telemetry/server.py", "line": 390},
+        {"name": "_run", "file": "/app/dflash/telemetry/verdict/gil.py", "line": 80},
+        {"name": "_publish", "file": "/app/dflash/telemetry/publish/server.py", "line": 390},
         {"name": "drain", "file": "/app/dflash/telemetry/stats.py", "line": 420},
         {"name": "step", "file": "/app/dflash/train/run/stages.py", "line": 200},
         {"name": "__exit__", "file": "/app/dflash/telemetry/stats.py", "line": 240},

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from prometheus_client.samples import Sample  # noqa: E402
 
 from dflash.telemetry import ProfileStats, TelemetryServer  # noqa: E402
-from dflash.telemetry.prometheus import MetricsExporter, MetricsServerError  # noqa: E402
+from dflash.telemetry.export.prometheus import MetricsExporter, MetricsServerError  # noqa: E402
 from dflash.telemetry.wire import protocol as P  # noqa: E402
 
 FAST = 0.05
@@ -490,7 +490,7 @@ def test_importing_telemetry_stays_light(run_python) -> None:
         "import sys\n"
         "import dflash.telemetry\n"
         "assert 'prometheus_client' not in sys.modules, 'dflash.telemetry pulled in prometheus_client'\n"
-        "from dflash.telemetry.prometheus import MetricsExporter\n"
+        "from dflash.telemetry.export.prometheus import MetricsExporter\n"
         "MetricsExporter('x').close()\n"
         "bad = [m for m in ('torch', 'textual', 'dflash_tui') if m in sys.modules]\n"
         "assert not bad, bad\n"

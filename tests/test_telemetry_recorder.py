@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflash.telemetry import ProfileStats, TelemetryServer
-from dflash.telemetry.recorder import Recorder
+from dflash.telemetry.publish.recorder import Recorder
 from dflash.telemetry.summary import Summary, to_snapshot
 from dflash.telemetry.wire import protocol as P
 from dflash.telemetry.wire.reader import read_frames

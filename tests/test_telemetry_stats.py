@@ -19,8 +19,8 @@ from dflash.telemetry.wire.table import merge_category_stats
 
 def test_import_does_not_pull_torch_or_tui(run_python) -> None:
     code = (
-        "import sys, dflash.telemetry, dflash.telemetry.server, dflash.telemetry.recorder, "
-        "dflash.telemetry.analysis, dflash.telemetry.system, dflash.commands.stats\n"
+        "import sys, dflash.telemetry, dflash.telemetry.publish.server, dflash.telemetry.publish.recorder, "
+        "dflash.telemetry.verdict.evidence, dflash.telemetry.publish.system, dflash.commands.stats\n"
         "bad = [m for m in ('torch', 'textual', 'dflash_tui') if m in sys.modules]\n"
         "assert not bad, bad\n"
         "from dflash.telemetry import TelemetryServer\n"

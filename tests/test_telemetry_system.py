@@ -10,7 +10,7 @@ import types
 import pynvml
 import pytest
 
-from dflash.telemetry.system import SystemSampler
+from dflash.telemetry.publish.system import SystemSampler
 from dflash.telemetry.wire import protocol as P
 
 
@@ -313,7 +313,7 @@ def test_mig_instances_uuids_and_na_fields(monkeypatch: pytest.MonkeyPatch) -> N
 def test_torch_uuids_decide_the_mapping_when_cuda_is_up() -> None:
     """With the trainer's own CUDA UUIDs (torch spells them without the prefix) the environment is
     not consulted: CUDA's fastest-first order may differ from NVML's."""
-    from dflash.telemetry.system import cuda_ordinals
+    from dflash.telemetry.publish.system import cuda_ordinals
 
     devices = [("GPU-AAAA1111-0000", False), ("GPU-bbbb2222-0000", False), ("MIG-dddd4444-0000", True)]
     assert cuda_ordinals(devices, "0,1", ["bbbb2222-0000", "aaaa1111-0000"]) == {1: 0, 0: 1}

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from dflash.telemetry import ProfileStats
-from dflash.telemetry.analysis import analyze
 from dflash.telemetry.summary import to_snapshot
+from dflash.telemetry.verdict.evidence import analyze
 from dflash.telemetry.wire import protocol as P
 from dflash.telemetry.wire.verdicts import VERDICTS
 from dflash.telemetry.wire.vocab import CATEGORIES, Role
@@ -23,7 +23,7 @@ def test_every_verdict_has_help_text_a_tracker_key_and_a_prometheus_value() -> N
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from dflash.telemetry.prometheus import MetricsExporter
+    from dflash.telemetry.export.prometheus import MetricsExporter
 
     helps = dict(help_verdicts())
     exporter = MetricsExporter("vocab", rank=0)
@@ -77,7 +77,7 @@ def test_the_verdict_groups_workers_by_their_registered_role_not_their_name() ->
 def test_every_verdict_can_be_checked_against_its_evidence() -> None:
     """The stability benchmark counts verdicts that contradict their evidence: each verdict has a rule for
     that (a verdict without one would pass whatever its numbers say)."""
-    from dflash.telemetry.analysis import agrees_with_evidence
+    from dflash.telemetry.verdict.evidence import agrees_with_evidence
 
     empty = {name: agrees_with_evidence(P.Bottleneck(verdict=name, evidence={"threshold": 0.2})) for name in VERDICTS}
     # with no waits at all only balanced (and unknown, which claims nothing) agree

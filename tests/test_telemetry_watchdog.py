@@ -12,11 +12,11 @@ import pytest
 from conftest import wait_until
 
 from dflash.telemetry import ProfileStats
-from dflash.telemetry.cluster import _Smoother, build_cluster, make_report
-from dflash.telemetry.introspection import thread_map
-from dflash.telemetry.server import TelemetryServer
+from dflash.telemetry.export.cluster import _Smoother, build_cluster, make_report
+from dflash.telemetry.publish.introspection import thread_map
+from dflash.telemetry.publish.server import TelemetryServer
 from dflash.telemetry.summary import Summary
-from dflash.telemetry.watchdog import FIRST_GRACE_S, Watchdog
+from dflash.telemetry.verdict.watchdog import FIRST_GRACE_S, Watchdog
 from dflash.telemetry.wire.protocol import CategoryStats, Event, Snapshot, Stall
 from dflash.telemetry.wire.reader import read_frames
 
@@ -125,7 +125,7 @@ def test_the_cluster_view_names_a_stalled_rank() -> None:
 
 
 def test_stalls_in_prometheus_and_once_json() -> None:
-    from dflash.telemetry.prometheus import MetricsExporter
+    from dflash.telemetry.export.prometheus import MetricsExporter
     from dflash_tui.headless import render_text, summarize
     from dflash_tui.state import RunState
 

@@ -73,7 +73,7 @@ def test_the_last_line_judges_the_whole_run_not_its_wind_down_window() -> None:
     """Between intervals the line shows the verdict dflash-top shows (the window's); the last line of
     the run judges the cumulative shares: the last window is the wind-down, where a stage that waits
     on a stopped one looks blocked (84% there against 25% over the run, in a real `make train`)."""
-    from dflash.telemetry.analysis import analyze
+    from dflash.telemetry.verdict.evidence import analyze
     from dflash.telemetry.wire.protocol import CategoryStats, Snapshot
 
     def cs(share: float) -> CategoryStats:

@@ -7,7 +7,7 @@ import pytest
 from conftest import screen_text
 from test_tui_snapshots import fixed_app, settle, utc  # noqa: F401 (utc: autouse fixture)
 
-from dflash.telemetry import analysis
+from dflash.telemetry.verdict.published import SteadyVerdict
 from dflash.telemetry.wire import verdicts
 from dflash_tui.app import DFlashTop
 from dflash_tui.state import RunState
@@ -19,7 +19,7 @@ from dflash_tui.widgets.timebars import TimeBars
 
 
 def test_the_help_states_the_analysis_thresholds():
-    assert help_screen.HOLD_WINDOWS == analysis.SteadyVerdict().hold
+    assert help_screen.HOLD_WINDOWS == SteadyVerdict().hold
     assert f">= {verdicts.THRESHOLD:.0%}" in dict(help_screen.verdicts())["target-bound"]
 
 

@@ -14,13 +14,13 @@ from typing import Any
 import msgspec
 
 from dflash.commands import CliError
-from dflash.telemetry.analysis import analyze
 from dflash.telemetry.summary import (
     WorkerStats,
     format_profile_stats,
     merge_windows,
     untracked_of,
 )
+from dflash.telemetry.verdict.evidence import analyze
 from dflash.telemetry.wire.protocol import Bye, Event, Hello, Snapshot, training_shares
 from dflash.telemetry.wire.reader import read_frames
 from dflash.telemetry.wire.table import evidence_text, seconds

@@ -18,7 +18,7 @@ __all__ = ["ProfileStats", "Summary", "TelemetryServer", "Worker", "format_profi
 # this package) loads nothing else of it, and code that only times things never loads the server
 # (psutil, selectors).
 _WHERE = {"ProfileStats": "stats", "Worker": "stats", "Summary": "summary", "format_profile_stats": "summary",
-          "TelemetryServer": "server"}
+          "TelemetryServer": "publish.server"}
 
 
 def __getattr__(name: str) -> object:

@@ -1,6 +1,6 @@
 """The bottleneck verdict with the numbers behind it, the time they cover, and the machine's view.
 
-The verdict is computed by the trainer (dflash.telemetry.judge); showing its evidence and scope next to
+The verdict is computed by the trainer (dflash.telemetry.verdict.published); showing its evidence and scope next to
 it lets a reader check the claim instead of trusting it, and the machine line shows whether the trainer
 gets the cores it asks for (what top and btop would show).
 """

@@ -201,7 +201,7 @@ class OpenSpan(msgspec.Struct, omit_defaults=True):
 
 
 class Stall(msgspec.Struct, omit_defaults=True):
-    """A worker that has completed no span for longer than its stall timeout (dflash.telemetry.watchdog)."""
+    """A worker that has completed no span for longer than its stall timeout (dflash.telemetry.verdict.watchdog)."""
 
     worker: str
     #: the open span it is stuck in ("" when none is open: it is stuck between spans)

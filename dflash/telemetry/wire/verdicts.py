@@ -2,7 +2,7 @@
 tracker key), what it means (the help screen), its style on screen, the rule that decides it from its
 evidence and the reason it gives.
 
-`dflash.telemetry.analysis` gathers the evidence (per-role shares of wall time, device time, the
+`dflash.telemetry.verdict.evidence` gathers the evidence (per-role shares of wall time, device time, the
 machine's view) and returns the first stage verdict whose rule holds, then lets the two overlays
 (GIL-bound, CPU-starved) take over where theirs hold; a check that a shown verdict follows from its own
 evidence (`agrees_with_evidence`) evaluates the same rule, so the two can never drift apart. A new verdict
@@ -23,7 +23,7 @@ MIN_TRACKED = 0.05
 VERDICT_SPAN_S = 10.0
 #: a new verdict shows once it has won this many judgements (one per window) in a row
 HOLD_WINDOWS = 3
-#: GIL contention (share of a probe thread's time spent waiting for the GIL, dflash/telemetry/gil.py)
+#: GIL contention (share of a probe thread's time spent waiting for the GIL, dflash/telemetry/verdict/gil.py)
 #: from which the interpreter lock, not compute, limits the stage that bounds throughput
 GIL_CONTENTION = 0.5
 #: ... provided the process runs on no more than this many cores (CPU percent): threads limited by the

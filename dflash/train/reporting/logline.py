@@ -93,7 +93,7 @@ class LogLines:
         summary, b = self.latest(), None
         if summary is not None:
             from dflash.telemetry import format_profile_stats
-            from dflash.telemetry.judge import whole_run
+            from dflash.telemetry.verdict.published import whole_run
             from dflash.telemetry.wire.table import evidence_text
 
             # Cumulative: a 1 s window is too noisy for a line printed every few seconds.

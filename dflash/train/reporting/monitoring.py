@@ -20,9 +20,9 @@ if TYPE_CHECKING:  # the telemetry side is imported when a run starts it (none o
     import torch
 
     from dflash.telemetry import ProfileStats, Summary, TelemetryServer
-    from dflash.telemetry.cluster import ClusterExchange
-    from dflash.telemetry.prometheus import MetricsExporter
-    from dflash.telemetry.watchdog import Watchdog
+    from dflash.telemetry.export.cluster import ClusterExchange
+    from dflash.telemetry.export.prometheus import MetricsExporter
+    from dflash.telemetry.verdict.watchdog import Watchdog
     from dflash.telemetry.wire.protocol import Bottleneck, Stall
 
 
@@ -47,7 +47,7 @@ class Monitoring:
         if cfg.telemetry.metrics_port is not None:
             self._serve_metrics()
         if d.enabled:
-            from dflash.telemetry.cluster import ClusterExchange
+            from dflash.telemetry.export.cluster import ClusterExchange
 
             self.exchange = ClusterExchange(d.store, d.rank, d.world_size, self.latest,
                                             interval_s=cfg.telemetry.telemetry_interval)
@@ -75,7 +75,7 @@ class Monitoring:
         bind_thread(self.device)
 
     def _serve_metrics(self) -> None:
-        from dflash.telemetry.prometheus import MetricsExporter, MetricsServerError
+        from dflash.telemetry.export.prometheus import MetricsExporter, MetricsServerError
 
         cfg, d = self.cfg, self.dist
         self.exporter = MetricsExporter(cfg.name, rank=d.rank)
@@ -89,9 +89,9 @@ class Monitoring:
 
     def _monitors(self) -> list:
         """The judges the telemetry server runs on each window (the watchdog unless --stall-timeout 0)."""
-        from dflash.telemetry.anomalies import AnomalyDetector
-        from dflash.telemetry.gil import GilProbe
-        from dflash.telemetry.watchdog import Watchdog
+        from dflash.telemetry.verdict.anomalies import AnomalyDetector
+        from dflash.telemetry.verdict.gil import GilProbe
+        from dflash.telemetry.verdict.watchdog import Watchdog
 
         cfg = self.cfg
         monitors: list = [AnomalyDetector(emit=self.report.event)]

@@ -26,8 +26,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import msgspec
-
 from dflash.telemetry.wire import verdicts as V
 from dflash.telemetry.wire.protocol import Bottleneck, CategoryStats
 from dflash.telemetry.wire.table import busy_share
@@ -36,7 +34,7 @@ from dflash.telemetry.wire.vocab import DRAFTER_BUSY, TARGET_BUSY, Role, roles_o
 
 @dataclass(frozen=True)
 class CpuFigures:
-    """What the machine gave the pipeline over the judged time (dflash.telemetry.system's samples)."""
+    """What the machine gave the pipeline over the judged time (dflash.telemetry.publish.system's samples)."""
 
     #: mean share of wall time a pipeline worker's thread ran on a CPU
     worker_cpu: float
@@ -113,39 +111,6 @@ def analyze(
         evidence.update(_device_evidence(targets, drafters, steps))
     verdict = V.first_stage_verdict(evidence)
     return Bottleneck(verdict=verdict.name, reason=verdict.reason(evidence), evidence=evidence)
-
-
-class SteadyVerdict:
-    """Hysteresis for the judged verdict: the published verdict changes only once another has won
-    `hold` judgements in a row, so shares wobbling around a threshold do not flip it. The first real
-    verdict, and any verdict after "unknown" (start-up, an evaluation pause), is taken at once: there is
-    nothing to hold then. A held verdict keeps the reason and evidence it was last judged on (so the
-    two never disagree) and says in its scope what the newer judgements look like."""
-
-    def __init__(self, hold: int = V.HOLD_WINDOWS) -> None:
-        self.hold = hold
-        self.current: Bottleneck | None = None
-        self._challenger: str | None = None
-        self._wins = 0
-
-    def update(self, raw: Bottleneck) -> Bottleneck:
-        cur = self.current
-        if cur is None or cur.verdict == V.UNKNOWN.name or raw.verdict == cur.verdict:
-            self._challenger, self._wins = None, 0
-            self.current = raw
-            return raw
-        if raw.verdict == self._challenger:
-            self._wins += 1
-        else:
-            self._challenger, self._wins = raw.verdict, 1
-        if self._wins >= self.hold:
-            self._challenger, self._wins = None, 0
-            self.current = raw
-            return raw
-        # Held: the standing verdict with its own numbers, and why it stands.
-        scope = f"{cur.scope}; " if cur.scope else ""
-        return msgspec.structs.replace(cur, scope=f"{scope}held: the latest judgement looks {raw.verdict}, "
-                                                  f"{self._wins} of {self.hold} in a row needed to change")
 
 
 def gil_bound(b: Bottleneck, contention: float | None, cpu_percent: float | None = None) -> Bottleneck:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from dflash.telemetry.analysis import CpuFigures, SteadyVerdict, analyze, cpu_starved, gil_bound
 from dflash.telemetry.summary import Summary, WorkerStats
+from dflash.telemetry.verdict.evidence import CpuFigures, analyze, cpu_starved, gil_bound
 from dflash.telemetry.wire.protocol import (
     Bottleneck,
     CategoryStats,
@@ -30,9 +30,11 @@ from dflash.telemetry.wire.verdicts import (
     CPU_STARVED,
     DATA_BOUND,
     DRAFTER_BOUND,
+    HOLD_WINDOWS,
     INPUT_BOUND,
     TARGET_BOUND,
     THRESHOLD,
+    UNKNOWN,
     VERDICT_SPAN_S,
 )
 from dflash.telemetry.wire.vocab import PAUSE_CATEGORIES, Gauge, evaluating
@@ -152,6 +154,39 @@ class RecentWindows:
     def clear(self) -> None:
         """Forget the span (a phase change: what came before says nothing about what comes next)."""
         self._windows.clear()
+
+
+class SteadyVerdict:
+    """Hysteresis for the judged verdict: the published verdict changes only once another has won
+    `hold` judgements in a row, so shares wobbling around a threshold do not flip it. The first real
+    verdict, and any verdict after "unknown" (start-up, an evaluation pause), is taken at once: there is
+    nothing to hold then. A held verdict keeps the reason and evidence it was last judged on (so the
+    two never disagree) and says in its scope what the newer judgements look like."""
+
+    def __init__(self, hold: int = HOLD_WINDOWS) -> None:
+        self.hold = hold
+        self.current: Bottleneck | None = None
+        self._challenger: str | None = None
+        self._wins = 0
+
+    def update(self, raw: Bottleneck) -> Bottleneck:
+        cur = self.current
+        if cur is None or cur.verdict == UNKNOWN.name or raw.verdict == cur.verdict:
+            self._challenger, self._wins = None, 0
+            self.current = raw
+            return raw
+        if raw.verdict == self._challenger:
+            self._wins += 1
+        else:
+            self._challenger, self._wins = raw.verdict, 1
+        if self._wins >= self.hold:
+            self._challenger, self._wins = None, 0
+            self.current = raw
+            return raw
+        # Held: the standing verdict with its own numbers, and why it stands.
+        scope = f"{cur.scope}; " if cur.scope else ""
+        return msgspec.structs.replace(cur, scope=f"{scope}held: the latest judgement looks {raw.verdict}, "
+                                                  f"{self._wins} of {self.hold} in a row needed to change")
 
 
 def refine(raw: Bottleneck, cpu: CpuFigures | None, contention: float | None, process_cpu: float | None) -> Bottleneck:

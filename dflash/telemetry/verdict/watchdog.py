@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from dflash.telemetry.introspection import python_stacks, set_ptracer
+from dflash.telemetry.publish.introspection import python_stacks, set_ptracer
 from dflash.telemetry.summary import Summary, percentile
 from dflash.telemetry.wire.protocol import StackEntry, Stall, ThreadStacks
 from dflash.telemetry.wire.table import seconds

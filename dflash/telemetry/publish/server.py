@@ -23,13 +23,13 @@ from typing import Any, Protocol
 
 import msgspec
 
-from dflash.telemetry.introspection import ptrace_allow, python_stacks, thread_map
-from dflash.telemetry.judge import PublishedVerdict
-from dflash.telemetry.peers import MAX_REQUEST_BYTES, Client, Peers
-from dflash.telemetry.recorder import Recorder
+from dflash.telemetry.publish.introspection import ptrace_allow, python_stacks, thread_map
+from dflash.telemetry.publish.peers import MAX_REQUEST_BYTES, Client, Peers
+from dflash.telemetry.publish.recorder import Recorder
+from dflash.telemetry.publish.system import SystemSampler
 from dflash.telemetry.stats import ProfileStats
 from dflash.telemetry.summary import Summary, to_snapshot
-from dflash.telemetry.system import SystemSampler
+from dflash.telemetry.verdict.published import PublishedVerdict
 from dflash.telemetry.wire.protocol import (
     PROTO,
     Bye,
