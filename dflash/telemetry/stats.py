@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dflash.telemetry.reservoir import RESERVOIR, Reservoir
@@ -243,6 +244,25 @@ class _NullWorker:
         return _NULL_SPAN
 
 
+@dataclass
+class _Window:
+    """What one drain took from the workers: their raw samples, open spans and parked CUDA events, and
+    the run's counters, gauges and metrics at that instant; `dropped` grows as the drain discards
+    non-finite or unresolvable samples."""
+
+    workers: list[Worker]
+    raw: dict[str, list]
+    opened: dict[str, list[tuple[str, float]]]
+    pending: dict[str, dict[str, Reservoir]]
+    unresolved: dict[str, list]
+    counters: dict[str, float]
+    gauges: dict[str, float]
+    metrics: dict[str, MetricValue]
+    dropped: int
+    start: float
+    seconds: float
+
+
 class ProfileStats:
     """Thread-safe per-worker/per-category timing, counters, gauges and metrics.
 
@@ -409,114 +429,121 @@ class ProfileStats:
             return Summary(t=t, window_s=0.0)
         with self._drain_lock:
             self._resolve_device_counts()
-            with self._lock:
-                workers = list(self._workers.values())
-                raw = {w.name: _take(w._buf) for w in workers}
-                # after the buffers: a span that ends in between is then "ended" here and its sample
-                # arrives in a later window, which the carry handles (the other order would book it twice)
-                opened = {w.name: w.open_spans() for w in workers}
-                for w in workers:
-                    self._park_cuda(w.name, _take(w._cuda))
-                pending, self._pending = self._pending, {}
-                unresolved, self._unresolved = self._unresolved, {}
-                counters = dict(self._counters)
-                dropped, self._dropped = self._dropped, 0
-            gauges = dict(self._gauges)
-            metrics = {k: (list(v) if isinstance(v, list) else v) for k, v in self._metrics.items()}
-            window_start, self._window_start = self._window_start, now
-            window_s = now - window_start
-
-            device, still, dev_dropped = self._resolve_cuda(unresolved)
-            dropped += dev_dropped
-            if still:
-                with self._lock:
-                    for name, pairs in still.items():
-                        # older pairs go first: a concurrent fold may already have parked newer ones
-                        newer = self._unresolved.get(name, [])
-                        self._unresolved[name] = []
-                        self._park_cuda(name, pairs + newer)
-
-            out_workers: dict[str, dict[str, CategoryStats]] = {}
-            out_cum: dict[str, dict[str, CategoryStats]] = {}
-            inflight, since_done = self._book_open(workers, opened, raw, pending, now, window_start, t)
-            rng = self._rng
-            for w in workers:
-                name = w.name
-                wall = now - max(window_start, w.created)
-                life = now - w.created
-                accs: dict[str, Reservoir] = pending.get(name, {})
-                cats: dict[str, CategoryStats] = {}
-                groups = _group(raw[name])
-                open_part: dict[str, float] = {}
-                for cat, t0 in opened[name]:
-                    open_part[cat] = open_part.get(cat, 0.0) + now - max(t0, window_start, w.created)
-                cum = self._cum.setdefault(name, {})
-                cum_dev = self._cum_dev.setdefault(name, {})
-                dev = device.get(name, {})
-                for cat in dict.fromkeys([*groups, *accs, *dev]):  # ordered union: stable output
-                    values, bad = _finite(groups.get(cat, []))
-                    dropped += bad
-                    acc = accs.get(cat)
-                    if acc is not None:
-                        acc.extend(values, rng)
-                    elif values:
-                        acc = Reservoir.of(values)
-                    dstats = None
-                    dvals = dev.get(cat)
-                    if dvals:
-                        dstats = Reservoir.of(dvals).device_stats(wall)
-                        cacc = cum_dev.get(cat)
-                        if cacc is None:
-                            cacc = cum_dev[cat] = Reservoir(CUM_RESERVOIR)
-                        cacc.extend(dvals, rng)
-                    if acc is None:
-                        # device times resolved for spans whose host time fell in an earlier window
-                        cats[cat] = CategoryStats(n=0, total=0.0, mean=0.0, p50=0.0, p95=0.0, max=0.0, device=dstats)
-                        continue
-                    cats[cat] = acc.stats(wall, dstats)
-                    cats[cat].share = self._window_share(name, cat, acc.total, open_part.pop(cat, 0.0), wall)
-                    cacc = cum.get(cat)
-                    if cacc is None:
-                        cacc = cum[cat] = Reservoir(CUM_RESERVOIR)
-                    cacc.merge(acc, rng)
-                for cat, part in open_part.items():  # open all window long, or ended without a sample yet
-                    share = self._window_share(name, cat, 0.0, part, wall)
-                    if cat in cats:
-                        cats[cat].share = share
-                    else:
-                        cats[cat] = CategoryStats(n=0, total=0.0, mean=0.0, p50=0.0, p95=0.0, max=0.0, share=share)
-                out_workers[name] = cats
-                out_cum[name] = {}
-                for cat, a in cum.items():
-                    d = cum_dev.get(cat)
-                    out_cum[name][cat] = a.stats(life, d.device_stats(life) if d is not None and d.n else None)
-                # device-only categories (all host time recorded before the first drain saw them)
-                for cat, d in cum_dev.items():
-                    if cat not in cum and d.n:
-                        out_cum[name][cat] = CategoryStats(
-                            n=0, total=0.0, mean=0.0, p50=0.0, p95=0.0, max=0.0, device=d.device_stats(life)
-                        )
-
-            rates = {}
-            for k, v in counters.items():
-                rates[k] = (v - self._last_counters.get(k, 0)) / window_s if window_s > 0 else 0.0
-            self._last_counters = counters
-
+            win = self._take_window(now)
+            device = self._resolve_window_cuda(win)
+            inflight, since_done = self._book_open(win.workers, win.opened, win.raw, win.pending, now, win.start, t)
+            out_workers = {w.name: self._window_stats(w, win, device.get(w.name, {}), now) for w in win.workers}
+            out_cum = {w.name: self._cumulative_stats(w.name, now - w.created) for w in win.workers}
+            rates = {k: (v - self._last_counters.get(k, 0)) / win.seconds if win.seconds > 0 else 0.0
+                     for k, v in win.counters.items()}
+            self._last_counters = win.counters
         return Summary(
             t=t,
-            window_s=window_s,
+            window_s=win.seconds,
             workers=out_workers,
             untracked=untracked_of(out_workers),
             cumulative=out_cum,
-            counters=counters,
+            counters=win.counters,
             rates=rates,
-            gauges=gauges,
-            metrics=metrics,
-            dropped=dropped,
+            gauges=win.gauges,
+            metrics=win.metrics,
+            dropped=win.dropped,
             inflight=inflight,
             since_done=since_done,
             roles={w: str(r) for w, r in self._roles.items()},
         )
+
+    def _take_window(self, now: float) -> _Window:
+        """Everything the workers recorded since the last drain, taken from them at one instant (their
+        buffers emptied), with the counters, gauges and metrics as they stand then."""
+        with self._lock:
+            workers = list(self._workers.values())
+            raw = {w.name: _take(w._buf) for w in workers}
+            # after the buffers: a span that ends in between is then "ended" here and its sample
+            # arrives in a later window, which the carry handles (the other order would book it twice)
+            opened = {w.name: w.open_spans() for w in workers}
+            for w in workers:
+                self._park_cuda(w.name, _take(w._cuda))
+            pending, self._pending = self._pending, {}
+            unresolved, self._unresolved = self._unresolved, {}
+            counters = dict(self._counters)
+            dropped, self._dropped = self._dropped, 0
+        gauges = dict(self._gauges)
+        metrics = {k: (list(v) if isinstance(v, list) else v) for k, v in self._metrics.items()}
+        start, self._window_start = self._window_start, now
+        return _Window(workers=workers, raw=raw, opened=opened, pending=pending, unresolved=unresolved,
+                       counters=counters, gauges=gauges, metrics=metrics, dropped=dropped, start=start,
+                       seconds=now - start)
+
+    def _resolve_window_cuda(self, win: _Window) -> dict[str, dict[str, list[float]]]:
+        """Device seconds per worker and category of the CUDA events that have completed; the others are
+        parked again for the next drain."""
+        device, still, dev_dropped = self._resolve_cuda(win.unresolved)
+        win.dropped += dev_dropped
+        if still:
+            with self._lock:
+                for name, pairs in still.items():
+                    # older pairs go first: a concurrent fold may already have parked newer ones
+                    newer = self._unresolved.get(name, [])
+                    self._unresolved[name] = []
+                    self._park_cuda(name, pairs + newer)
+        return device
+
+    def _window_stats(self, w: Worker, win: _Window, dev: dict[str, list[float]], now: float
+                      ) -> dict[str, CategoryStats]:
+        """One worker's categories over the window (host time, device time, share of its wall time),
+        folded into its cumulative reservoirs as they go."""
+        name, rng = w.name, self._rng
+        wall = now - max(win.start, w.created)
+        accs: dict[str, Reservoir] = win.pending.get(name, {})
+        cats: dict[str, CategoryStats] = {}
+        groups = _group(win.raw[name])
+        open_part: dict[str, float] = {}
+        for cat, t0 in win.opened[name]:
+            open_part[cat] = open_part.get(cat, 0.0) + now - max(t0, win.start, w.created)
+        cum = self._cum.setdefault(name, {})
+        cum_dev = self._cum_dev.setdefault(name, {})
+        for cat in dict.fromkeys([*groups, *accs, *dev]):  # ordered union: stable output
+            values, bad = _finite(groups.get(cat, []))
+            win.dropped += bad
+            acc = accs.get(cat)
+            if acc is not None:
+                acc.extend(values, rng)
+            elif values:
+                acc = Reservoir.of(values)
+            dstats = None
+            dvals = dev.get(cat)
+            if dvals:
+                dstats = Reservoir.of(dvals).device_stats(wall)
+                cum_dev.setdefault(cat, Reservoir(CUM_RESERVOIR)).extend(dvals, rng)
+            if acc is None:
+                # device times resolved for spans whose host time fell in an earlier window
+                cats[cat] = CategoryStats(n=0, total=0.0, mean=0.0, p50=0.0, p95=0.0, max=0.0, device=dstats)
+                continue
+            cats[cat] = acc.stats(wall, dstats)
+            cats[cat].share = self._window_share(name, cat, acc.total, open_part.pop(cat, 0.0), wall)
+            cum.setdefault(cat, Reservoir(CUM_RESERVOIR)).merge(acc, rng)
+        for cat, part in open_part.items():  # open all window long, or ended without a sample yet
+            share = self._window_share(name, cat, 0.0, part, wall)
+            if cat in cats:
+                cats[cat].share = share
+            else:
+                cats[cat] = CategoryStats(n=0, total=0.0, mean=0.0, p50=0.0, p95=0.0, max=0.0, share=share)
+        return cats
+
+    def _cumulative_stats(self, name: str, life: float) -> dict[str, CategoryStats]:
+        """One worker's categories over its whole life, device time included."""
+        cum, cum_dev = self._cum.get(name, {}), self._cum_dev.get(name, {})
+        out = {}
+        for cat, a in cum.items():
+            d = cum_dev.get(cat)
+            out[cat] = a.stats(life, d.device_stats(life) if d is not None and d.n else None)
+        # device-only categories (all host time recorded before the first drain saw them)
+        for cat, d in cum_dev.items():
+            if cat not in cum and d.n:
+                out[cat] = CategoryStats(n=0, total=0.0, mean=0.0, p50=0.0, p95=0.0, max=0.0,
+                                         device=d.device_stats(life))
+        return out
 
     def _book_open(
         self,
