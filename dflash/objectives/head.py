@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash.telemetry.wire.vocab import OBJECTIVE_CATEGORIES
+
 #: the float32 [chunk, vocab] logits of one chunk stay under this many bytes (a few such tensors live
 #: at once: logits, softmax, the verifier's own); a small vocabulary takes every row in one chunk
 CHUNK_BYTES = 1 << 28
@@ -32,7 +34,7 @@ MIN_CHUNK = 256
 ChunkLoss = Callable[[torch.Tensor, slice, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 Span = Callable[[str], Any]
 #: the span category of the verifier's side of a chunk (its logits), timed apart from the drafter's
-VERIFIER_CATEGORY = "verifier_logits"
+VERIFIER_CATEGORY = OBJECTIVE_CATEGORIES[0]
 
 
 def chunk_rows(vocab: int) -> int:
