@@ -44,3 +44,15 @@ def capped(head: nn.Linear, config) -> nn.Module:
     """The head followed by the final logit soft-cap where the target's config has one."""
     cap = getattr(config, "final_logit_softcapping", None)
     return SoftCappedHead(head, float(cap)) if cap else head
+
+
+class NormedHead(_Wrapped):
+    """``head(norm(h))``: the target's logits from its final state taken before the final norm (what a
+    cache holds); with ``nn.Identity`` for the norm, from a state already normed."""
+
+    def __init__(self, norm: nn.Module, head: nn.Module):
+        super().__init__(head)
+        self.norm = norm
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.norm(h))

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dflash.telemetry.wire.vocab import term_gauge
 from dflash.train.config import TrainConfig
 from dflash.train.control import Interval
 from dflash.train.reporting import Reporter
@@ -62,6 +63,8 @@ class LogLines:
             self._totals = self._totals + totals
             t, s = totals.summary(), self.stats
             s.gauge("loss", t["loss"])
+            for term, value in t["terms"].items():
+                s.gauge(term_gauge(term), value)
             s.gauge("grad_norm", t["grad_norm"])
             for name in ("accuracy", "sim_tau", "block_tau", "per_position_acc"):
                 s.metric(name, t[name])
@@ -108,6 +111,7 @@ class LogLines:
                 self.report.log(f"  evidence: {evidence_text(b.evidence)}")
         if self.report.trackers is not None:
             self.report.trackers.log(st.step, interval_scalars(
-                loss=m["loss"], accuracy=m["accuracy"], sim_tau=m["sim_tau"], per_position=m["per_position_acc"],
+                loss=m["loss"], terms=m["terms"], accuracy=m["accuracy"], sim_tau=m["sim_tau"],
+                per_position=m["per_position_acc"],
                 tokens_per_s=tps, lr=r.lr, grad_norm=m["grad_norm"], verdict=b.verdict if b else None,
                 workers=summary.cumulative if summary is not None else None))
