@@ -100,16 +100,24 @@ def check_model(ref, work: Path) -> None:
                 q_ref.gather(-1, order_ref))
 
 
-def check_decode(ref, work: Path) -> None:
-    """Both decoders on the tiny target with a DFlash2 drafter: the same tokens and acceptance."""
+def check_decode(ref, work: Path, drafter: Path | None) -> None:
+    """Both decoders on the tiny target with a DFlash2 drafter: the same tokens and acceptance. A random
+    drafter has every draft rejected; a trained one (``drafter``: for the tiny target) has some kept."""
     from dflash.eval.speculative import speculative_generate
+    from dflash.model.export import load_drafter
     from dflash.targets import load_target
 
-    target = load_target("tiny", device="cpu", layer_ids=[1, 2])
-    cfg = DFlash2Config.for_target(target.config, num_layers=1, block_size=6, target_layer_ids=target.layer_ids,
-                                   mask_token_id=target.default_mask_token_id())
-    cfg = DFlash2Config(**{**cfg.__dict__, "selector_rank": 16, "selector_top_k": 4, "conv_group_size": 8})
-    ours = scrambled(cfg, 2)
+    if drafter is not None:
+        ours = load_drafter(drafter, torch.float32).eval()
+        if not isinstance(ours, DFlash2Drafter):
+            raise SystemExit(f"{drafter}: not a DFlash2 drafter")
+        target = load_target("tiny", device="cpu", layer_ids=ours.config.target_layer_ids)
+    else:
+        target = load_target("tiny", device="cpu", layer_ids=[1, 2])
+        cfg = DFlash2Config.for_target(target.config, num_layers=1, block_size=6, target_layer_ids=target.layer_ids,
+                                       mask_token_id=target.default_mask_token_id())
+        ours = scrambled(DFlash2Config(**{**cfg.__dict__, "selector_rank": 16, "selector_top_k": 4,
+                                          "conv_group_size": 8}), 2)
     export_drafter(ours, work)
     theirs = ref.DFlash2DraftModel.from_pretrained(str(work), dtype=torch.float32).eval()
     prompt = target.tokenizer("the quick brown fox")["input_ids"]
@@ -119,20 +127,25 @@ def check_decode(ref, work: Path) -> None:
     theirs_tokens = out.output_ids[0, len(prompt):].tolist()
     compare("greedy decode tokens (tiny target, 24 tokens)", torch.tensor(mine.tokens), torch.tensor(theirs_tokens),
             atol=0)
-    # the proposals, round by round: the tokens each verify round kept
-    compare("tokens per round", torch.tensor(mine.produced), torch.tensor(out.acceptance_lengths), atol=0)
+    # the proposals, round by round: the tokens each verify round kept (ours also counts a last round
+    # whose tokens all fell past the budget, as 0; the reference stops before it)
+    compare("tokens per round", torch.tensor([n for n in mine.produced if n]), torch.tensor(out.acceptance_lengths),
+            atol=0)
+    print(f"     drafts accepted per round: {mine.accepted}")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reference", required=True, type=Path, help="the reference's dflash/model.py, saved outside "
                    "this repository")
+    p.add_argument("--drafter", type=Path, default=None, help="a DFlash2 drafter for the tiny target (run directory, "
+                   "checkpoint or export) to decode with; default: a random one")
     args = p.parse_args()
     torch.set_num_threads(1)  # a check, not a benchmark: one thread, so it runs beside other work
     ref = load_reference(args.reference)
     with tempfile.TemporaryDirectory() as tmp:
         check_model(ref, Path(tmp) / "model")
-        check_decode(ref, Path(tmp) / "decode")
+        check_decode(ref, Path(tmp) / "decode", args.drafter)
     print("the reference reads our DFlash2 export and computes what we compute")
     return 0
 
