@@ -189,7 +189,8 @@ class CandidateSelector(nn.Module):
         """[..., K] scores of ``candidates`` after ``predecessors`` [...] for slots whose projected states
         are ``projected`` [..., rank] (``hidden_projection(h)``)."""
         context = self.predecessor_codebook[predecessors] * projected
-        transition = (context.unsqueeze(-2) * self.successor_codebook[candidates]).sum(-1)
+        successors = self.successor_codebook[candidates].to(context.dtype)  # [..., K, rank]
+        transition = torch.matmul(successors, context.unsqueeze(-1)).squeeze(-1)  # no [..., K, rank] product
         return unary + transition.to(unary.dtype)
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, temperature: float = 0.0,

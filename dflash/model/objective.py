@@ -29,8 +29,10 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from dflash.model.dflash2 import DFlash2Drafter
 from dflash.model.drafter import SLIDING, DFlashDrafter
 from dflash.model.masks import block_attention_mask, flex_block_mask, use_flex
+from dflash.model.selector_loss import SelectorRows, predecessors
 
 
 @dataclass
@@ -43,14 +45,18 @@ class LossOutput:
     tests and one-off use.
 
     stats: float32 ``[loss, sum over blocks of the run of leading correct slots, correct slot 1 ..
-        correct slot B-1]`` (the totals ``metrics_of`` turns into rates).
+        correct slot B-1]`` (the totals ``metrics_of`` turns into rates), and for a DFlash2 drafter
+        whose selector term was added ``[covered, correct]`` after them (selector_loss.py).
     per_position_count[k-1]: supervised slots at position k (host ints, known from the batch plan).
+    selector_rows: a DFlash2 drafter's supervised rows, for the selector's term (selector_loss.py)
+        to add; None once added, and for a DFlash drafter.
     """
 
     loss: torch.Tensor
     stats: torch.Tensor
     num_blocks: int
     per_position_count: list[int] = field(default_factory=list)
+    selector_rows: SelectorRows | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -276,7 +282,7 @@ def forward_blocks(
         noise = embed_tokens(block_ids)
     ctx_positions = torch.arange(t, device=device).expand(bsz, t)
     # every position of the pass is below t: the length dynamic RoPE scales by, known without a read
-    hidden = drafter(noise, target_hidden, positions, ctx_positions, masks, seq_len=t)  # [Bsz, N*B, H]
+    hidden = drafter(noise, target_hidden, positions, ctx_positions, masks, seq_len=t, block_len=bs)  # [Bsz, N*B, H]
     return hidden.view(bsz, n, bs, -1)
 
 
@@ -332,6 +338,10 @@ def dflash_loss(
     ce, pred = head_cross_entropy(lm_head, h, plan.labels)
     w = loss_weights(bs, cfg.gamma, device)[plan.slot]
     loss = (ce * w).sum() / w.sum()
+    selector_rows = None
+    if isinstance(getattr(drafter, "module", drafter), DFlash2Drafter):  # DDP wraps it as .module
+        selector_rows = SelectorRows(h, plan.labels, predecessors(input_ids, plan.anchors, plan.sel, plan.slot, bs),
+                                     w, w.sum())
 
     with torch.no_grad():
         correct = (pred == plan.labels).float()
@@ -339,4 +349,4 @@ def dflash_loss(
         grid = torch.zeros(bsz * padded.shape[1] * (bs - 1), device=device).index_copy_(0, plan.sel, correct)
         runs = grid.view(-1, bs - 1).cumprod(dim=-1).sum()  # leading correct slots, summed over blocks
         stats = torch.cat([loss.detach().float().reshape(1), runs.reshape(1), per_slot])
-    return LossOutput(loss, stats, plan.num_blocks, plan.per_position_count)
+    return LossOutput(loss, stats, plan.num_blocks, plan.per_position_count, selector_rows)

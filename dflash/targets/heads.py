@@ -44,3 +44,10 @@ def capped(head: nn.Linear, config) -> nn.Module:
     """The head followed by the final logit soft-cap where the target's config has one."""
     cap = getattr(config, "final_logit_softcapping", None)
     return SoftCappedHead(head, float(cap)) if cap else head
+
+
+def applied(embed: nn.Module, head: nn.Module) -> tuple[float, float | None]:
+    """(embedding scale, logit soft-cap or None) that a target's frozen embedding and head apply: what a
+    DFlash2 export records for the engines (``input_embedding_scale``, ``final_logit_softcapping``)."""
+    scale = embed.scale if isinstance(embed, ScaledEmbedding) else 1.0
+    return float(scale), (head.cap if isinstance(head, SoftCappedHead) else None)

@@ -19,6 +19,9 @@ CATEGORIES = ("batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put
 #: a hidden-states cache's: read in place of target_forward (cache_read), waited for when following a
 #: directory still being written (cache_wait), written by `dflash data cache` (cache_write)
 CACHE_CATEGORIES = ("cache_wait", "cache_read", "cache_write")
+#: a DFlash2 drafter's candidate selector: the forward of its loss, timed beside drafter_forward (not in
+#: it: spans of two categories add up), its backward inside drafter_backward
+SELECTOR = "selector"
 #: categories that are not training: time spent in them pauses the pipeline
 PAUSE_CATEGORIES = ("eval",)
 #: a category named with one of these waits (on a queue, for a file not yet written): time a worker is
@@ -26,7 +29,7 @@ PAUSE_CATEGORIES = ("eval",)
 WAIT_SUFFIXES = ("_wait", "_put")
 #: a role's working share: what it does when it is not waiting on a queue
 TARGET_BUSY = ("target_forward", "cache_read", "pack_hidden", "h2d")
-DRAFTER_BUSY = ("drafter_forward", "drafter_backward", "optimizer_step", "h2d")
+DRAFTER_BUSY = ("drafter_forward", SELECTOR, "drafter_backward", "optimizer_step", "h2d")
 
 
 # --- worker roles ----------------------------------------------------------------------------------

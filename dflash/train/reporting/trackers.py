@@ -155,11 +155,13 @@ class Trackers:
 
 def interval_scalars(*, loss: float, accuracy: float, sim_tau: float, per_position: list[float], tokens_per_s: float,
                      lr: float, grad_norm: float, workers: Mapping[str, Mapping[str, Any]] | None,
-                     verdict: str | None) -> dict[str, float]:
-    """One log interval as tracker scalars: training numbers, acceptance per draft position, each
-    worker's time share per category, and the bottleneck verdict as a one-hot set."""
+                     verdict: str | None, selector: Mapping[str, float] | None = None) -> dict[str, float]:
+    """One log interval as tracker scalars: training numbers, acceptance per draft position, a DFlash2
+    selector's recall and accuracy, each worker's time share per category, and the bottleneck verdict
+    as a one-hot set."""
     out = {"train/loss": loss, "train/accuracy": accuracy, "train/sim_tau": sim_tau,
            "train/tokens_per_s": tokens_per_s, "train/lr": lr, "train/grad_norm": grad_norm}
+    out.update({f"train/{name}": value for name, value in (selector or {}).items()})
     out.update({f"train/acceptance_{k}": a for k, a in enumerate(per_position, 1)})
     for worker, cats in (workers or {}).items():
         for cat, st in cats.items():

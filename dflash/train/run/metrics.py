@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from dflash.model.objective import metrics_of
+from dflash.model.selector_loss import selector_metrics
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Totals:
     correct: list[float] = field(default_factory=list)  # per slot position
     counts: list[int] = field(default_factory=list)  # supervised slots per position
     blocks: int = 0
+    selector: list[float] = field(default_factory=list)  # a DFlash2 drafter's [covered, correct] slots
 
     def __add__(self, other: Totals) -> Totals:
         if not self.steps:
@@ -37,7 +39,8 @@ class Totals:
             return self
         return Totals(self.steps + other.steps, self.loss + other.loss, self.grad_norm + other.grad_norm,
                       self.runs + other.runs, [a + b for a, b in zip(self.correct, other.correct, strict=True)],
-                      [a + b for a, b in zip(self.counts, other.counts, strict=True)], self.blocks + other.blocks)
+                      [a + b for a, b in zip(self.counts, other.counts, strict=True)], self.blocks + other.blocks,
+                      [a + b for a, b in zip(self.selector, other.selector, strict=True)])
 
     def summary(self) -> dict[str, Any]:
         """Mean loss and gradient norm per step; accuracy, per-position acceptance and both taus pooled
@@ -46,6 +49,8 @@ class Totals:
                                "grad_norm": self.grad_norm / self.steps if self.steps else 0.0,
                                "supervised_tokens": sum(self.counts)}
         out.update(metrics_of(self.runs, self.correct, self.counts, self.blocks))
+        if self.selector:
+            out.update(selector_metrics(self.selector, sum(self.counts)))
         return out
 
 
@@ -84,5 +89,6 @@ class StepMetrics:
             with torch.cuda.stream(stream):
                 taken = taken.cpu()
         v = taken.tolist()
-        host.loss, host.runs, host.correct, host.grad_norm = v[0], v[1], v[2:-1], v[-1]
+        n = 2 + len(host.counts)  # then a DFlash2 drafter's selector counts, then the gradient norm
+        host.loss, host.runs, host.correct, host.selector, host.grad_norm = v[0], v[1], v[2:n], v[n:-1], v[-1]
         return host

@@ -20,7 +20,9 @@ import torch
 
 from dflash.data import Sample
 from dflash.model.objective import BlockPlan, LossOutput, dflash_loss, plan_blocks
+from dflash.model.selector_loss import ramp_weight, with_selector
 from dflash.targets.base import Target
+from dflash.telemetry.wire.vocab import SELECTOR
 from dflash.train.distributed import explain_backward_error
 from dflash.train.run.faults import FaultPlan
 from dflash.train.run.guard import NonFiniteGuard
@@ -237,6 +239,11 @@ class DrafterStage:
                 self.faults.delay("drafter", b.index, time.perf_counter() - t0)
                 if self.faults.poison(b.index):
                     out.loss = out.loss * float("nan")
+        if out.selector_rows is not None:  # a DFlash2 drafter: its selector's term, timed as its own span
+            m = self.cfg.model
+            weight = ramp_weight(progress, m.selector_loss_weight, m.selector_warmup, m.selector_ramp)
+            with self.span(SELECTOR), torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+                out = with_selector(out, self.drafter.candidate_selector, self.lm_head, weight)
         with self.span("drafter_backward"):
             try:
                 out.loss.backward()
