@@ -121,11 +121,11 @@ def check_decode(ref, work: Path, drafter: Path | None) -> None:
     export_drafter(ours, work)
     theirs = ref.DFlash2DraftModel.from_pretrained(str(work), dtype=torch.float32).eval()
     prompt = target.tokenizer("the quick brown fox")["input_ids"]
-    mine = speculative_generate(ours, target, prompt, 24, stop_token_ids=[])
+    mine = speculative_generate(ours, target, prompt, 48, stop_token_ids=[])
     ref._cuda_time = time.perf_counter  # its stats time with CUDA synchronisations; on the CPU a clock will do
-    out = ref.dflash_generate(theirs, target.model, torch.tensor([prompt]), 24, None, return_stats=True)
+    out = ref.dflash_generate(theirs, target.model, torch.tensor([prompt]), 48, None, return_stats=True)
     theirs_tokens = out.output_ids[0, len(prompt):].tolist()
-    compare("greedy decode tokens (tiny target, 24 tokens)", torch.tensor(mine.tokens), torch.tensor(theirs_tokens),
+    compare("greedy decode tokens (tiny target, 48 tokens)", torch.tensor(mine.tokens), torch.tensor(theirs_tokens),
             atol=0)
     # the proposals, round by round: the tokens each verify round kept (ours also counts a last round
     # whose tokens all fell past the budget, as 0; the reference stops before it)

@@ -24,7 +24,7 @@ Parameter names match the public reference (z-lab/dflash ``DFlashDraftModel``) o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
@@ -238,7 +238,7 @@ class DrafterConfig:
     @classmethod
     def from_dict(cls, d: dict) -> DrafterConfig:
         """Inverse of ``dataclasses.asdict``; unknown keys (from newer versions) are ignored."""
-        known = {f for f in cls.__dataclass_fields__}
+        known = {f.name for f in fields(cls)}  # not __dataclass_fields__, which holds drafter_type too
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
