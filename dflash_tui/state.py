@@ -28,7 +28,7 @@ from dflash.telemetry.wire.protocol import (
     Stall,
     SystemSample,
 )
-from dflash.telemetry.wire.vocab import Gauge
+from dflash.telemetry.wire.vocab import Gauge, loss_terms
 from dflash_tui.sources import Connection, SourceUpdate
 
 #: points kept per series (at 2 Hz: 2.5 minutes; sparklines show the newest that fit)
@@ -336,6 +336,11 @@ class RunState:
         if self.snapshot is None:
             return None
         return self.snapshot.gauges.get(Gauge.LOSS)
+
+    @property
+    def loss_terms(self) -> dict[str, float]:
+        """The objective's terms (each before its weight) by name, as the trainer last published them."""
+        return loss_terms(self.snapshot.gauges) if self.snapshot is not None else {}
 
     @property
     def tau_value(self) -> float | None:

@@ -12,8 +12,9 @@ from test_model_helpers import make_target_dir, one_thread  # noqa: F401
 from dflash.eval import speculative
 from dflash.eval.speculative import classify_divergence, evaluate, greedy_generate, speculative_generate
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.objective import dflash_loss
+from dflash.objectives import build
 from dflash.targets import load_target
+from dflash.train.config import ObjectiveSettings
 
 BLOCK = 8
 
@@ -51,9 +52,10 @@ def trained(targets):
     drafter = new_drafter(target)
     opt = torch.optim.AdamW(drafter.parameters(), lr=5e-3)
     g = torch.Generator().manual_seed(0)
+    objective = build(ObjectiveSettings(), drafter.config.gamma)
     for _ in range(60):
-        out = dflash_loss(drafter, target.embed_tokens, target.lm_head, ids, hidden, loss_mask,
-                          num_anchors=8, generator=g)
+        out = objective.on_batch(drafter, target.embed_tokens, target.lm_head, ids, hidden, loss_mask,
+                                 num_anchors=8, generator=g)
         opt.zero_grad()
         out.loss.backward()
         opt.step()

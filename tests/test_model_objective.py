@@ -11,15 +11,11 @@ import torch.nn.functional as F
 from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, default_gamma
-from dflash.model.objective import (
-    block_attention_mask,
-    build_blocks,
-    dflash_loss,
-    forward_blocks,
-    head_cross_entropy,
-    loss_weights,
-    sample_anchors,
-)
+from dflash.model.objective import block_attention_mask, build_blocks, forward_blocks, sample_anchors
+from dflash.objectives import build
+from dflash.objectives.head import head_rows
+from dflash.objectives.positions import exp_weights as loss_weights
+from dflash.train.config import ObjectiveSettings
 
 H, V, TAPS, T, B = 32, 50, 2, 40, 6
 MASK = V - 1
@@ -35,6 +31,12 @@ def make_parts(seed: int = 0, layers: int = 2, block: int = B):
     embed = torch.nn.Embedding(V, H).double().requires_grad_(False)
     head = torch.nn.Linear(H, V, bias=False).double().requires_grad_(False)
     return drafter, embed, head
+
+
+def dflash_loss(drafter, embed, head, ids, hidden, loss_mask, **kw):
+    """The default objective (CE, exponential position weights) with the plan built from loss_mask."""
+    return build(ObjectiveSettings(), drafter.config.gamma).on_batch(drafter, embed, head, ids, hidden, loss_mask,
+                                                                     **kw)
 
 
 def batch(bsz: int = 2, seed: int = 1):
@@ -236,12 +238,17 @@ def test_flex_attention_path_equals_sdpa_path():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_chunked_head_cross_entropy_equals_plain():
+def test_chunked_head_rows_equal_plain_autograd():
     torch.manual_seed(0)
     head = torch.nn.Linear(H, V, bias=False).double().requires_grad_(False)
     h = torch.randn(11, H, dtype=torch.float64, requires_grad=True)
     y = torch.randint(0, V, (11,))
-    ce, pred = head_cross_entropy(head, h, y, chunk=4)
+    def loss(logits, rows, _ref):
+        ce = F.cross_entropy(logits, y[rows], reduction="none")
+        return ce, {"pred": logits.argmax(-1)}
+
+    ce, extras = head_rows(head, h, loss, chunk=4)
+    pred = extras["pred"]
     (ce * torch.arange(11)).sum().backward()
     g_chunked = h.grad.clone()
     h.grad = None
@@ -302,7 +309,7 @@ def test_step_metrics_summed_on_the_device_equal_the_pooled_figures():
         loss_mask[1, 25:] = False
         out = dflash_loss(drafter, embed, head, ids, hidden, loss_mask, num_anchors=5,
                           generator=torch.Generator().manual_seed(seed), attn_backend="sdpa")
-        acc.add(out.stats, torch.tensor(0.5 * seed), out.per_position_count, out.num_blocks)
+        acc.add(out.stats, torch.tensor(0.5 * seed), out.per_position_count, out.num_blocks, out.term_names)
         outs.append(out)
     t = acc.collect()
     assert acc.collect() is None  # taken: the next interval starts from zero
@@ -317,3 +324,4 @@ def test_step_metrics_summed_on_the_device_equal_the_pooled_figures():
         assert s[key] == pytest.approx(ref[key]), key
     assert s["per_position_acc"] == pytest.approx(ref["per_position_acc"])
     assert s["supervised_tokens"] == sum(o.num_tokens for o in outs) > 0
+    assert s["terms"] == {"ce": pytest.approx(sum(o.terms()["ce"] for o in outs) / 3)}

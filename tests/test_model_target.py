@@ -175,3 +175,19 @@ def test_frozen_head_keeps_the_targets_dtype_and_shares_its_weights(dirs):
     assert torch.equal(head(h), t.lm_head(h)) and torch.equal(embed(ids), t.embed_tokens(ids))
     with torch.autocast("cpu", torch.bfloat16):  # as the drafter stage runs it on CUDA
         assert head(h.float()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_the_final_state_through_the_head_is_the_targets_own_distribution(dirs, arch):
+    """What --loss kl compares with in process: the final state appended after the taps, through the
+    target's final norm (none: it is normed) and LM head, gives the model's own logits."""
+    from dflash.targets.heads import NormedHead
+
+    t = load_target(dirs[arch], num_draft_layers=3)
+    ids = torch.randint(0, 300, (2, 9))
+    both = t.tap_states(ids, final=True)
+    taps = t.tap_states(ids)
+    assert both.shape[-1] == taps.shape[-1] + t.hidden_size and torch.equal(both[..., :taps.shape[-1]], taps)
+    _, head = t.frozen_head("cpu")
+    logits = NormedHead(t.final_norm("cpu"), head)(both[..., taps.shape[-1]:])
+    torch.testing.assert_close(logits, t.model(ids).logits, rtol=1e-5, atol=1e-5)

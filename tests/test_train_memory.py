@@ -9,7 +9,7 @@ import torch
 from test_model_helpers import one_thread  # noqa: F401
 
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.objective import dflash_loss, plan_blocks
+from dflash.model.objective import plan_blocks
 from dflash.telemetry import ProfileStats
 from dflash.train.config.schema import make_config
 from dflash.train.distributed import Dist
@@ -57,7 +57,7 @@ def _saved(stage: DrafterStage, batch: int, anchors: int, dtype: torch.dtype) ->
 
     def forward():
         with torch.autocast("cpu", torch.bfloat16, enabled=stage.autocast):
-            return dflash_loss(stage.drafter, stage.embed, stage.lm_head, ids, hidden, plan=plan).loss
+            return stage.loss(ids, hidden, plan).loss
 
     return saved_bytes(forward, params)
 

@@ -114,10 +114,13 @@ def test_pipelined_run_streams_telemetry_and_checkpoints(setup, tmp_path):
     assert not any(socks.glob("*.sock")), "the socket must be removed at exit"
 
 
-def test_resume_is_exact(setup, tmp_path):
-    """6 steps straight == 3 steps, stop (as on SIGTERM), resume, 3 more: same weights, bit for bit."""
+@pytest.mark.parametrize("recipe", [{}, {"optimizer": "muon", "loss": "kl"}, {"optimizer": "muon", "position_weight": "dpace"}],
+                         ids=["adamw-ce-exp", "muon-kl-exp", "muon-ce-dpace"])
+def test_resume_is_exact(setup, tmp_path, recipe):
+    """6 steps straight == 3 steps, stop (as on SIGTERM), resume, 3 more: same weights, bit for bit,
+    for either optimizer's state (Muon's momentum and AdamW's moments for the rest) and objective."""
     target, data = setup
-    straight = Trainer(_cfg(target, data, tmp_path / "a"), log=lambda s: None)
+    straight = Trainer(_cfg(target, data, tmp_path / "a", **recipe), log=lambda s: None)
     assert straight.run() == 0
 
     class StopAtThree(Trainer):
@@ -126,9 +129,9 @@ def test_resume_is_exact(setup, tmp_path):
                 self.stop_requested.set()
             return super().on_step(r)
 
-    first = StopAtThree(_cfg(target, data, tmp_path / "b"), log=lambda s: None)
+    first = StopAtThree(_cfg(target, data, tmp_path / "b", **recipe), log=lambda s: None)
     assert first.run() == 0 and first.state.step == 3
-    second = Trainer(_cfg(target, data, tmp_path / "b"), resume=True, log=lambda s: None)
+    second = Trainer(_cfg(target, data, tmp_path / "b", **recipe), resume=True, log=lambda s: None)
     assert second.run() == 0 and second.state.step == 6
     a, b = _params(straight), _params(second)
     assert a.keys() == b.keys()

@@ -224,6 +224,8 @@ class DFlash2Drafter(DFlashDrafter):
     forward is DFlashDrafter's (its layers call the convolutions)."""
 
     config: DFlash2Config
+    #: the objective terms it trains beside the token loss (dflash/objectives/selector.py), by weight
+    objective_terms = {"selector": 1.0}
 
     def __init__(self, config: DFlash2Config):
         super().__init__(config)  # its init pass runs before the convolutions and the selector exist

@@ -1,4 +1,5 @@
-"""The DFlash training objective: random anchors, packed blocks, the block attention mask, weighted CE.
+"""What the DFlash objective trains on: random anchors, packed blocks, the block attention mask, the
+drafter's pass over them, and the acceptance metrics. The losses on top are dflash/objectives/.
 
 One training sequence of T tokens (with the target's tap-layer hidden states for every position) yields
 up to ``num_anchors`` blocks. For an anchor at position ``a``:
@@ -27,12 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.nn.functional as F
 
-from dflash.model.dflash2 import DFlash2Drafter
 from dflash.model.drafter import SLIDING, DFlashDrafter
 from dflash.model.masks import block_attention_mask, flex_block_mask, use_flex
-from dflash.model.selector_loss import SelectorRows, predecessors
 
 
 @dataclass
@@ -45,18 +43,18 @@ class LossOutput:
     tests and one-off use.
 
     stats: float32 ``[loss, sum over blocks of the run of leading correct slots, correct slot 1 ..
-        correct slot B-1]`` (the totals ``metrics_of`` turns into rates), and for a DFlash2 drafter
-        whose selector term was added ``[covered, correct]`` after them (selector_loss.py).
+        correct slot B-1, term 1 .. term m, metric 1 .. metric j]`` (the totals ``metrics_of`` turns
+        into rates, then each term of the objective before its weight, named by ``term_names``, then the
+        rates the terms measure, named by ``metric_names``: a DFlash2 selector's recall and accuracy).
     per_position_count[k-1]: supervised slots at position k (host ints, known from the batch plan).
-    selector_rows: a DFlash2 drafter's supervised rows, for the selector's term (selector_loss.py)
-        to add; None once added, and for a DFlash drafter.
     """
 
     loss: torch.Tensor
     stats: torch.Tensor
     num_blocks: int
     per_position_count: list[int] = field(default_factory=list)
-    selector_rows: SelectorRows | None = None
+    term_names: tuple[str, ...] = ()
+    metric_names: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +63,18 @@ class LossOutput:
     def metrics(self) -> dict[str, float | list[float]]:
         """accuracy, per_position_acc, sim_tau, block_tau of this step (reads the device)."""
         values = self.stats.detach().double().cpu().tolist()
-        return metrics_of(values[1], values[2:], self.per_position_count, self.num_blocks)
+        return metrics_of(values[1], values[2:2 + len(self.per_position_count)], self.per_position_count,
+                          self.num_blocks)
+
+    def terms(self) -> dict[str, float]:
+        """Each term of the objective on this step, before its weight (reads the device)."""
+        values = self.stats.detach().double().cpu().tolist()[2 + len(self.per_position_count):]
+        return dict(zip(self.term_names, values[:len(self.term_names)], strict=True))
+
+    def term_metrics(self) -> dict[str, float]:
+        """The rates the terms measured on this step, by name (reads the device)."""
+        values = self.stats.detach().double().cpu().tolist()[2 + len(self.per_position_count) + len(self.term_names):]
+        return dict(zip(self.metric_names, values, strict=True))
 
     @property
     def accuracy(self) -> float:
@@ -104,13 +113,6 @@ def metrics_of(run_sum: float, correct: Sequence[float], counts: Sequence[float]
         "sim_tau": 1.0 + sum(math.prod(per_pos[: k + 1]) for k in range(len(per_pos))),
         "block_tau": 1.0 + run_sum / blocks if blocks else 1.0,
     }
-
-
-def loss_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
-    """Weight of slot k = exp(-(k-1)/gamma) for k = 1..B-1: early slots matter most, since a draft is
-    only accepted up to its first wrong token."""
-    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
-    return torch.exp(-(k - 1) / gamma)
 
 
 def sample_anchors(
@@ -233,29 +235,14 @@ def build_blocks(
     return block_ids.view(bsz, n * block_size), positions.view(bsz, n * block_size), positions[:, :, 1:]
 
 
-def _head_ce(lm_head: torch.nn.Module, h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = lm_head(h.to(lm_head.weight.dtype)).float()
-    return F.cross_entropy(logits, y, reduction="none"), logits.argmax(-1)
+def forward_blocks(drafter: DFlashDrafter, embed_tokens: torch.nn.Module, input_ids: torch.Tensor,
+                   target_hidden: torch.Tensor, anchors: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   attn_backend: str = "auto") -> torch.Tensor:
+    """Drafter hidden states [Bsz, N, B, H] for the blocks at ``anchors`` [Bsz, N], all in one pass."""
+    return run_blocks(drafter, embed_tokens, input_ids, target_hidden, anchors, attention_mask, attn_backend)[0]
 
 
-def head_cross_entropy(
-    lm_head: torch.nn.Module, h: torch.Tensor, y: torch.Tensor, chunk: int = 4096
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row CE and argmax of ``lm_head(h)`` without keeping [rows, vocab] logits for backward.
-
-    512 anchors x 15 slots x a 152K vocabulary is ~4.7 GB of float32 logits per sequence; in chunks
-    under activation checkpointing only one chunk's logits exist at a time (recomputed in backward).
-    """
-    if not h.requires_grad or h.shape[0] <= chunk:
-        return _head_ce(lm_head, h, y)
-    from torch.utils.checkpoint import checkpoint
-
-    parts = [checkpoint(_head_ce, lm_head, h[i : i + chunk], y[i : i + chunk], use_reentrant=False)
-             for i in range(0, h.shape[0], chunk)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-
-def forward_blocks(
+def run_blocks(
     drafter: DFlashDrafter,
     embed_tokens: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -263,8 +250,10 @@ def forward_blocks(
     anchors: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     attn_backend: str = "auto",
-) -> torch.Tensor:
-    """Drafter hidden states [Bsz, N, B, H] for the blocks at ``anchors`` [Bsz, N], all in one pass."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``forward_blocks``' states and whatever else the drafter's forward returned: a drafter returns
+    its final states, or a mapping with them under ``"hidden"`` beside its other outputs (extra heads,
+    read by the objective's terms: dflash.objectives.base.Forward.extras)."""
     bs = drafter.config.block_size
     bsz, t = input_ids.shape
     n = anchors.shape[1]
@@ -282,71 +271,9 @@ def forward_blocks(
         noise = embed_tokens(block_ids)
     ctx_positions = torch.arange(t, device=device).expand(bsz, t)
     # every position of the pass is below t: the length dynamic RoPE scales by, known without a read
-    hidden = drafter(noise, target_hidden, positions, ctx_positions, masks, seq_len=t, block_len=bs)  # [Bsz, N*B, H]
-    return hidden.view(bsz, n, bs, -1)
-
-
-def dflash_loss(
-    drafter: DFlashDrafter,
-    embed_tokens: torch.nn.Module,
-    lm_head: torch.nn.Module,
-    input_ids: torch.Tensor,
-    target_hidden: torch.Tensor,
-    loss_mask: torch.Tensor | None = None,
-    num_anchors: int = 512,
-    generator: torch.Generator | None = None,
-    attention_mask: torch.Tensor | None = None,
-    attn_backend: str = "auto",
-    anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
-    plan: BlockPlan | None = None,
-) -> LossOutput:
-    """Weighted block cross-entropy of the drafter on one batch.
-
-    input_ids [Bsz, T]; target_hidden [Bsz, T, L*H] (the target's tap states for the same tokens);
-    loss_mask [Bsz, T] marks tokens the drafter should learn to predict (the response). A slot is
-    supervised iff its block was sampled and its label position has loss_mask on. ``attention_mask``
-    (1 = real token) additionally hides padded context; padding is expected at the right.
-    ``attn_backend``: "auto" (flex on CUDA, else sdpa), "sdpa" or "flex".
-
-    ``plan``: the batch's BlockPlan on input_ids' device (the trainer builds it in the batch producer;
-    with it the step never waits for the device). Without one it is built here from loss_mask and
-    ``anchors`` (given (anchors, keep), for tests and debugging) or sampled with ``generator``, which
-    reads the batch back to the host first.
-
-    The loss is sum(w_k * CE) / sum(w_k) over supervised slots, w_k = exp(-(k-1)/gamma).
-    """
-    cfg = drafter.config
-    bs = cfg.block_size
-    bsz = input_ids.shape[0]
-    device = input_ids.device
-    if plan is None:
-        if loss_mask is None:
-            raise ValueError("dflash_loss needs a loss_mask or a plan")
-        plan = plan_blocks(input_ids.cpu(), loss_mask.cpu(), bs, num_anchors, generator,
-                           None if anchors is None else (anchors[0].cpu(), anchors[1].cpu())).to(device)
-    if plan.num_tokens == 0:  # nothing to learn from (e.g. responses shorter than two tokens)
-        zero = sum(p.sum() for p in drafter.parameters()) * 0.0
-        return LossOutput(zero, torch.zeros(bs + 1, device=device), 0, [0] * (bs - 1))
-    padded = plan.anchors
-    # Padding blocks sit at position 0: computed like the others, never supervised, never counted.
-    hidden = forward_blocks(drafter, embed_tokens, input_ids, target_hidden, padded.clamp(min=0),
-                            attention_mask, attn_backend)
-    # Only supervised slots go through the (large) LM head; the anchor slot predicts nothing. Slot k of
-    # flat block b is row b * B + k of the (contiguous) output, i.e. sel + b + 1: no copy of all slots.
-    rows = plan.sel + torch.div(plan.sel, bs - 1, rounding_mode="floor") + 1
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-    ce, pred = head_cross_entropy(lm_head, h, plan.labels)
-    w = loss_weights(bs, cfg.gamma, device)[plan.slot]
-    loss = (ce * w).sum() / w.sum()
-    selector_rows = None
-    if isinstance(getattr(drafter, "module", drafter), DFlash2Drafter):  # DDP wraps it as .module
-        selector_rows = SelectorRows(h, plan.labels, predecessors(input_ids, plan.anchors, plan.sel, plan.slot, bs),
-                                     w, w.sum())
-
-    with torch.no_grad():
-        correct = (pred == plan.labels).float()
-        per_slot = torch.zeros(bs - 1, device=device).index_add_(0, plan.slot, correct)
-        grid = torch.zeros(bsz * padded.shape[1] * (bs - 1), device=device).index_copy_(0, plan.sel, correct)
-        runs = grid.view(-1, bs - 1).cumprod(dim=-1).sum()  # leading correct slots, summed over blocks
-        stats = torch.cat([loss.detach().float().reshape(1), runs.reshape(1), per_slot])
-    return LossOutput(loss, stats, plan.num_blocks, plan.per_position_count, selector_rows)
+    out = drafter(noise, target_hidden, positions, ctx_positions, masks, seq_len=t, block_len=bs)  # [Bsz, N*B, H]
+    extras: dict[str, torch.Tensor] = {}
+    if not isinstance(out, torch.Tensor):
+        extras = {k: v for k, v in out.items() if k != "hidden"}
+        out = out["hidden"]
+    return out.view(bsz, n, bs, -1), extras

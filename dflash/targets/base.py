@@ -102,8 +102,16 @@ class Target(ABC):
         """This target on ``device`` (self when it is already there): one per target worker's device."""
 
     @abstractmethod
-    def hidden_states(self, batch: TokenBatch) -> torch.Tensor:
-        """[B, T, len(layer_ids) * hidden_size] tap-layer states for ``batch``, on ``self.device``."""
+    def hidden_states(self, batch: TokenBatch, final: bool = False) -> torch.Tensor:
+        """[B, T, len(layer_ids) * hidden_size] tap-layer states for ``batch``, on ``self.device``; with
+        ``final``, the target's final state appended ([B, T, (taps + 1) * hidden]: what ``final_norm``
+        and the LM head turn into the target's own logits, for an objective that compares with them).
+        A target that cannot raises TargetError."""
+
+    def final_norm(self, device: str | torch.device) -> nn.Module:
+        """What turns the final state ``hidden_states(batch, final=True)`` appends into the LM head's
+        input (the target's final norm, or nothing where the state is normed already), on ``device``."""
+        raise TargetError(f"target {str(self.path)!r} cannot supply its final hidden states (--loss kl needs them)")
 
     def own_samples(self, max_len: int, min_loss_tokens: int) -> list[Any] | None:
         """The training samples, for a target that comes with its data (a cache holds states for its own

@@ -82,7 +82,22 @@ class CacheTarget(Target):
         for p in batch.sample_ids:
             self.reader.wait_for(self.file_rows[p])
 
-    def hidden_states(self, batch: TokenBatch) -> torch.Tensor:
+    @property
+    def final_slot(self) -> int | None:
+        """Where a file holds the final (pre-norm) layer: its last slot, unless dflash's sidecar says the
+        cache was written without it."""
+        lay = self.layout
+        if lay.meta is not None and not lay.meta.final_layer:
+            return None
+        return lay.file_slots - 1
+
+    def hidden_states(self, batch: TokenBatch, final: bool = False) -> torch.Tensor:
+        slots = list(self.layout.slots)
+        if final:
+            if self.final_slot is None:
+                raise TargetError(f"--hidden-states {self.layout.root}: the cache holds no final layer, which "
+                                  "--loss kl needs (write it again with `dflash data cache`, or use --loss ce)")
+            slots.append(self.final_slot)
         index = getattr(batch, "index", None)
         if self._rows_of is not None and index is not None:
             for ahead in range(max(index, self._scheduled + 1), index + READ_AHEAD + 1):
@@ -90,7 +105,7 @@ class CacheTarget(Target):
             self._scheduled = index + READ_AHEAD
         rows = [self.file_rows[p] for p in batch.sample_ids]
         b, t = batch.input_ids.shape
-        h, slots = self.hidden_size, self.layout.slots
+        h = self.hidden_size
         out = torch.zeros((b, t, len(slots) * h), dtype=self.dtype, pin_memory=self.reader.pin)
         for r, row in enumerate(rows):
             states = self.reader.take(row)
@@ -99,26 +114,74 @@ class CacheTarget(Target):
                 out[r, :n, k * h:(k + 1) * h].copy_(states[:n, s])
         return out
 
+    def final_norm(self, device: str | torch.device) -> nn.Module:
+        """The target's final norm (the cache's final slot is taken before it, as the engines write it),
+        read alone from its safetensors files; the module is transformers' own for the family."""
+        if self.path is None:
+            return super().final_norm(device)
+        return _final_norm(self.path, self.config, self.dtype, torch.device(device))
+
     def close(self) -> None:
         self.reader.close()
 
 
-def _head_tensors(path: Path, config: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The input embedding and LM head weights, read alone from the target's safetensors files."""
+def _weight_map(path: Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file of ``path`` holding it."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    else:
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise TargetError(f"target {str(path)!r}: no *.safetensors files (the cache reads the embedding and "
-                              "LM head from them)")
-        weight_map = {}
-        for f in files:
-            with safe_open(str(f), "pt") as st:
-                weight_map.update({k: f.name for k in st.keys()})  # noqa: SIM118 - safe_open has no __iter__
+        return json.loads(index.read_text())["weight_map"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise TargetError(f"target {str(path)!r}: no *.safetensors files (the cache reads the embedding and "
+                          "LM head from them)")
+    weight_map = {}
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            weight_map.update({k: f.name for k in st.keys()})  # noqa: SIM118 - safe_open has no __iter__
+    return weight_map
+
+
+def _load(path: Path, weight_map: dict[str, str], name: str, dtype: torch.dtype) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path / weight_map[name]), "pt") as st:
+        return st.get_tensor(name).to(dtype)
+
+
+def _final_norm(path: Path, config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The decoder's final norm of the model at ``path``: the module built on the meta device from the
+    config (no weights allocated), then its own tensors read from the files by their names."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    norm = getattr(decoder, "norm", None)
+    if norm is None:
+        raise TargetError(f"target {str(path)!r}: {type(decoder).__name__} has no final norm (`norm`) to apply to "
+                          "the cache's final layer")
+    prefix = next(n for n, m in model.named_modules() if m is norm)
+    weight_map = _weight_map(path)
+    state = {}
+    for name, p in norm.named_parameters():
+        full = f"{prefix}.{name}"
+        # a checkpoint saved from the bare decoder has no `model.` in front
+        found = full if full in weight_map else next((k for k in sorted(weight_map, key=len)
+                                                      if k.endswith(f"{prefix.split('.')[-1]}.{name}")
+                                                      and "layers." not in k), None)
+        if found is None:
+            raise TargetError(f"target {str(path)!r}: no {full!r} tensor (the final norm) in its safetensors files")
+        state[name] = _load(path, weight_map, found, p.dtype if p.dtype.is_floating_point else dtype)
+    norm = norm.to_empty(device=device)
+    norm.load_state_dict(state, strict=False)
+    return norm.to(dtype).requires_grad_(False)
+
+
+def _head_tensors(path: Path, config: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input embedding and LM head weights, read alone from the target's safetensors files."""
+    weight_map = _weight_map(path)
 
     def pick(suffix: str) -> str | None:
         names = sorted((k for k in weight_map if k.endswith(suffix)), key=len)
@@ -130,13 +193,8 @@ def _head_tensors(path: Path, config: Any, dtype: torch.dtype) -> tuple[torch.Te
         raise TargetError(f"target {str(path)!r}: no '*embed_tokens.weight' tensor in its safetensors files")
     if head_name is None and not getattr(config, "tie_word_embeddings", False):
         raise TargetError(f"target {str(path)!r}: no 'lm_head.weight' tensor and the embeddings are not tied")
-
-    def load(name: str) -> torch.Tensor:
-        with safe_open(str(path / weight_map[name]), "pt") as st:
-            return st.get_tensor(name).to(dtype)
-
-    embed = load(embed_name)
-    return embed, (load(head_name) if head_name is not None else embed)
+    embed = _load(path, weight_map, embed_name, dtype)
+    return embed, (_load(path, weight_map, head_name, dtype) if head_name is not None else embed)
 
 
 def load_cache_target(root: Path, spec: str, layer_ids: list[int] | None, num_draft_layers: int | None,

@@ -46,6 +46,18 @@ def capped(head: nn.Linear, config) -> nn.Module:
     return SoftCappedHead(head, float(cap)) if cap else head
 
 
+class NormedHead(_Wrapped):
+    """``head(norm(h))``: the target's logits from its final state taken before the final norm (what a
+    cache holds); with ``nn.Identity`` for the norm, from a state already normed."""
+
+    def __init__(self, norm: nn.Module, head: nn.Module):
+        super().__init__(head)
+        self.norm = norm
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.norm(h))
+
+
 def applied(embed: nn.Module, head: nn.Module) -> tuple[float, float | None]:
     """(embedding scale, logit soft-cap or None) that a target's frozen embedding and head apply: what a
     DFlash2 export records for the engines (``input_embedding_scale``, ``final_logit_softcapping``)."""

@@ -111,19 +111,26 @@ class HFTarget(Target):
         """Concatenate the tap layers from an ``output_hidden_states`` tuple (see base.hidden_states_index)."""
         return torch.cat([hidden_states[hidden_states_index(i)] for i in self.layer_ids], dim=-1)
 
-    def hidden_states(self, batch: TokenBatch) -> torch.Tensor:
-        """Tap states for a right-padded batch, computed without its attention mask.
+    def hidden_states(self, batch: TokenBatch, final: bool = False) -> torch.Tensor:
+        """Tap states for a right-padded batch (and, with ``final``, the final normed state: the head's
+        input, from the same forward), computed without its attention mask.
 
         No mask: in a causal LM no real token of a right-padded row attends to padding, and nothing
         downstream reads the padded positions' states (every anchor and its context lie in the real
         tokens). A mask would also make transformers' mask helpers read it back to the host
         (`if mask.all()`), which blocks the calling thread until the GPU drains.
         """
-        return self.tap_states(batch.input_ids.to(self.device, non_blocking=True))
+        return self.tap_states(batch.input_ids.to(self.device, non_blocking=True), final=final)
+
+    def final_norm(self, device: str | torch.device) -> nn.Module:
+        """Nothing: the state ``hidden_states(final=True)`` appends is the decoder's output, normed."""
+        return nn.Identity()
 
     @torch.no_grad()
-    def tap_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, T, len(layer_ids) * hidden] tap-layer hidden states for token ids (right-padded).
+    def tap_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   final: bool = False) -> torch.Tensor:
+        """[B, T, len(layer_ids) * hidden] tap-layer hidden states for token ids (right-padded), and
+        with ``final`` the decoder's normed output appended.
 
         Without ``attention_mask`` the forward reads nothing back from the device where the model allows
         it (see _probe_causal_only).
@@ -134,7 +141,8 @@ class HFTarget(Target):
             mask = attention_mask.to(self.device)
         out = self._decoder(input_ids=input_ids.to(self.device), attention_mask=mask, output_hidden_states=True,
                             use_cache=False)
-        return self.taps(out.hidden_states)
+        taps = self.taps(out.hidden_states)
+        return torch.cat([taps, out.last_hidden_state], dim=-1) if final else taps
 
     @torch.no_grad()
     def _probe_causal_only(self) -> dict[str, None] | None:

@@ -1,5 +1,6 @@
 """The two header lines: who we are watching (run, host, pid, rank, uptime, connection) and how it goes
-(step, tokens/s, loss, simulated tau, labelled `sim tau`: the real one comes from evaluations). The connection state comes first so it survives an 80-column crop.
+(step, tokens/s, loss with the objective's terms, simulated tau, labelled `sim tau`: the real one comes
+from evaluations). The connection state comes first so it survives an 80-column crop.
 """
 
 from __future__ import annotations
@@ -64,8 +65,26 @@ def progress_line(state: RunState, spark_w: int) -> Text:
     t.append("  loss ", style="dim")
     t.append(bad_loss.upper(), style="bold white on red") if bad_loss else t.append(
         fmt.number(state.loss_value), style="bold")
+    t.append_text(terms_text(state.loss_terms))
     t.append("  sim tau ", style="dim").append(fmt.number(state.tau_value), style="bold")
     t.append_text(tail)
+    return t
+
+
+def terms_text(terms: dict[str, float]) -> Text:
+    """` (kl)`, ` (ce 2.10 + selector 0.42)`: which objective the loss is and, when it has several
+    terms, each one before its weight (nothing from a trainer that publishes no terms)."""
+    t = Text()
+    if len(terms) == 1:
+        return t.append(f" ({next(iter(terms))})", style="dim")
+    if not terms:
+        return t
+    t.append(" (", style="dim")
+    for i, (name, value) in enumerate(terms.items()):
+        if i:
+            t.append(" + ", style="dim")
+        t.append(f"{name} ", style="dim").append(fmt.number(value))
+    t.append(")", style="dim")
     return t
 
 

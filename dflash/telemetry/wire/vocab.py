@@ -19,9 +19,12 @@ CATEGORIES = ("batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put
 #: a hidden-states cache's: read in place of target_forward (cache_read), waited for when following a
 #: directory still being written (cache_wait), written by `dflash data cache` (cache_write)
 CACHE_CATEGORIES = ("cache_wait", "cache_read", "cache_write")
-#: a DFlash2 drafter's candidate selector: the forward of its loss, timed beside drafter_forward (not in
-#: it: spans of two categories add up), its backward inside drafter_backward
+#: the objective's own work on the drafter's worker, timed apart from drafter_forward (spans of two
+#: categories add up, they do not nest): the verifier's logits an objective compares with (--loss kl: the
+#: target's final state through its norm and head), and a DFlash2 drafter's candidate selector (its
+#: loss's forward; its backward is inside drafter_backward)
 SELECTOR = "selector"
+OBJECTIVE_CATEGORIES = ("verifier_logits", SELECTOR)
 #: categories that are not training: time spent in them pauses the pipeline
 PAUSE_CATEGORIES = ("eval",)
 #: a category named with one of these waits (on a queue, for a file not yet written): time a worker is
@@ -29,7 +32,7 @@ PAUSE_CATEGORIES = ("eval",)
 WAIT_SUFFIXES = ("_wait", "_put")
 #: a role's working share: what it does when it is not waiting on a queue
 TARGET_BUSY = ("target_forward", "cache_read", "pack_hidden", "h2d")
-DRAFTER_BUSY = ("drafter_forward", SELECTOR, "drafter_backward", "optimizer_step", "h2d")
+DRAFTER_BUSY = ("drafter_forward", *OBJECTIVE_CATEGORIES, "drafter_backward", "optimizer_step", "h2d")
 
 
 # --- worker roles ----------------------------------------------------------------------------------
@@ -140,6 +143,21 @@ class Gauge(StrEnum):
     GIL_CONTENTION = "gil_contention"
     GIL_WAIT_MS = "gil_wait_ms"
     NONFINITE_SKIPPED = "nonfinite_skipped"
+
+
+#: an objective term's gauge is this prefix and the term's name (`loss_ce`, `loss_kl`): each term of the
+#: objective before its weight, beside the total `loss`
+TERM_GAUGE_PREFIX = "loss_"
+
+
+def term_gauge(term: str) -> str:
+    """The gauge of objective term ``term``."""
+    return TERM_GAUGE_PREFIX + term
+
+
+def loss_terms(gauges: Mapping[str, float]) -> dict[str, float]:
+    """The objective's terms among ``gauges``, by term name, in the order the trainer set them."""
+    return {k[len(TERM_GAUGE_PREFIX):]: v for k, v in gauges.items() if k.startswith(TERM_GAUGE_PREFIX)}
 
 
 def evaluating(gauges: Mapping[str, float]) -> bool:

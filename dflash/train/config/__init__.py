@@ -87,11 +87,6 @@ class ModelSettings:
                                    "hidden size (default 16)")
     selector_rank: int = setting(256, "dflash2: rank of the selector's codebooks (default 256)")
     selector_top_k: int = setting(16, "dflash2: candidates per slot the selector re-ranks (default 16)")
-    selector_loss_weight: float = setting(1.0, "dflash2: weight of the selector's loss once ramped in (default 1)")
-    selector_warmup: float = setting(0.0, "dflash2: fraction of the run before the selector's loss starts "
-                                     "(default 0)")
-    selector_ramp: float = setting(0.05, "dflash2: fraction of the run over which the selector's loss weight "
-                                   "rises linearly to --selector-loss-weight (default 0.05)")
 
 
     def check_layers(self) -> None:
@@ -127,6 +122,26 @@ class ModelSettings:
                                    self.selector_top_k, block_size=self.block_size)
         if problem:
             raise ConfigError(problem)
+
+
+@dataclass
+class ObjectiveSettings:
+    """the objective (dflash/objectives/: what the drafter learns to match, how block positions weigh)"""
+
+    loss: str = setting("ce", "ce: cross-entropy to the data's next tokens; kl: KL to the verifier's (target's) "
+                        "distribution at each slot (default ce)", metavar="ce|kl")
+    position_weight: str = setting("exp", "exp: slot k weighs exp(-(k-1)/gamma); dpace: by its share of the "
+                                   "expected accepted length, from the drafter's confidence (needs --loss ce; "
+                                   "default exp)", metavar="exp|dpace")
+    dpace_alpha: float = setting(0.5, "D-PACE's confidence smoothing, in (0, 1] (default 0.5)")
+    # a DFlash2 drafter's selector term (dflash/objectives/selector.py)
+    selector_loss_weight: float = setting(1.0, "dflash2: weight of the selector's loss once ramped in (default 1)")
+    selector_warmup: float = setting(0.0, "dflash2: fraction of the run before the selector's loss starts "
+                                     "(default 0)")
+    selector_ramp: float = setting(0.05, "dflash2: fraction of the run over which the selector's loss weight "
+                                   "rises linearly to --selector-loss-weight (default 0.05)")
+
+    def check_selector(self) -> None:
         if self.selector_loss_weight < 0:
             raise ConfigError(f"selector_loss_weight must be 0 or more, got {self.selector_loss_weight}")
         for name in ("selector_warmup", "selector_ramp"):
@@ -147,7 +162,11 @@ class DataSettings:
 class OptimSettings:
     """optimisation (the recipe: AdamW 6e-4, cosine, 4% warmup, clip 1.0)"""
 
+    optimizer: str = setting("adamw", "adamw, or muon: Muon for the drafter's weight matrices and AdamW for the "
+                             "rest (norms, biases; default adamw)", metavar="adamw|muon")
     lr: float = setting(6e-4, "peak learning rate (default 6e-4)")
+    muon_lr: float | None = setting(None, "with --optimizer muon: the Muon matrices' peak learning rate, on the "
+                                    "same schedule (default 10 x --lr)")
     min_lr_ratio: float = setting(0.0, "the cosine schedule's floor, as a fraction of lr")
     warmup_ratio: float = setting(0.04, "fraction of the run spent warming up (default 0.04)")
     weight_decay: float = setting(0.0, "AdamW weight decay")
@@ -239,6 +258,7 @@ class TrainConfig:
 
     run: RunSettings = field(default_factory=RunSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
+    objective: ObjectiveSettings = field(default_factory=ObjectiveSettings)
     data: DataSettings = field(default_factory=DataSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
     pipeline: PipelineSettings = field(default_factory=PipelineSettings)
@@ -303,10 +323,30 @@ class TrainConfig:
             raise ConfigError("--on-stall exit needs the stall watchdog: drop --no-telemetry / --stall-timeout 0")
         if health.nonfinite_limit < 1:
             raise ConfigError(f"nonfinite_limit must be at least 1, got {health.nonfinite_limit}")
+        self.check_objective()
         if not 0 <= self.optim.warmup_ratio < 1:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.optim.warmup_ratio}")
         self.model.check_layers()
         self.model.check_dflash2()
+        self.objective.check_selector()
+
+
+    def check_objective(self) -> None:
+        """Names the objective and optimizer registries know, and their ranges."""
+        from dflash.objectives import check
+        from dflash.objectives.optim import OPTIMIZERS
+
+        try:
+            check(self.objective.loss, self.objective.position_weight)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not 0 < self.objective.dpace_alpha <= 1:
+            raise ConfigError(f"dpace_alpha must be in (0, 1], got {self.objective.dpace_alpha}")
+        if self.optim.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer: unknown optimizer {self.optim.optimizer!r}; choose from "
+                              f"{', '.join(OPTIMIZERS)}")
+        if self.optim.muon_lr is not None and self.optim.muon_lr <= 0:
+            raise ConfigError(f"muon_lr must be positive, got {self.optim.muon_lr}")
 
 
 def check_device(dev: str) -> None:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dflash.telemetry.wire.vocab import term_gauge
 from dflash.train.config import TrainConfig
 from dflash.train.control import Interval
 from dflash.train.reporting import Reporter
@@ -62,11 +63,13 @@ class LogLines:
             self._totals = self._totals + totals
             t, s = totals.summary(), self.stats
             s.gauge("loss", t["loss"])
+            for term, value in t["terms"].items():
+                s.gauge(term_gauge(term), value)
             s.gauge("grad_norm", t["grad_norm"])
-            for name in ("accuracy", "sim_tau", "block_tau", "per_position_acc", "selector_recall",
-                         "selector_accuracy"):
-                if name in t:  # the selector's only for a DFlash2 drafter
-                    s.metric(name, t[name])
+            for name in ("accuracy", "sim_tau", "block_tau", "per_position_acc"):
+                s.metric(name, t[name])
+            for name, value in t["measured"].items():  # what the objective's terms measure (DFlash2's selector)
+                s.metric(name, value)
         for i, counters in allocator_gauges(self.cuda).items():
             for name, value in counters.items():
                 self.stats.gauge(f"cuda{i}_{name}", value)
@@ -89,8 +92,9 @@ class LogLines:
         m, self._totals = self._totals.summary(), Totals()  # means over the steps since the last line
         batch_q, hs_q = self.pipeline.depths()
         q = f"q batch {batch_q}/{self.cfg.pipeline.batch_queue_size} hs {hs_q}/{self.cfg.pipeline.hs_queue_size}"
-        selector = f"| sel recall {m['selector_recall']:.3f} acc {m['selector_accuracy']:.3f} " \
-            if "selector_recall" in m else ""
+        measured = m["measured"]
+        selector = f"| sel recall {measured['selector_recall']:.3f} acc {measured['selector_accuracy']:.3f} " \
+            if "selector_recall" in measured else ""
         self.report.log(f"{self.progress().text()} | loss {m['loss']:.3f} | acc {m['accuracy']:.3f} "
                         f"| sim_tau {m['sim_tau']:.2f} {selector}| {tps:,.0f} tok/s | lr {r.lr:.2e} "
                         f"| gnorm {m['grad_norm']:.2f} | {q}")
@@ -112,7 +116,8 @@ class LogLines:
                 self.report.log(f"  evidence: {evidence_text(b.evidence)}")
         if self.report.trackers is not None:
             self.report.trackers.log(st.step, interval_scalars(
-                loss=m["loss"], accuracy=m["accuracy"], sim_tau=m["sim_tau"], per_position=m["per_position_acc"],
+                loss=m["loss"], terms=m["terms"], accuracy=m["accuracy"], sim_tau=m["sim_tau"],
+                per_position=m["per_position_acc"],
                 tokens_per_s=tps, lr=r.lr, grad_norm=m["grad_norm"], verdict=b.verdict if b else None,
-                selector={k: m[k] for k in ("selector_recall", "selector_accuracy") if k in m},
+                measured=measured,
                 workers=summary.cumulative if summary is not None else None))

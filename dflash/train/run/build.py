@@ -18,7 +18,10 @@ from typing import Any
 import torch
 
 from dflash.data import Sample
+from dflash.objectives import Objective, for_drafter
+from dflash.objectives.optim import describe as describe_optimizer
 from dflash.targets import Target, TargetError
+from dflash.targets.heads import NormedHead
 from dflash.telemetry.wire.vocab import Role
 from dflash.train import distributed
 from dflash.train.checkpoint import rng
@@ -113,15 +116,19 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     if cfg.pipeline.enabled:
         stats.worker("batch-producer", Role.DATA)  # registered now so every snapshot lists it
     embed, lm_head = first.frozen_head(drafter_device)
+    objective, verifier_head = make_objective(cfg, model, first, lm_head, drafter_device)
     ddp = distributed.wrap_ddp(model, drafter_device, stats, cfg.distributed.bucket_mb) if dist.enabled else None
     worker = stats.worker("drafter-0", Role.DRAFTER) if cfg.pipeline.enabled else stats.worker("trainer")
-    drafter = DrafterStage(model, embed, lm_head, drafter_device, cfg, worker, generator, ddp, faults=faults)
+    drafter = DrafterStage(model, embed, lm_head, drafter_device, cfg, worker, generator, ddp, faults=faults,
+                           objective=objective, verifier_head=verifier_head)
+    log(f"objective: {objective.describe()}, position weight {cfg.objective.position_weight}; optimizer "
+        f"{describe_optimizer(drafter.optimizer)}")
     targets = []
     for i, dev in enumerate(devices if cfg.pipeline.enabled else devices[:1]):
         name = f"target-{i}" if cfg.pipeline.enabled else "trainer"
         role = Role.TARGET if cfg.pipeline.enabled else None  # one thread doing both stages has no role
         targets.append(TargetStage(replicas[dev], drafter_device, stats.worker(name, role), name, faults=faults,
-                                   index=i))
+                                   index=i, final=objective.needs_verifier))
     try:
         size_to_device(cfg, drafter, first, devices, dist, log)
     except RecipeError as e:
@@ -135,6 +142,19 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
         t.read_ahead(source.sample_ids)
     limit_epochs(cfg, source.per_epoch, log)
     return Components(first, verifier, targets, drafter, dcfg, source, stats, generator, data_path, len(samples))
+
+
+def make_objective(cfg: TrainConfig, model: Any, target: Target, lm_head: Any,
+                   device: torch.device) -> tuple[Objective, Any]:
+    """The run's objective (dflash.objectives) and, when it compares with the verifier, the target's
+    final norm and LM head on the drafter's device (None otherwise)."""
+    try:
+        objective = for_drafter(cfg.objective, model)
+        if not objective.needs_verifier:
+            return objective, None
+        return objective, NormedHead(target.final_norm(device), lm_head)
+    except (ValueError, TargetError) as e:
+        raise TrainError(str(e)) from None
 
 
 def read_samples(cfg: TrainConfig, target: Target, given: list[Sample] | None) -> tuple[list[Sample], Path]:

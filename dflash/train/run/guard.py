@@ -4,7 +4,7 @@ and reported; too many in a row stop the run with the last good state checkpoint
 Why it is shaped like this: the trainer must not synchronise with the GPU in a step, so on CUDA the
 decision never reaches the host. The fused AdamW kernel takes a `found_inf` tensor (the hook AMP's
 grad scaler uses) and, when it is 1, leaves parameters, both moments and the step count untouched, all
-on the device. A plain "zero the gradients" would not do: AdamW would still decay the moments and
+on the device; dflash's Muon (dflash/objectives/optim.py) honours the same tensor. A plain "zero the gradients" would not do: AdamW would still decay the moments and
 apply weight decay. The counters (skipped steps, the current run of them, the last bad step and
 batch) are device tensors too, updated with `torch.where`, and read on the host once per log interval
 (`read`). Where the optimizer is not fused (the CPU default), the check is a host branch: on the CPU
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dflash.objectives.optim import skips_on_device
 from dflash.train.control import Interval
 
 #: non-finite steps in a row that stop the run (a transient spike skips one or two)
@@ -43,8 +44,9 @@ class GuardReading:
 class NonFiniteGuard:
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, limit: int = DEFAULT_LIMIT) -> None:
         self.optimizer, self.limit = optimizer, limit
-        # on the device when the optimizer can take the decision there (fused kernels: CUDA, and CPU)
-        self.on_device = bool(optimizer.defaults.get("fused"))
+        # on the device when the optimizer can take the decision there (fused AdamW on CUDA and the CPU,
+        # and dflash's Muon: dflash/objectives/optim.py)
+        self.on_device = skips_on_device(optimizer)
         if self.on_device:
             z = torch.zeros((), dtype=torch.long, device=device)
             self._skipped, self._run, self._last_batch = z.clone(), z.clone(), z - 1

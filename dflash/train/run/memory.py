@@ -75,7 +75,9 @@ def measure_activations(stage: Any, hidden_width: int, hidden_dtype: torch.dtype
                         probe_anchors: int = 8) -> ActivationModel:
     """Measure ``stage``'s drafter (a DrafterStage) at `seq_len` tokens: three forwards (batch 1 and 2
     at `probe_anchors`, batch 1 at twice as many) on its device, as the step runs them."""
-    from dflash.model.objective import dflash_loss, plan_blocks
+    from contextlib import nullcontext
+
+    from dflash.model.objective import plan_blocks
 
     drafter, device = stage.drafter, stage.device
     block = drafter.config.block_size
@@ -89,9 +91,9 @@ def measure_activations(stage: Any, hidden_width: int, hidden_dtype: torch.dtype
         hidden = torch.randn(batch, seq_len, hidden_width, generator=gen).to(device, hidden_dtype)
         ids = ids.to(device)
 
-        def forward():
+        def forward():  # the step's own objective (and verifier head), untimed
             with torch.autocast(device.type, torch.bfloat16, enabled=stage.autocast):
-                return dflash_loss(drafter, stage.embed, stage.lm_head, ids, hidden, plan=plan).loss
+                return stage.loss(ids, hidden, plan, span=lambda _category: nullcontext()).loss
 
         # the states are counted as the batches in flight, not as activations
         return saved_bytes(forward, params | {hidden.untyped_storage().data_ptr()})
@@ -151,7 +153,8 @@ def free_bytes(device: torch.device) -> int:
 
 
 def trained_bytes(drafter: torch.nn.Module) -> int:
-    """Bytes of the parameters the optimizer trains: AdamW keeps two moments of each, in their dtype."""
+    """Bytes of the parameters the optimizer trains: AdamW keeps two moments of each, in their dtype
+    (Muon one: planning for AdamW's two leaves Muon's run some room)."""
     return sum(p.numel() * p.element_size() for p in drafter.parameters() if p.requires_grad)
 
 
@@ -198,7 +201,8 @@ def size_to_device(cfg: Any, stage: Any, target: Any, target_devices: list[torch
     # hidden-state batches on the drafter's device at once: the queue's, the one in use, the one being
     # copied over, and the one a target on the same device is producing
     in_flight = cfg.pipeline.hs_queue_size + 2 + (stage.device in target_devices)
-    width = len(target.layer_ids) * target.hidden_size
+    # the taps, and the target's final state after them for an objective that needs the verifier
+    width = (len(target.layer_ids) + (stage.verifier_head is not None)) * target.hidden_size
     fit, model = fit_to_device(cfg, stage, width, target.dtype, in_flight, free)
     asked = (cfg.data.batch_size, cfg.model.num_anchors)
     chosen = (fit.batch, fit.anchors)

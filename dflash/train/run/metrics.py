@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from dflash.model.objective import metrics_of
-from dflash.model.selector_loss import selector_metrics
 
 
 @dataclass
@@ -30,7 +29,8 @@ class Totals:
     correct: list[float] = field(default_factory=list)  # per slot position
     counts: list[int] = field(default_factory=list)  # supervised slots per position
     blocks: int = 0
-    selector: list[float] = field(default_factory=list)  # a DFlash2 drafter's [covered, correct] slots
+    terms: dict[str, float] = field(default_factory=dict)  # each objective term's sum over the steps
+    measured: dict[str, float] = field(default_factory=dict)  # each rate a term measured, summed over the steps
 
     def __add__(self, other: Totals) -> Totals:
         if not self.steps:
@@ -40,17 +40,18 @@ class Totals:
         return Totals(self.steps + other.steps, self.loss + other.loss, self.grad_norm + other.grad_norm,
                       self.runs + other.runs, [a + b for a, b in zip(self.correct, other.correct, strict=True)],
                       [a + b for a, b in zip(self.counts, other.counts, strict=True)], self.blocks + other.blocks,
-                      [a + b for a, b in zip(self.selector, other.selector, strict=True)])
+                      {k: v + other.terms.get(k, 0.0) for k, v in self.terms.items()},
+                      {k: v + other.measured.get(k, 0.0) for k, v in self.measured.items()})
 
     def summary(self) -> dict[str, Any]:
-        """Mean loss and gradient norm per step; accuracy, per-position acceptance and both taus pooled
-        over every supervised slot of these steps."""
-        out: dict[str, Any] = {"loss": self.loss / self.steps if self.steps else 0.0,
-                               "grad_norm": self.grad_norm / self.steps if self.steps else 0.0,
-                               "supervised_tokens": sum(self.counts)}
+        """Mean loss, gradient norm and objective terms (``terms``: name -> mean, before its weight) per
+        step; accuracy, per-position acceptance and both taus pooled over every supervised slot."""
+        per_step = 1 / self.steps if self.steps else 0.0
+        out: dict[str, Any] = {"loss": self.loss * per_step, "grad_norm": self.grad_norm * per_step,
+                               "supervised_tokens": sum(self.counts),
+                               "terms": {k: v * per_step for k, v in self.terms.items()}}
         out.update(metrics_of(self.runs, self.correct, self.counts, self.blocks))
-        if self.selector:
-            out.update(selector_metrics(self.selector, sum(self.counts)))
+        out["measured"] = {k: v * per_step for k, v in self.measured.items()}  # selector_recall, ...
         return out
 
 
@@ -65,8 +66,10 @@ class StepMetrics:
         self._stream: Any = None
         self._host = Totals()
 
-    def add(self, stats: torch.Tensor, grad_norm: torch.Tensor, counts: list[int], blocks: int) -> None:
-        """One step: ``stats`` as in LossOutput, its gradient norm, and its host counts. Never waits."""
+    def add(self, stats: torch.Tensor, grad_norm: torch.Tensor, counts: list[int], blocks: int,
+            terms: tuple[str, ...] = (), measured: tuple[str, ...] = ()) -> None:
+        """One step: ``stats`` as in LossOutput (its objective's ``terms`` by name), its gradient norm, and
+        its host counts. Never waits."""
         vec = torch.cat([stats.detach().double(), grad_norm.detach().double().reshape(1)])
         with self._lock:
             self._sum = vec if self._sum is None else self._sum + vec
@@ -76,6 +79,8 @@ class StepMetrics:
             h.steps += 1
             h.counts = [a + b for a, b in zip(h.counts, counts, strict=True)] if h.counts else list(counts)
             h.blocks += blocks
+            h.terms = dict.fromkeys(terms, 0.0)  # named now, summed at collect
+            h.measured = dict.fromkeys(measured, 0.0)
 
     def collect(self) -> Totals | None:
         """The sums since the previous collect (None if no step ended since). Waits for the device."""
@@ -89,6 +94,9 @@ class StepMetrics:
             with torch.cuda.stream(stream):
                 taken = taken.cpu()
         v = taken.tolist()
-        n = 2 + len(host.counts)  # then a DFlash2 drafter's selector counts, then the gradient norm
-        host.loss, host.runs, host.correct, host.selector, host.grad_norm = v[0], v[1], v[2:n], v[n:-1], v[-1]
+        slots = len(host.counts)
+        host.loss, host.runs, host.correct, host.grad_norm = v[0], v[1], v[2:2 + slots], v[-1]
+        rest = v[2 + slots:-1]
+        host.terms = dict(zip(host.terms, rest[:len(host.terms)], strict=True))
+        host.measured = dict(zip(host.measured, rest[len(host.terms):], strict=True))
         return host

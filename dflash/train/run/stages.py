@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from dflash.data import Sample
-from dflash.model.objective import BlockPlan, LossOutput, dflash_loss, plan_blocks
-from dflash.model.selector_loss import ramp_weight, with_selector
+from dflash.model.objective import BlockPlan, LossOutput, plan_blocks
+from dflash.objectives import Objective, for_drafter
+from dflash.objectives.optim import build_optimizer
 from dflash.targets.base import Target
-from dflash.telemetry.wire.vocab import SELECTOR
 from dflash.train.distributed import explain_backward_error
 from dflash.train.run.faults import FaultPlan
 from dflash.train.run.guard import NonFiniteGuard
@@ -49,7 +49,9 @@ class Batch:
 @dataclass
 class HiddenBatch:
     batch: Batch
-    hidden: torch.Tensor  # [B, T, taps * H], on the drafter's device once `ready` has fired
+    # [B, T, taps * H] (+ H: the target's final state, for an objective that needs the verifier), on the
+    # drafter's device once `ready` has fired
+    hidden: torch.Tensor
     ready: Any = None  # CUDA event recorded after the copy (None on CPU: nothing to wait for)
 
 
@@ -121,8 +123,11 @@ class TargetStage:
     is on the drafter's device (or on its way there)."""
 
     def __init__(self, target: Target, drafter_device: torch.device, telemetry, name: str = "target-0",
-                 faults: FaultPlan | None = None, index: int = 0):
+                 faults: FaultPlan | None = None, index: int = 0, final: bool = False):
+        """`final`: append the target's final state to the taps (the objective compares with the
+        verifier's distribution)."""
         self.target, self.drafter_device, self.tel, self.name = target, drafter_device, telemetry, name
+        self.final = final
         self.faults = faults  # DFLASH_FAULT injection (tests and drills); None in a normal run
         self.fault_stage = f"target-{index}"  # the stage name fault plans use for this replica
         self.device = target.device
@@ -142,7 +147,7 @@ class TargetStage:
                 self.target.wait_ready(batch)
         with self.span(self.target.span_category):
             t0 = time.perf_counter()
-            hidden = self.target.hidden_states(batch)
+            hidden = self.target.hidden_states(batch, final=True) if self.final else self.target.hidden_states(batch)
             if self.faults is not None:
                 self.faults.delay(self.fault_stage, batch.index, time.perf_counter() - t0)
         with self.tel.span("pack_hidden"):
@@ -192,24 +197,23 @@ def lr_at(progress: float, base_lr: float, warmup_ratio: float, min_ratio: float
 
 
 class DrafterStage:
-    """The drafter, its optimizer, and the target's frozen embedding and LM head on the drafter's device."""
+    """The drafter, its objective and optimizer, and the target's frozen embedding and LM head (and, for
+    an objective that needs the verifier, its final norm) on the drafter's device."""
 
     def __init__(self, drafter, embed_tokens, lm_head, device: torch.device, cfg, telemetry, generator,
-                 ddp: torch.nn.Module | None = None, faults: FaultPlan | None = None):
+                 ddp: torch.nn.Module | None = None, faults: FaultPlan | None = None,
+                 objective: Objective | None = None, verifier_head: torch.nn.Module | None = None):
         """`ddp`: the drafter wrapped in DistributedDataParallel (multi-rank runs); the forward goes
         through it so that backward averages gradients across ranks. `generator` samples anchors for
-        batches that come without a plan."""
+        batches that come without a plan. `verifier_head`: the target's final norm and LM head, when
+        the objective needs the verifier (the hidden states then end with the target's final state).
+        `objective`: the run's (build.py makes it), else the one ``cfg.objective`` names."""
         self.drafter, self.embed, self.lm_head = drafter, embed_tokens, lm_head
+        self.objective = objective if objective is not None else for_drafter(cfg.objective, drafter)
+        self.verifier_head = verifier_head
         self.forward_module = ddp if ddp is not None else drafter
         self.device, self.cfg, self.tel, self.generator = device, cfg, telemetry, generator
-        decay = [p for p in drafter.parameters() if p.dim() >= 2]
-        other = [p for p in drafter.parameters() if p.dim() < 2]
-        # Fused AdamW keeps its step counters on the parameters' device and never reads them back;
-        # the foreach/for-loop versions call `.item()` on them every step.
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": other, "weight_decay": 0.0}],
-            lr=cfg.optim.lr, betas=(0.9, 0.95), fused=device.type in ("cuda", "cpu"),
-        )
+        self.optimizer = build_optimizer(drafter, cfg.optim, device)
         # bf16 activations on CUDA with fp32 master weights; plain fp32 on CPU (bf16 matmuls are
         # slower than fp32 on the CPUs we measured).
         self.autocast = device.type == "cuda"
@@ -231,19 +235,16 @@ class DrafterStage:
             plan = b.plan if b.plan is not None else plan_blocks(
                 b.input_ids, b.loss_mask, self.drafter.config.block_size, self.cfg.model.num_anchors, self.generator)
             plan = plan.to(self.device)
-        with self.span("drafter_forward"), torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+        for term in self.objective.terms:
+            term.at(progress)  # a scheduled weight (DFlash2's selector ramps in)
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
             t0 = time.perf_counter()
-            out = dflash_loss(self.forward_module, self.embed, self.lm_head, ids, hb.hidden,
-                              attention_mask=attn, plan=plan)
+            out = self.loss(ids, hb.hidden, plan, attn)
             if self.faults is not None:
-                self.faults.delay("drafter", b.index, time.perf_counter() - t0)
+                with self.span("drafter_forward"):
+                    self.faults.delay("drafter", b.index, time.perf_counter() - t0)
                 if self.faults.poison(b.index):
                     out.loss = out.loss * float("nan")
-        if out.selector_rows is not None:  # a DFlash2 drafter: its selector's term, timed as its own span
-            m = self.cfg.model
-            weight = ramp_weight(progress, m.selector_loss_weight, m.selector_warmup, m.selector_ramp)
-            with self.span(SELECTOR), torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
-                out = with_selector(out, self.drafter.candidate_selector, self.lm_head, weight)
         with self.span("drafter_backward"):
             try:
                 out.loss.backward()
@@ -254,9 +255,23 @@ class DrafterStage:
         with self.span("optimizer_step"):
             lr = lr_at(progress, self.cfg.optim.lr, self.cfg.optim.warmup_ratio, self.cfg.optim.min_lr_ratio)
             for g in self.optimizer.param_groups:
-                g["lr"] = lr
+                g["lr"] = lr * g["lr_scale"]
             grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.optim.grad_clip)
             self.guard.step(out.loss, grad_norm, b.index)  # skips a non-finite step, on the device
             self.optimizer.zero_grad(set_to_none=True)
         return StepResult(out=out, grad_norm=grad_norm.detach(), lr=lr, tokens=b.num_tokens,
                           samples=b.input_ids.shape[0])
+
+    def loss(self, ids: torch.Tensor, hidden: torch.Tensor, plan: BlockPlan,
+             attention_mask: torch.Tensor | None = None, span: Any = None) -> LossOutput:
+        """The objective on one batch on the drafter's device (the caller sets autocast): ``hidden`` the
+        tap states, followed by the target's final state when the objective needs the verifier. The
+        drafter's work is timed as ``drafter_forward``, the verifier's logits as ``verifier_logits``
+        (``span``: the stage's own unless given)."""
+        verifier = None
+        if self.verifier_head is not None:
+            width = hidden.shape[-1] - self.verifier_head.weight.shape[1]  # the final state is one hidden wide
+            hidden, verifier = hidden[..., :width], hidden[..., width:]
+        return self.objective(self.forward_module, self.embed, self.lm_head, ids, hidden, plan, attention_mask,
+                              verifier=verifier, verifier_head=self.verifier_head,
+                              span=self.span if span is None else span)

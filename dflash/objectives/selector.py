@@ -25,31 +25,26 @@ and **accuracy**, the share of those where the selector's best-scoring candidate
 
 The head is applied again to the supervised rows here, chunk by chunk under activation checkpointing (the
 token loss keeps no logits), so the selector's cost is its own span of the step (``selector``).
+
+A DFlash2 drafter asks for this term (``objective_terms``); its weight and schedule are the run's
+``--selector-loss-weight``, ``--selector-warmup`` and ``--selector-ramp``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.objectives import register
+from dflash.objectives.base import LABELS, Forward, Term, TermValue
+from dflash.objectives.positions import exp_weights
+from dflash.telemetry.wire.vocab import SELECTOR
+
 #: rows of [rows, vocab] logits the selector takes through the head at once
 CHUNK = 4096
-
-
-@dataclass
-class SelectorRows:
-    """What the selector's loss reads of one step's token loss: the supervised slots' drafter states
-    h [S, H], their labels [S], the tokens before the labels [S], their position weights [S], and the
-    sum of those weights (the token loss's denominator)."""
-
-    h: torch.Tensor
-    labels: torch.Tensor
-    predecessors: torch.Tensor
-    weights: torch.Tensor
-    weight_sum: torch.Tensor
 
 
 def predecessors(input_ids: torch.Tensor, anchors: torch.Tensor, sel: torch.Tensor, slot: torch.Tensor,
@@ -90,17 +85,18 @@ def _chunk_terms(selector: nn.Module, lm_head: nn.Module, h: torch.Tensor, label
     return num, counts
 
 
-def selector_terms(selector: nn.Module, lm_head: nn.Module, rows: SelectorRows,
-                   chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum over covered slots of weight x selector cross-entropy, differentiable; float32 [covered,
-    correct] counts). ``selector`` is a CandidateSelector, ``lm_head`` the target's frozen head as the
-    target applies it. Chunks of ``chunk`` rows, each recomputed in backward when it needs a gradient."""
-    h = rows.h
+def selector_terms(selector: nn.Module, lm_head: nn.Module, h: torch.Tensor, labels: torch.Tensor,
+                   before: torch.Tensor, weights: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over the covered slots of weight x the selector's cross-entropy, differentiable; float32
+    [covered, correct] counts) for the supervised slots' drafter states ``h`` [S, H], their ``labels``,
+    the tokens ``before`` them and their position ``weights``. ``selector`` is a CandidateSelector,
+    ``lm_head`` the target's frozen head as the target applies it. Chunks of ``chunk`` rows, each
+    recomputed in backward when it needs a gradient."""
     if h.shape[0] == 0:
         return h.sum() * 0.0, torch.zeros(2, device=h.device)
     parts = []
     for i in range(0, h.shape[0], chunk):
-        args = (h[i:i + chunk], rows.labels[i:i + chunk], rows.predecessors[i:i + chunk], rows.weights[i:i + chunk])
+        args = (h[i:i + chunk], labels[i:i + chunk], before[i:i + chunk], weights[i:i + chunk])
         if torch.is_grad_enabled() and h.shape[0] > chunk:
             from torch.utils.checkpoint import checkpoint
 
@@ -110,19 +106,38 @@ def selector_terms(selector: nn.Module, lm_head: nn.Module, rows: SelectorRows,
     return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
 
-def with_selector(out, selector: nn.Module, lm_head: nn.Module, weight: float):
-    """``out`` (a LossOutput carrying ``selector_rows``) with the selector's term added to its loss at
-    ``weight`` and its [covered, correct] counts appended to its stats."""
-    rows = out.selector_rows
-    num, counts = selector_terms(selector, lm_head, rows)
-    loss = out.loss + weight * num / rows.weight_sum.clamp(min=1e-12)
-    stats = torch.cat([loss.detach().float().reshape(1), out.stats[1:], counts])
-    return replace(out, loss=loss, stats=stats, selector_rows=None)
+@register
+class SelectorLoss(Term):
+    """The candidate selector's K-way cross-entropy (module docstring), over the position weights'
+    sum: on the token term's scale when that is the exponential decay. Reports the selector's recall
+    and teacher-forced accuracy on each step."""
 
+    name = "selector"
+    needs = frozenset({LABELS})
+    metrics = ("selector_recall", "selector_accuracy")
 
-def selector_metrics(counts: list[float], supervised: float) -> dict[str, float]:
-    """recall (gold among the candidates) and teacher-forced accuracy (the best candidate is the gold
-    token, of the covered slots) from summed [covered, correct] counts."""
-    covered, correct = counts
-    return {"selector_recall": covered / supervised if supervised else 0.0,
-            "selector_accuracy": correct / covered if covered else 0.0}
+    def __init__(self, weight: float = 1.0, warmup: float = 0.0, ramp: float = 0.0) -> None:
+        super().__init__(weight)
+        self.full_weight, self.warmup, self.ramp = weight, warmup, ramp
+
+    @classmethod
+    def made(cls, weight: float, settings: Any) -> SelectorLoss:
+        return cls(weight * settings.selector_loss_weight, settings.selector_warmup, settings.selector_ramp)
+
+    def at(self, progress: float) -> None:
+        self.weight = ramp_weight(progress, self.full_weight, self.warmup, self.ramp)
+
+    def __call__(self, fwd: Forward) -> TermValue:
+        if fwd.input_ids is None or fwd.drafter is None or fwd.gamma is None:
+            raise ValueError("the selector's loss needs the batch's tokens, the drafter and its gamma")
+        drafter = getattr(fwd.drafter, "module", fwd.drafter)  # DDP holds the drafter as .module
+        plan = fwd.plan
+        with fwd.span(SELECTOR):
+            w = exp_weights(fwd.block_size, fwd.gamma, plan.slot.device)[plan.slot]
+            before = predecessors(fwd.input_ids, plan.anchors, plan.sel, plan.slot, fwd.block_size)
+            num, (covered, correct) = selector_terms(drafter.candidate_selector, fwd.lm_head, fwd.h, plan.labels,
+                                                     before, w)
+            value = num / w.sum().clamp(min=1e-12)
+            supervised = float(max(plan.num_tokens, 1))
+            metrics = {"selector_recall": covered / supervised, "selector_accuracy": correct / covered.clamp(min=1)}
+        return TermValue(value, metrics=metrics)

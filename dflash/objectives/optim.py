@@ -1,0 +1,207 @@
+"""The drafter's optimizer: AdamW, or Muon for its weight matrices with AdamW for the rest.
+
+Muon (torch.optim.Muon) orthogonalises each update of a 2-D weight matrix; it is meant for the hidden
+layers' matrices only, so, as the peers do, the parameters it does not take go to AdamW: norms and
+biases (not 2-D), and any 2-D table that is not a linear layer's weight (embedding-like: rows looked up,
+not a map applied). The drafter's own embedding and LM head are the target's, frozen, and not here.
+
+Both run with the non-finite guard's contract (dflash/train/run/guard.py): a step is skipped on the
+device when ``found_inf`` is 1, with no host sync. Fused AdamW reads ``found_inf`` itself; torch's
+Muon does not, so ``GuardedMuon`` takes the same step with the skip folded into its arithmetic.
+
+The learning-rate schedule scales every group's ``lr`` from its ``lr_scale`` (the Muon group's
+``muon_lr / lr``), so one schedule drives both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+#: the names ``--optimizer`` takes
+OPTIMIZERS = ("adamw", "muon")
+#: the peers' Muon settings (speculators' defaults): momentum, Newton-Schulz steps, and the update scaled
+#: to AdamW's RMS so that AdamW's weight decay carries over
+MUON_MOMENTUM = 0.95
+MUON_NS_STEPS = 5
+MUON_ADJUST_LR = "match_rms_adamw"
+#: --muon-lr's default, as a multiple of --lr (speculators' default)
+MUON_LR_SCALE = 10.0
+ADAMW_BETAS = (0.9, 0.95)
+
+
+def orthogonalise_f32(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                      eps: float) -> torch.Tensor:
+    """Muon's Newton-Schulz orthogonalisation (the quintic iteration torch's Muon runs: ``X <- aX +
+    (bA + cA^2)X`` with ``A = XX^T``, on the wide orientation, from ``X / ||X||``) in float32 rather than
+    bfloat16: on a CPU bfloat16 matmuls are ten times slower than float32 ones, which made a tiny
+    drafter's Muon step cost more than its forward and backward together."""
+    a, b, c = coefficients
+    x = grad.float()
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + torch.addmm(gram, gram, gram, beta=b, alpha=c) @ x
+    return x.T if tall else x
+
+
+class GuardedMuon(torch.optim.Muon):
+    """torch's Muon whose step honours ``found_inf`` (a 0-dim float tensor on the parameters' device,
+    1 = skip) without reading it on the host: the gradient is replaced by zeros, and the momentum's
+    blend, the weight decay and the update are multiplied by ``1 - found_inf``, so a skipped step
+    leaves weights and momentum bit for bit as they were. With ``found_inf`` unset it is torch's step.
+    The state dict is torch's Muon's. ``float32_ns``: orthogonalise in float32 (``orthogonalise_f32``);
+    by default on the CPU only, torch's bfloat16 iteration elsewhere."""
+
+    float32_ns: bool | None = None  # None: float32 on the CPU
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        ok = found_inf == 0
+        keep = ok.float()
+        for group in self.param_groups:
+            lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+            decay = torch.where(ok, 1 - lr * wd, 1.0)  # scalars, not a tensor copied to the device
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = torch.where(ok, p.grad, 0)
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(grad, keep * (1 - mu))
+                update = grad.lerp(buf, mu) if group["nesterov"] else buf
+                f32 = self.float32_ns if self.float32_ns is not None else p.device.type == "cpu"
+                ns = orthogonalise_f32 if f32 else _zeropower_via_newtonschulz
+                update = ns(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                p.mul_(decay)
+                # in the parameter's dtype, as torch's own step adds it (the update is bf16)
+                p.add_(update.to(p.dtype).mul_(keep * -_adjust_lr(lr, group["adjust_lr_fn"], p.shape)))
+        return loss
+
+
+def muon_takes(module: nn.Module, name: str, p: nn.Parameter) -> bool:
+    """Whether Muon optimises parameter ``name`` of ``module``: a linear layer's 2-D weight with both
+    sides above 1 (a [1, N] row is a vector to orthogonalise nothing of)."""
+    return isinstance(module, nn.Linear) and name == "weight" and p.dim() == 2 and min(p.shape) > 1
+
+
+def split_for_muon(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(Muon's parameters, AdamW's) of ``model``'s trainable parameters, each parameter once."""
+    muon, seen = [], set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.requires_grad and muon_takes(module, name, p) and id(p) not in seen:
+                muon.append(p)
+                seen.add(id(p))
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in seen]
+    return muon, rest
+
+
+def _adamw(params: Iterable[nn.Parameter], lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
+    params = list(params)
+    decay = [p for p in params if p.dim() >= 2]
+    other = [p for p in params if p.dim() < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0})
+              if g["params"]]
+    # Fused AdamW keeps its step counters on the parameters' device and never reads them back (the
+    # foreach/for-loop versions call `.item()` on them every step), and it reads `found_inf`.
+    return torch.optim.AdamW(groups, lr=lr, betas=ADAMW_BETAS, fused=device.type in ("cuda", "cpu"))
+
+
+class Optimizers:
+    """Several optimizers over disjoint parameters stepped as one (Muon + AdamW): what the trainer, the
+    guard and the checkpoint see of an optimizer (``param_groups``, ``step``, ``zero_grad``,
+    ``state_dict``, ``found_inf``). The state dict is one entry per optimizer by name."""
+
+    def __init__(self, named: dict[str, torch.optim.Optimizer]) -> None:
+        self.named = named
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.named.values() for g in opt.param_groups]
+
+    @property
+    def found_inf(self) -> torch.Tensor | None:
+        return next(iter(self.named.values())).__dict__.get("found_inf")
+
+    @found_inf.setter
+    def found_inf(self, value: torch.Tensor) -> None:
+        for opt in self.named.values():
+            opt.found_inf = value  # type: ignore[attr-defined]
+
+    def step(self) -> None:
+        for opt in self.named.values():
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.named.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: opt.state_dict() for name, opt in self.named.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) != set(self.named):
+            raise ValueError(f"optimizer state holds {sorted(state)}, this run's optimizer {sorted(self.named)}")
+        for name, opt in self.named.items():
+            opt.load_state_dict(state[name])
+
+
+def skips_on_device(optimizer: Any) -> bool:
+    """Whether ``optimizer`` takes the guard's ``found_inf`` on the device (fused AdamW, GuardedMuon)."""
+    if isinstance(optimizer, Optimizers):
+        return all(skips_on_device(o) for o in optimizer.named.values())
+    return isinstance(optimizer, GuardedMuon) or bool(optimizer.defaults.get("fused"))
+
+
+def build_optimizer(model: nn.Module, settings: Any, device: torch.device) -> torch.optim.Optimizer | Optimizers:
+    """The optimizer ``settings`` (an OptimSettings: optimizer, lr, muon_lr, weight_decay) names for
+    ``model`` on ``device``. Every param group carries ``lr_scale``: its peak lr over ``settings.lr``."""
+    if settings.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: unknown optimizer {settings.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+    if settings.optimizer == "adamw":
+        opt = _adamw(model.parameters(), settings.lr, settings.weight_decay, device)
+        for g in opt.param_groups:
+            g["lr_scale"] = 1.0
+        return opt
+    muon_params, rest = split_for_muon(model)
+    muon_lr = settings.muon_lr if settings.muon_lr is not None else MUON_LR_SCALE * settings.lr
+    named: dict[str, torch.optim.Optimizer] = {}
+    if muon_params:
+        named["muon"] = GuardedMuon(muon_params, lr=muon_lr, weight_decay=settings.weight_decay,
+                                    momentum=MUON_MOMENTUM, ns_steps=MUON_NS_STEPS, adjust_lr_fn=MUON_ADJUST_LR)
+        for g in named["muon"].param_groups:
+            g["lr_scale"] = muon_lr / settings.lr
+    if rest:
+        named["adamw"] = _adamw(rest, settings.lr, settings.weight_decay, device)
+        for g in named["adamw"].param_groups:
+            g["lr_scale"] = 1.0
+    return Optimizers(named)
+
+
+def describe(optimizer: Any) -> str:
+    """One line: which optimizer takes how many parameters."""
+    if not isinstance(optimizer, Optimizers):
+        return f"{type(optimizer).__name__} over {_count(optimizer)} parameters"
+    return ", ".join(f"{name} over {_count(opt)} parameters" for name, opt in optimizer.named.items())
+
+
+def _count(opt: torch.optim.Optimizer) -> str:
+    n = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    return f"{n / 1e6:.2f}M" if n >= 100_000 else f"{n:,}"
