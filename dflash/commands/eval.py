@@ -1,5 +1,6 @@
-"""`dflash eval`: real speculative decoding with a drafter against its target: tau, acceptance, and
-a token-for-token check that the output equals the target's own greedy decode."""
+"""`dflash eval`: real speculative decoding with a drafter (DFlash or DFlash2) against its target: tau,
+acceptance, and a token-for-token check that the output equals the target's own greedy decode; or, with
+--temperature, sampled decoding verified by rejection sampling."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None, help="verify blocks of this size (<= the drafter's)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--no-lossless-check", action="store_true", help="skip the plain greedy decode comparison")
+    p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature, verified by "
+                   "rejection sampling (default 0: greedy, checked token for token)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus cut (default 1: none)")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k likeliest tokens (default "
+                   "0: all)")
+    p.add_argument("--seed", type=int, default=0, help="with --temperature: seed of the draws (default 0)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the threads per "
                    "worker of the drafter's run, from its config.json; else torch's default)")
@@ -29,7 +36,12 @@ def run(args: argparse.Namespace) -> int:
     from dflash.eval.speculative import evaluate
     from dflash.train.reporting.evaluation import threads_text, torch_threads
 
+    sampling = _sampling(args)
     drafter, target, prompts, run_cfg = _load(args)
+    if not sampling.greedy:
+        import torch
+
+        sampling.generator = torch.Generator(target.device).manual_seed(args.seed)
     threads, source = args.threads, "--threads"
     if threads is None and run_cfg is not None and run_cfg.pipeline.threads_per_worker:
         threads, source = run_cfg.pipeline.threads_per_worker, "as each worker of its run; --threads to change"
@@ -37,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         with torch_threads(threads) as n:
             print(f"dflash eval: {threads_text(n, source if threads else None)}", file=sys.stderr)
             result = evaluate(drafter, target, prompts, args.max_new_tokens, check_lossless=not args.no_lossless_check,
-                              block_size=args.block_size)
+                              block_size=args.block_size, sampling=sampling)
     except ValueError as e:
         raise CliError(str(e)) from e
     print(json.dumps(result.to_dict()) if args.json else format_result(result))
@@ -50,6 +62,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"dflash eval: NOT LOSSLESS on prompts {result.mismatched_prompts}", file=sys.stderr)
         return 1
     return 0
+
+
+def _sampling(args: argparse.Namespace):
+    """The sampling settings, refused in one line before anything loads."""
+    from dflash.eval.speculative import Sampling
+
+    if args.temperature == 0 and (args.top_p != 1.0 or args.top_k != 0):
+        raise CliError("--top-p and --top-k cut the distribution a temperature samples from: add --temperature T")
+    try:
+        return Sampling(args.temperature, args.top_p, args.top_k)
+    except ValueError as e:
+        raise CliError(str(e)) from None
 
 
 def _load(args: argparse.Namespace) -> tuple:
@@ -133,6 +157,9 @@ def format_result(r) -> str:
     hist = " ".join(f"{i}:{n}" for i, n in enumerate(r.acceptance_histogram))
     acc = " ".join(f"{a:.2f}" for a in r.per_position_acceptance)
     lossless = {True: "yes", False: "NO", None: "not checked"}[r.lossless]
+    if r.temperature > 0:
+        lossless = (f"sampled at temperature {r.temperature:g}, top-p {r.top_p:g}, top-k {r.top_k or 'all'}: "
+                    "verified by rejection sampling, no token-for-token check")
     if r.near_tie_prompts:
         lossless += f" ({len(r.near_tie_prompts)} prompt(s) left greedy only at a near-tie: {r.near_tie_prompts})"
     speed = ""

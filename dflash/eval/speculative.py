@@ -1,11 +1,15 @@
-"""Speculative decoding with a DFlash drafter, greedy, batch size 1 — and the numbers that judge it.
+"""Speculative decoding with a DFlash or DFlash2 drafter, batch size 1 — and the numbers that judge it.
 
-One round: the drafter fills the full block [last token, MASK, ...] in one pass; the target verifies the
-whole block in one forward; the longest prefix of drafts that equals the target's own argmax is kept,
-plus the target's next token (the "bonus"). So every round yields accepted + 1 tokens, and the output
-(cut at the token budget and the first stop token) is exactly the target's greedy output — which
-``evaluate`` checks against a plain greedy decode, token for token, telling a real divergence from a
-near-tie that rounding decided.
+One round: the drafter fills the full block [last token, MASK, ...] in one pass (a DFlash2 drafter then
+walks its candidate selector from the last token); the target verifies the whole block in one forward;
+the longest prefix of drafts that equals the target's own argmax is kept, plus the target's next token
+(the "bonus"). So every round yields accepted + 1 tokens, and the output (cut at the token budget and
+the first stop token) is exactly the target's greedy output — which ``evaluate`` checks against a plain
+greedy decode, token for token, telling a real divergence from a near-tie that rounding decided.
+
+At a temperature the drafts are sampled and kept by rejection sampling (sampling.py), so the output is
+distributed as the target's own sampling at that temperature, top-p and top-k (tested statistically:
+tests/test_eval_sampling.py); ``evaluate`` then reports tau without a token-for-token check.
 
 tau = mean tokens per round (accepted + 1), every round counted whole, the last one too: the
 reference benchmark's "acceptance length". A drafter that is always wrong gives tau = 1.0 (no
@@ -20,7 +24,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from dflash.eval.sampling import check_sampling, draw, rejection_sample, sampling_probs
 from dflash.eval.verifier import CachedVerifier, new_cache
+from dflash.model.dflash2 import DFlash2Drafter
 from dflash.model.drafter import DFlashDrafter
 from dflash.targets.base import hidden_states_index
 from dflash.targets.hf import HFTarget
@@ -56,6 +62,68 @@ def greedy_generate(
 def _pick(logits: torch.Tensor) -> torch.Tensor:
     """The target's greedy choice in the speculative loop (one seam, so tests can break verification)."""
     return logits.argmax(-1)
+
+
+@dataclass
+class Sampling:
+    """How tokens are chosen: greedy at temperature 0, else drawn from the target's distribution at
+    ``temperature`` cut to ``top_k`` and ``top_p`` (sampling.py), with ``generator`` (None: torch's)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_p, self.top_k)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return sampling_probs(logits, self.temperature, self.top_p, self.top_k)
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The token(s) for ``logits`` [..., V]."""
+        return _pick(logits) if self.greedy else draw(self.probs(logits), self.generator)
+
+
+@torch.inference_mode()
+def sample_generate(target: HFTarget, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
+                    stop_token_ids: list[int] | None = None) -> list[int]:
+    """The target's own sampled continuation, one token per forward: what speculative sampling must
+    be distributed as."""
+    stops = set(stop_token_ids or [])
+    cache = new_cache(target.model)
+    ids = torch.tensor([prompt_ids], device=target.device)
+    out: list[int] = []
+    pos = 0
+    while len(out) < max_new_tokens:
+        logits = _forward(target, ids, cache, pos).logits
+        pos += ids.shape[1]
+        tok = int(sampling.choose(logits[0, -1]))
+        out.append(tok)
+        if tok in stops:
+            break
+        ids = torch.tensor([[tok]], device=target.device)
+    return out
+
+
+def _draft(drafter: DFlashDrafter, h: torch.Tensor, anchor: int, head, sampling: Sampling, dev: torch.device):
+    """The block's drafts [L] from the drafter's states h [L, H] at slots 1.., and what rejection
+    sampling needs of them: (drafts, their probabilities or None when greedy, the candidates DFlash2
+    chose among or None)."""
+    logits = head(h.to(dev, head.weight.dtype))
+    if isinstance(drafter, DFlash2Drafter):
+        anchor_ids = torch.tensor([anchor], device=h.device)
+        p = drafter.candidate_selector.walk(h[None], logits[None].to(h.device), anchor_ids, sampling.temperature,
+                                            sampling.generator)
+        return (p.tokens[0].to(dev), None if p.probs is None else p.probs[0].to(dev), p.candidates[0].to(dev))
+    if sampling.greedy:
+        return logits.argmax(-1), None, None
+    q = sampling.probs(logits)
+    return draw(q, sampling.generator), q, None
 
 
 @dataclass
@@ -106,8 +174,10 @@ def speculative_generate(
     stop_token_ids: list[int] | None = None,
     block_size: int | None = None,
     rollback: str | None = None,
+    sampling: Sampling | None = None,
 ) -> SpecOutput:
-    """Draft-then-verify greedy decoding; returns the same tokens as ``greedy_generate``.
+    """Draft-then-verify decoding; greedy (``sampling`` None or at temperature 0) it returns the same
+    tokens as ``greedy_generate``, sampled they are distributed as ``sample_generate``'s.
 
     Every round drafts and verifies a *full* block, as training shows the drafter (attention inside a
     block is bidirectional, so a shorter block would change every guess).
@@ -122,6 +192,7 @@ def speculative_generate(
     cheapest exact way for this target).
     """
     stops = set(stop_token_ids or [])
+    sampling = sampling or Sampling()
     bs = block_size or drafter.config.block_size
     taps = drafter.config.target_layer_ids
     dev = target.device
@@ -131,7 +202,7 @@ def speculative_generate(
     embed, head = target.frozen_head(dev)  # applied as the target applies them (Gemma: scaled, soft-capped)
     verifier = CachedVerifier(target.verifier, rollback)
     out = verifier.prefill(prompt_ids)
-    seq = [int(_pick(out.logits[-1]))]  # committed tokens, possibly past the budget
+    seq = [int(sampling.choose(out.logits[-1]))]  # committed tokens, possibly past the budget
     res = SpecOutput(tokens=[])
     ctx = torch.cat([out.hidden_states[hidden_states_index(i)] for i in taps], -1)  # context the drafter has not seen
     ctx_start = 0
@@ -145,12 +216,17 @@ def speculative_generate(
         positions = torch.arange(cur, cur + bs, device=ddev)[None]
         ctx_positions = torch.arange(ctx_start, cur, device=ddev)[None]
         h = drafter(embed(block)[None].to(ddev), ctx.to(ddev), positions, ctx_positions, cache=dcache)
-        block[1:] = head(h[0, 1:].to(dev, head.weight.dtype)).argmax(-1)
+        block[1:], q, candidates = _draft(drafter, h[0, 1:], seq[-1], head, sampling, dev)
 
         out = verifier.verify(block)
-        posterior = _pick(out.logits)  # target's choice after each block token
-        accepted = int((block[1:] == posterior[:-1]).int().cumprod(0).sum())
-        seq += block[1 : accepted + 1].tolist() + [int(posterior[accepted])]
+        if sampling.greedy:
+            posterior = _pick(out.logits)  # target's choice after each block token
+            accepted = int((block[1:] == posterior[:-1]).int().cumprod(0).sum())
+            after = int(posterior[accepted])
+        else:
+            accepted, after = rejection_sample(block[1:], sampling.probs(out.logits), q, candidates,
+                                               sampling.generator)
+        seq += block[1 : accepted + 1].tolist() + [after]
         res.accepted.append(accepted)
 
         verifier.commit(accepted + 1)  # keep the anchor and the accepted drafts; drop the rest
@@ -237,6 +313,9 @@ class EvalResult:
     per_prompt_tau: list[float]
     speculative_seconds: float
     greedy_seconds: float
+    temperature: float = 0.0  # 0: greedy; else sampled at this temperature, top_p and top_k (0: no cut)
+    top_p: float = 1.0
+    top_k: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -251,9 +330,14 @@ def evaluate(
     check_lossless: bool = True,
     block_size: int | None = None,
     on_prompt: Callable[[int, int], None] | None = None,
+    sampling: Sampling | None = None,
 ) -> EvalResult:
     """Speculative decode of every prompt (and, with ``check_lossless``, a plain greedy decode to
     compare against). Stops at the target's EOS ids unless ``stop_token_ids`` is given.
+
+    With ``sampling`` at a temperature the decodes are sampled; a sampled output has no single right
+    answer to compare with, so ``lossless`` is None (rejection sampling is what makes them lossless,
+    shown in distribution by tests/test_eval_sampling.py).
 
     The drafter stays where it is (device, dtype; its train/eval mode is restored afterwards), so a
     trainer can evaluate its live drafter between steps. ``on_prompt(done, total)`` is called after
@@ -264,6 +348,8 @@ def evaluate(
     if not prompts:
         raise ValueError("no prompts to evaluate")
     check_compatible(drafter, target)
+    sampling = sampling or Sampling()
+    check_lossless = check_lossless and sampling.greedy
     stops = target.stop_token_ids() if stop_token_ids is None else stop_token_ids
     bs = block_size or drafter.config.block_size
     was_training = drafter.training
@@ -277,7 +363,7 @@ def evaluate(
     try:
         for i, prompt in enumerate(prompts):
             t0 = time.perf_counter()
-            res = speculative_generate(drafter, target, prompt, max_new_tokens, stops, bs)
+            res = speculative_generate(drafter, target, prompt, max_new_tokens, stops, bs, sampling=sampling)
             t_spec += time.perf_counter() - t0
             for a in res.accepted:
                 hist[a] += 1
@@ -318,4 +404,7 @@ def evaluate(
         per_prompt_tau=per_prompt,
         speculative_seconds=t_spec,
         greedy_seconds=t_greedy,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
     )

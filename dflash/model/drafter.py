@@ -24,7 +24,8 @@ Parameter names match the public reference (z-lab/dflash ``DFlashDraftModel``) o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +149,9 @@ class DrafterConfig:
     sliding_window: int | None = None  # W of the sliding layers: the positions a query sees, its own included
     rope_scaling: dict | None = None  # None: plain RoPE; else transformers' rope parameters, e.g. {"rope_type": "yarn", ...}
 
+    #: which drafter this config builds (``build_drafter``); a checkpoint stores it beside the fields
+    drafter_type: ClassVar[str] = "dflash"
+
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         self.layer_types = list(self.layer_types) if self.layer_types else [FULL] * self.num_layers
@@ -234,7 +238,7 @@ class DrafterConfig:
     @classmethod
     def from_dict(cls, d: dict) -> DrafterConfig:
         """Inverse of ``dataclasses.asdict``; unknown keys (from newer versions) are ignored."""
-        known = {f for f in cls.__dataclass_fields__}
+        known = {f.name for f in fields(cls)}  # not __dataclass_fields__, which holds drafter_type too
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
@@ -333,6 +337,7 @@ class Positions:
     ctx: torch.Tensor  # [B, C] the (new) context's positions
     rope_q: tuple[torch.Tensor, torch.Tensor]
     rope_ctx: tuple[torch.Tensor, torch.Tensor]
+    block_len: int | None = None  # queries come in blocks of this many (None: the whole pass is one block)
 
 
 class Attention(nn.Module):
@@ -404,6 +409,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention then MLP, each added to the residual. A DFlash2 drafter (dflash2.py) sets
+    ``attention_conv`` and ``mlp_conv``: a convolution over the block's tokens on both sides of each
+    sublayer (``before`` its input, ``after`` its output); a DFlash drafter has none."""
+
     def __init__(self, cfg: DrafterConfig, index: int):
         super().__init__()
         self.layer_type = cfg.layer_types[index]
@@ -411,12 +420,23 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention_conv: nn.Module | None = None
+        self.mlp_conv: nn.Module | None = None
 
     def forward(self, x, ctx, pos: Positions, mask, cache=None) -> torch.Tensor:
         if isinstance(mask, dict):
             mask = mask[self.layer_type]
-        x = x + self.self_attn(self.input_layernorm(x), ctx, pos, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + _around(self.attention_conv, lambda h: self.self_attn(h, ctx, pos, mask, cache),
+                        self.input_layernorm(x), pos.block_len)
+        return x + _around(self.mlp_conv, self.mlp, self.post_attention_layernorm(x), pos.block_len)
+
+
+def _around(conv: nn.Module | None, sublayer, h: torch.Tensor, block_len: int | None) -> torch.Tensor:
+    """``sublayer(h)``, between the two sides of ``conv`` when the layer has one."""
+    if conv is None:
+        return sublayer(h)
+    h, after = conv.before(h, block_len)
+    return conv.after(sublayer(h), after, block_len)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -472,6 +492,7 @@ class DFlashDrafter(nn.Module):
         mask=None,
         cache: list | None = None,
         seq_len: int | None = None,
+        block_len: int | None = None,
     ) -> torch.Tensor:
         """Final hidden states [B, Q, H] for the block tokens (apply the target's LM head for logits).
 
@@ -487,13 +508,15 @@ class DFlashDrafter(nn.Module):
         cache:         list from ``new_cache()`` for incremental decoding; the given context is appended
         seq_len:       dynamic NTK RoPE only: one more than the largest position (read from the positions,
                        a host read, if not given)
+        block_len:     the queries are packed blocks of this many tokens (training); None: they are one
+                       block (decoding). Only DFlash2's convolutions read it: they never cross a block
         """
         x = noise_embeds.to(self.fc.weight.dtype)
         ctx = self.context_feature(target_hidden)
         if self.rotary.dynamic and seq_len is None:  # one length for queries and context alike
             seq_len = int(torch.cat([positions, ctx_positions], dim=1).max()) + 1
         pos = Positions(positions, ctx_positions, self.rotary(positions, x.dtype, seq_len),
-                        self.rotary(ctx_positions, x.dtype, seq_len))
+                        self.rotary(ctx_positions, x.dtype, seq_len), block_len)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, pos, mask, None if cache is None else cache[i])
         return self.norm(x)

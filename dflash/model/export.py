@@ -13,8 +13,17 @@ Export directory (what SGLang/vLLM and z-lab's ``DFlashDraftModel.from_pretraine
                        ``fc.weight``, ``hidden_norm.weight``, ``norm.weight`` (no embedding, no LM
                        head: those are the target's).
 
+A DFlash2 drafter (dflash2.py) is the same plus ``architectures: ["DFlash2DraftModel"]``, a top-level
+``is_causal`` (what the layers' attention is when every layer is of one kind; left out for a mix, which
+only the readers' default expresses), ``dflash_config`` keys ``conv_kernel_size``, ``conv_group_size``,
+``selector_rank``, ``selector_top_k``, ``input_embedding_scale``, ``output_multiplier``,
+``final_logit_softcapping``, and the weights ``layers.N.{attention,mlp}_conv.base_kernel`` /
+``.kernel_projection.weight`` and ``candidate_selector.{predecessor,successor}_codebook`` (no
+``.weight``: the reference's loader maps them) / ``.hidden_projection.weight``.
+
 Training checkpoints (written by dflash/checkpoint_files.py) are ``torch.save``d dicts holding
-``drafter_config`` (``dataclasses.asdict(DrafterConfig)``) and ``drafter`` (the state_dict).
+``drafter_config`` (``dataclasses.asdict`` of the config, with its ``drafter_type``) and ``drafter``
+(the state_dict).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.model.dflash2 import DFlash2Config, build_drafter, config_from_dict
 from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig, default_gamma, rope_scaling_of
 
 CONFIG_NAME = "config.json"
@@ -48,7 +58,7 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     sliding = SLIDING in cfg.layer_types
     rope = {"rope_theta": cfg.rope_theta, "rope_type": "default", **(cfg.rope_scaling or {})}
     out = {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [DFLASH],
         "model_type": "qwen3",
         "attention_bias": cfg.attention_bias,
         "attention_dropout": 0.0,
@@ -81,7 +91,20 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     }
     if cfg.rope_scaling:
         out["rope_scaling"] = dict(cfg.rope_scaling)  # transformers 4.x readers
+    if isinstance(cfg, DFlash2Config):
+        out["architectures"] = [DFLASH2]
+        kinds = set(cfg.layer_types)
+        if len(kinds) == 1:  # one kind of layer: say it (sliding layers are causal, full ones not)
+            out["is_causal"] = kinds == {SLIDING}
+        out["dflash_config"].update({name: getattr(cfg, name) for name in DFLASH2_KEYS})
     return out
+
+
+DFLASH, DFLASH2 = "DFlashDraftModel", "DFlash2DraftModel"
+#: DFlash2's ``dflash_config`` keys beyond DFlash's, each a DFlash2Config field of the same name, with
+#: its type; the first four are required (the readers have no default for them)
+DFLASH2_KEYS = {"conv_kernel_size": int, "conv_group_size": int, "selector_rank": int, "selector_top_k": int,
+                "input_embedding_scale": float, "output_multiplier": float, "final_logit_softcapping": float}
 
 
 def layer_types_from_hf(d: dict, num_layers: int) -> tuple[list[str], int | None]:
@@ -136,7 +159,15 @@ def config_from_hf(d: dict) -> DrafterConfig:
     num_layers = int(d["num_hidden_layers"])
     layer_types, window = layer_types_from_hf(d, num_layers)
     rope = d.get("rope_parameters") or {}
-    return DrafterConfig(
+    arch = (d.get("architectures") or [DFLASH])[0]
+    extra = {}
+    if arch == DFLASH2:
+        missing = [k for k in list(DFLASH2_KEYS)[:4] if pick(k) is None]
+        if missing:
+            raise KeyError(f"a {DFLASH2} config needs dflash_config.{missing[0]}")
+        extra = {k: cast(pick(k)) for k, cast in DFLASH2_KEYS.items() if pick(k) is not None}
+    return (DFlash2Config if arch == DFLASH2 else DrafterConfig)(
+        **extra,
         hidden_size=int(d["hidden_size"]),
         intermediate_size=int(d["intermediate_size"]),
         num_layers=num_layers,
@@ -179,7 +210,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dty
 
 
 def load_exported(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
-    """Load an export directory (ours or a z-lab DFlash drafter) back into a DFlashDrafter."""
+    """Load an export directory (ours or a z-lab DFlash/DFlash2 drafter) back into its drafter."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -189,9 +220,9 @@ def load_exported(path: str | Path, dtype: torch.dtype | None = None) -> DFlashD
         raise DrafterLoadError(f"{path}: unreadable {CONFIG_NAME} ({e})") from e
     if not isinstance(d, dict):
         raise DrafterLoadError(f"{path}: {CONFIG_NAME} is not a JSON object")
-    arch = (d.get("architectures") or ["DFlashDraftModel"])[0]
-    if arch != "DFlashDraftModel":
-        raise DrafterLoadError(f"{path}: architecture {arch!r} is not a plain DFlashDraftModel")
+    arch = (d.get("architectures") or [DFLASH])[0]
+    if arch not in (DFLASH, DFLASH2):
+        raise DrafterLoadError(f"{path}: architecture {arch!r} is neither a {DFLASH} nor a {DFLASH2}")
     try:
         cfg = config_from_hf(d)
     except (KeyError, TypeError, ValueError) as e:
@@ -229,7 +260,7 @@ def check_shapes(cfg: DrafterConfig, shapes: dict[str, tuple[int, ...]], where: 
                                f"the weights hold {len(layers)}")
     try:
         with torch.device("meta"):
-            expected = {k: tuple(v.shape) for k, v in DFlashDrafter(cfg).state_dict().items()}
+            expected = {k: tuple(v.shape) for k, v in build_drafter(cfg).state_dict().items()}
     except Exception as e:
         raise DrafterLoadError(f"{where}: the config's sizes are invalid ({str(e).splitlines()[0][:120]})") from None
     missing, extra = sorted(expected.keys() - shapes.keys()), sorted(shapes.keys() - expected.keys())
@@ -243,7 +274,7 @@ def check_shapes(cfg: DrafterConfig, shapes: dict[str, tuple[int, ...]], where: 
 
 
 def _build(cfg: DrafterConfig, state: dict, where: str, dtype: torch.dtype | None) -> DFlashDrafter:
-    drafter = DFlashDrafter(cfg)
+    drafter = build_drafter(cfg)
     result = drafter.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
         missing, extra = result.missing_keys[:3], result.unexpected_keys[:3]
@@ -305,7 +336,7 @@ def _drafter_from_checkpoint(ckpt: object, path: Path, dtype: torch.dtype | None
         raise DrafterLoadError(f"{path}: not a dflash checkpoint (no 'drafter_config'/'drafter' entries)")
     state = ckpt["drafter"]
     try:
-        cfg = DrafterConfig.from_dict(ckpt["drafter_config"])
+        cfg = config_from_dict(ckpt["drafter_config"])
         shapes = {k: tuple(v.shape) for k, v in state.items()}
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise DrafterLoadError(f"{path}: not a dflash checkpoint ({type(e).__name__}: {e})") from None
@@ -339,4 +370,5 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDr
 def checkpoint_dict(drafter: DFlashDrafter) -> dict:
     """The two entries a training checkpoint must hold for ``load_drafter`` to read it (the
     checkpointer writes them through this, so the two cannot drift apart)."""
-    return {"drafter_config": asdict(drafter.config), "drafter": drafter.state_dict()}
+    return {"drafter_config": {**asdict(drafter.config), "drafter_type": drafter.config.drafter_type},
+            "drafter": drafter.state_dict()}

@@ -43,8 +43,9 @@ class LossOutput:
     tests and one-off use.
 
     stats: float32 ``[loss, sum over blocks of the run of leading correct slots, correct slot 1 ..
-        correct slot B-1, term 1 .. term m]`` (the totals ``metrics_of`` turns into rates, then each
-        term of the objective before its weight, named by ``term_names``).
+        correct slot B-1, term 1 .. term m, metric 1 .. metric j]`` (the totals ``metrics_of`` turns
+        into rates, then each term of the objective before its weight, named by ``term_names``, then the
+        rates the terms measure, named by ``metric_names``: a DFlash2 selector's recall and accuracy).
     per_position_count[k-1]: supervised slots at position k (host ints, known from the batch plan).
     """
 
@@ -53,6 +54,7 @@ class LossOutput:
     num_blocks: int
     per_position_count: list[int] = field(default_factory=list)
     term_names: tuple[str, ...] = ()
+    metric_names: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +69,12 @@ class LossOutput:
     def terms(self) -> dict[str, float]:
         """Each term of the objective on this step, before its weight (reads the device)."""
         values = self.stats.detach().double().cpu().tolist()[2 + len(self.per_position_count):]
-        return dict(zip(self.term_names, values, strict=True))
+        return dict(zip(self.term_names, values[:len(self.term_names)], strict=True))
+
+    def term_metrics(self) -> dict[str, float]:
+        """The rates the terms measured on this step, by name (reads the device)."""
+        values = self.stats.detach().double().cpu().tolist()[2 + len(self.per_position_count) + len(self.term_names):]
+        return dict(zip(self.metric_names, values, strict=True))
 
     @property
     def accuracy(self) -> float:
@@ -264,7 +271,7 @@ def run_blocks(
         noise = embed_tokens(block_ids)
     ctx_positions = torch.arange(t, device=device).expand(bsz, t)
     # every position of the pass is below t: the length dynamic RoPE scales by, known without a read
-    out = drafter(noise, target_hidden, positions, ctx_positions, masks, seq_len=t)  # [Bsz, N*B, H]
+    out = drafter(noise, target_hidden, positions, ctx_positions, masks, seq_len=t, block_len=bs)  # [Bsz, N*B, H]
     extras: dict[str, torch.Tensor] = {}
     if not isinstance(out, torch.Tensor):
         extras = {k: v for k, v in out.items() if k != "hidden"}

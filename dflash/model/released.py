@@ -11,10 +11,12 @@ in one line. The release's layer types and sliding window carry over unless the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from dflash.model.dflash2 import DFlash2Config
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, mask_token_embedding_ok
 from dflash.model.export import CONFIG_NAME, WEIGHTS_NAME, DrafterLoadError, config_from_hf, load_exported
 
@@ -58,6 +60,25 @@ def check_against_target(cfg: DrafterConfig, target: Any, where: str) -> None:
     if not mask_token_embedding_ok(target.embed_tokens.weight, cfg.mask_token_id):
         raise ReleaseMismatch(f"{where}: its mask_token_id {cfg.mask_token_id} has a zero embedding row in the "
                               "target: made for another target or tokenizer")
+    if isinstance(cfg, DFlash2Config):
+        from dflash.targets.heads import applied
+
+        # the trainer applies the target's own embedding scale and soft-cap (its frozen head); a release
+        # that asks the engines for others was made for a target that applies them otherwise
+        scale, cap = applied(*target.frozen_head(target.device))
+        for name, theirs, ours in (("input_embedding_scale", cfg.input_embedding_scale, scale),
+                                   ("output_multiplier", cfg.output_multiplier, 1.0),
+                                   ("final_logit_softcapping", cfg.final_logit_softcapping, cap)):
+            if not _same(theirs, ours):
+                raise ReleaseMismatch(f"{where}: its {name} is {theirs}, the target applies {ours}: made for "
+                                      "another target")
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    """Two settings agree: both absent (None or 0, which also means no soft-cap), or equal to rounding."""
+    if not a or not b:
+        return not a and not b
+    return math.isclose(a, b, rel_tol=1e-6)
 
 
 def start_from_release(
@@ -69,14 +90,21 @@ def start_from_release(
     num_layers: int | None = None,
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
+    drafter_type: str = "dflash",
 ) -> tuple[DrafterConfig, dict]:
     """(config, state_dict) for a run starting from the released drafter at ``path``.
 
     ``num_layers`` (the run's --drafter-layers, if given) must match the release; ``layer_types`` and
-    ``sliding_window`` replace the release's when given.
+    ``sliding_window`` replace the release's when given. The release says which drafter it is: a
+    DFlash2 release trains as DFlash2 whatever ``drafter_type`` says, a DFlash one cannot become
+    DFlash2 (its convolutions and selector would start from nothing). A DFlash2 release's own
+    convolution and selector settings are kept (the weights are shaped by them).
     """
     where = f"--init-from {str(path)!r}"
     cfg = release_config(path)
+    if drafter_type == DFlash2Config.drafter_type and not isinstance(cfg, DFlash2Config):
+        raise ReleaseMismatch(f"{where}: a DFlash drafter, not a DFlash2 one: drop --drafter-type dflash2 to "
+                              "train it as it is")
     if num_layers is not None and num_layers != cfg.num_layers:
         raise ReleaseMismatch(f"{where}: it has {cfg.num_layers} layer(s), the run asks for {num_layers}: "
                               "drop --drafter-layers")

@@ -38,7 +38,7 @@ def register(cls: type[Term]) -> type[Term]:
     return cls
 
 
-from dflash.objectives import ce, kl  # noqa: E402,F401 - registers the terms
+from dflash.objectives import ce, kl, selector  # noqa: E402,F401 - registers the terms
 from dflash.objectives.positions import DPace, ExpDecay  # noqa: E402
 
 #: position weightings by name
@@ -72,7 +72,7 @@ def build(settings: Any, gamma: float, extra: Mapping[str, float] | None = None)
     check(settings.loss, settings.position_weight, extra)
     weighting = ExpDecay(gamma) if settings.position_weight == "exp" else DPace(settings.dpace_alpha)
     token = TERMS[settings.loss](weighting)  # type: ignore[call-arg]
-    return Objective([token, *(TERMS[n](w) for n, w in (extra or {}).items())])
+    return Objective([token, *(TERMS[n].made(w, settings) for n, w in (extra or {}).items())])
 
 
 def for_drafter(settings: Any, drafter: Any) -> Objective:

@@ -50,6 +50,9 @@ class Forward:
     verifier_head: nn.Module | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     span: Span = field(default=lambda _category: nullcontext())
+    input_ids: torch.Tensor | None = None  # [Bsz, T] the batch's tokens (a label's predecessor, say)
+    gamma: float | None = None  # the drafter's position decay, exp(-(k-1)/gamma)
+    drafter: nn.Module | None = None  # the drafter itself (a term over a head of its own: DFlash2's selector)
 
     def verifier_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(row in the batch, position) [S] each of the verifier state whose logits predict each supervised
@@ -70,6 +73,8 @@ class TermValue:
 
     value: torch.Tensor
     pred: torch.Tensor | None = None
+    #: the rates the term measured on this step (device scalars, detached), one per name in its ``metrics``
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Term(ABC):
@@ -80,9 +85,19 @@ class Term(ABC):
     needs: ClassVar[frozenset[str]] = frozenset({LABELS})
     #: whether this term predicts the block's tokens (one such term per objective: ce, kl)
     predicts_tokens: ClassVar[bool] = False
+    #: the rates its TermValue carries, logged by name (a mean over the steps of a log interval)
+    metrics: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, weight: float = 1.0) -> None:
         self.weight = weight
+
+    @classmethod
+    def made(cls, weight: float, settings: Any) -> Term:
+        """The term a drafter asks for at ``weight``, with the run's objective ``settings``."""
+        return cls(weight)
+
+    def at(self, progress: float) -> None:  # noqa: B027 - optional: most terms keep their weight
+        """Told the run's progress (fraction done) before each step: a term whose weight is scheduled."""
 
     @abstractmethod
     def __call__(self, fwd: Forward) -> TermValue:
@@ -114,6 +129,10 @@ class Objective:
     def term_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.terms)
 
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return tuple(m for t in self.terms for m in t.metrics)
+
     def describe(self) -> str:
         return " + ".join(t.name if t.weight == 1 else f"{t.weight:g} x {t.name}" for t in self.terms)
 
@@ -132,8 +151,8 @@ class Objective:
         bs, device = cfg.block_size, input_ids.device
         if plan.num_tokens == 0:  # nothing to learn from (e.g. responses shorter than two tokens)
             zero = sum(p.sum() for p in drafter.parameters()) * 0.0
-            return LossOutput(zero, torch.zeros(bs + 1 + len(self.terms), device=device), 0, [0] * (bs - 1),
-                              self.term_names)
+            return LossOutput(zero, torch.zeros(bs + 1 + len(self.terms) + len(self.metric_names), device=device),
+                              0, [0] * (bs - 1), self.term_names, self.metric_names)
         with span("drafter_forward"):
             # Padding blocks sit at position 0: computed like the others, never supervised, never counted.
             hidden, extras = run_blocks(drafter, embed_tokens, input_ids, target_hidden, plan.anchors.clamp(min=0),
@@ -142,7 +161,8 @@ class Objective:
             # supervised slots go through the (large) LM head, with no copy of all slots.
             rows = plan.sel + torch.div(plan.sel, bs - 1, rounding_mode="floor") + 1
             h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-        fwd = Forward(hidden, h, plan, lm_head, bs, verifier, verifier_head, extras, span)
+        fwd = Forward(hidden, h, plan, lm_head, bs, verifier, verifier_head, extras, span, input_ids, cfg.gamma,
+                      drafter)
         values = {t.name: t(fwd) for t in self.terms}
         with span("drafter_forward"):
             loss = sum(t.weight * values[t.name].value for t in self.terms)
@@ -153,8 +173,10 @@ class Objective:
                 grid = torch.zeros(plan.shape[0] * plan.shape[1] * (bs - 1), device=device)
                 runs = grid.index_copy_(0, plan.sel, correct).view(-1, bs - 1).cumprod(dim=-1).sum()
                 terms = torch.stack([values[t.name].value.detach().float() for t in self.terms])
-                stats = torch.cat([loss.detach().float().reshape(1), runs.reshape(1), per_slot, terms])
-        return LossOutput(loss, stats, plan.num_blocks, plan.per_position_count, self.term_names)
+                measured = [values[t.name].metrics[m].float().reshape(1) for t in self.terms for m in t.metrics]
+                stats = torch.cat([loss.detach().float().reshape(1), runs.reshape(1), per_slot, terms, *measured])
+        return LossOutput(loss, stats, plan.num_blocks, plan.per_position_count, self.term_names,
+                          self.metric_names)
 
     def on_batch(self, drafter: nn.Module, embed_tokens: nn.Module, lm_head: nn.Module, input_ids: torch.Tensor,
                  target_hidden: torch.Tensor, loss_mask: torch.Tensor, num_anchors: int = 512,

@@ -56,3 +56,10 @@ class NormedHead(_Wrapped):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.inner(self.norm(h))
+
+
+def applied(embed: nn.Module, head: nn.Module) -> tuple[float, float | None]:
+    """(embedding scale, logit soft-cap or None) that a target's frozen embedding and head apply: what a
+    DFlash2 export records for the engines (``input_embedding_scale``, ``final_logit_softcapping``)."""
+    scale = embed.scale if isinstance(embed, ScaledEmbedding) else 1.0
+    return float(scale), (head.cap if isinstance(head, SoftCappedHead) else None)

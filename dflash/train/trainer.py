@@ -168,7 +168,8 @@ class Trainer:
         s.gauge("step", st.step)
         # Loss, accuracy, taus and the gradient norm stay on the device; the main thread reads them once
         # per interval (LogLines.harvest): reading them here would stall this thread on the GPU.
-        self.metrics.add(r.out.stats, r.grad_norm, r.out.per_position_count, r.out.num_blocks, r.out.term_names)
+        self.metrics.add(r.out.stats, r.grad_norm, r.out.per_position_count,
+                         r.out.num_blocks, r.out.term_names, r.out.metric_names)
         wants_stop = self.nonfinite.too_many() or self.stop_requested.is_set()
         d = self.control.after_step(st.step, wants_stop, self.pipeline.train_time())
         if d.checkpoint:

@@ -18,9 +18,12 @@ CATEGORIES = ("batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put
 #: a hidden-states cache's: read in place of target_forward (cache_read), waited for when following a
 #: directory still being written (cache_wait), written by `dflash data cache` (cache_write)
 CACHE_CATEGORIES = ("cache_wait", "cache_read", "cache_write")
-#: the objective's own work on the drafter's worker, timed apart from drafter_forward: the verifier's
-#: logits an objective compares with (--loss kl: the target's final state through its norm and head)
-OBJECTIVE_CATEGORIES = ("verifier_logits",)
+#: the objective's own work on the drafter's worker, timed apart from drafter_forward (spans of two
+#: categories add up, they do not nest): the verifier's logits an objective compares with (--loss kl: the
+#: target's final state through its norm and head), and a DFlash2 drafter's candidate selector (its
+#: loss's forward; its backward is inside drafter_backward)
+SELECTOR = "selector"
+OBJECTIVE_CATEGORIES = ("verifier_logits", SELECTOR)
 #: categories that are not training: time spent in them pauses the pipeline
 PAUSE_CATEGORIES = ("eval",)
 #: a category named with one of these waits (on a queue, for a file not yet written): time a worker is
@@ -28,7 +31,7 @@ PAUSE_CATEGORIES = ("eval",)
 WAIT_SUFFIXES = ("_wait", "_put")
 #: a role's working share: what it does when it is not waiting on a queue
 TARGET_BUSY = ("target_forward", "cache_read", "pack_hidden", "h2d")
-DRAFTER_BUSY = ("drafter_forward", "verifier_logits", "drafter_backward", "optimizer_step", "h2d")
+DRAFTER_BUSY = ("drafter_forward", *OBJECTIVE_CATEGORIES, "drafter_backward", "optimizer_step", "h2d")
 
 
 # --- worker roles ----------------------------------------------------------------------------------

@@ -78,6 +78,15 @@ class ModelSettings:
     init_from: str | None = setting(None, "start from a released drafter in the reference format (config.json + "
                                     "model.safetensors, e.g. from `dflash export`), checked against the target",
                                     metavar="DIR")
+    # DFlash2 (docs/dflash2.md): the published drafters' settings are the defaults
+    drafter_type: str = setting("dflash", "dflash, or dflash2: a convolution around each sublayer and a candidate "
+                                "selector (default dflash; --init-from's release says its own)",
+                                choices=["dflash", "dflash2"])
+    conv_kernel_size: int = setting(2, "dflash2: taps of the convolution over a block's tokens (default 2)")
+    conv_group_size: int = setting(16, "dflash2: channels sharing one predicted kernel coefficient; divides the "
+                                   "hidden size (default 16)")
+    selector_rank: int = setting(256, "dflash2: rank of the selector's codebooks (default 256)")
+    selector_top_k: int = setting(16, "dflash2: candidates per slot the selector re-ranks (default 16)")
 
 
     def check_layers(self) -> None:
@@ -102,6 +111,18 @@ class ModelSettings:
         if "sliding_attention" in types and window is None and self.init_from is None:
             raise ConfigError("sliding_attention layers need a window: add --drafter-sliding-window W")
 
+    def check_dflash2(self) -> None:
+        """DFlash2's settings, as far as they can be judged before the target loads (its hidden size and
+        vocabulary are checked when the drafter is built)."""
+        if self.drafter_type != "dflash2":
+            return
+        from dflash.model.dflash2 import settings_problem
+
+        problem = settings_problem(self.conv_kernel_size, self.conv_group_size, self.selector_rank,
+                                   self.selector_top_k, block_size=self.block_size)
+        if problem:
+            raise ConfigError(problem)
+
 
 @dataclass
 class ObjectiveSettings:
@@ -113,6 +134,19 @@ class ObjectiveSettings:
                                    "expected accepted length, from the drafter's confidence (needs --loss ce; "
                                    "default exp)", metavar="exp|dpace")
     dpace_alpha: float = setting(0.5, "D-PACE's confidence smoothing, in (0, 1] (default 0.5)")
+    # a DFlash2 drafter's selector term (dflash/objectives/selector.py)
+    selector_loss_weight: float = setting(1.0, "dflash2: weight of the selector's loss once ramped in (default 1)")
+    selector_warmup: float = setting(0.0, "dflash2: fraction of the run before the selector's loss starts "
+                                     "(default 0)")
+    selector_ramp: float = setting(0.05, "dflash2: fraction of the run over which the selector's loss weight "
+                                   "rises linearly to --selector-loss-weight (default 0.05)")
+
+    def check_selector(self) -> None:
+        if self.selector_loss_weight < 0:
+            raise ConfigError(f"selector_loss_weight must be 0 or more, got {self.selector_loss_weight}")
+        for name in ("selector_warmup", "selector_ramp"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"{name} is a fraction of the run, in [0, 1]; got {getattr(self, name)}")
 
 
 @dataclass
@@ -293,6 +327,8 @@ class TrainConfig:
         if not 0 <= self.optim.warmup_ratio < 1:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.optim.warmup_ratio}")
         self.model.check_layers()
+        self.model.check_dflash2()
+        self.objective.check_selector()
 
 
     def check_objective(self) -> None:

@@ -68,6 +68,8 @@ class LogLines:
             s.gauge("grad_norm", t["grad_norm"])
             for name in ("accuracy", "sim_tau", "block_tau", "per_position_acc"):
                 s.metric(name, t[name])
+            for name, value in t["measured"].items():  # what the objective's terms measure (DFlash2's selector)
+                s.metric(name, value)
         for i, counters in allocator_gauges(self.cuda).items():
             for name, value in counters.items():
                 self.stats.gauge(f"cuda{i}_{name}", value)
@@ -90,8 +92,11 @@ class LogLines:
         m, self._totals = self._totals.summary(), Totals()  # means over the steps since the last line
         batch_q, hs_q = self.pipeline.depths()
         q = f"q batch {batch_q}/{self.cfg.pipeline.batch_queue_size} hs {hs_q}/{self.cfg.pipeline.hs_queue_size}"
+        measured = m["measured"]
+        selector = f"| sel recall {measured['selector_recall']:.3f} acc {measured['selector_accuracy']:.3f} " \
+            if "selector_recall" in measured else ""
         self.report.log(f"{self.progress().text()} | loss {m['loss']:.3f} | acc {m['accuracy']:.3f} "
-                        f"| sim_tau {m['sim_tau']:.2f} | {tps:,.0f} tok/s | lr {r.lr:.2e} "
+                        f"| sim_tau {m['sim_tau']:.2f} {selector}| {tps:,.0f} tok/s | lr {r.lr:.2e} "
                         f"| gnorm {m['grad_norm']:.2f} | {q}")
         summary, b = self.latest(), None
         if summary is not None:
@@ -114,4 +119,5 @@ class LogLines:
                 loss=m["loss"], terms=m["terms"], accuracy=m["accuracy"], sim_tau=m["sim_tau"],
                 per_position=m["per_position_acc"],
                 tokens_per_s=tps, lr=r.lr, grad_norm=m["grad_norm"], verdict=b.verdict if b else None,
+                measured=measured,
                 workers=summary.cumulative if summary is not None else None))

@@ -178,13 +178,14 @@ def make_drafter(cfg: TrainConfig, target: Target, ckpt: dict | None,
     """The drafter (on the host) and its DrafterConfig: the checkpoint's shape and weights when resuming,
     else a fresh one shaped for `target`, started from --init-from's weights or the target's top layers
     (--init-from-target) or at random (seeded by the run's seed)."""
-    from dflash.model.drafter import DFlashDrafter, DrafterConfig, init_from_target
+    from dflash.model.dflash2 import build_drafter, config_from_dict
+    from dflash.model.drafter import init_from_target
     from dflash.model.export import DrafterLoadError, check_shapes
 
     start = None  # the weights a fresh run starts from (--init-from), else random
     if ckpt is not None:
         try:
-            dcfg = DrafterConfig.from_dict(ckpt["drafter_config"])
+            dcfg = config_from_dict(ckpt["drafter_config"])
             check_shapes(dcfg, {k: tuple(v.shape) for k, v in ckpt["drafter"].items()}, "the checkpoint")
         except (DrafterLoadError, TypeError, ValueError, KeyError, AttributeError) as e:
             raise TrainError(f"--resume: the checkpoint's drafter does not load: {e}") from None
@@ -195,7 +196,7 @@ def make_drafter(cfg: TrainConfig, target: Target, ckpt: dict | None,
             raise TrainError(str(e)) from None
     torch.manual_seed(cfg.data.seed)
     random.seed(cfg.data.seed)
-    model = DFlashDrafter(dcfg)
+    model = build_drafter(dcfg)
     if ckpt is not None:
         model.load_state_dict(ckpt["drafter"])  # before DDP, which broadcasts rank 0's weights
     elif start is not None:
@@ -238,20 +239,28 @@ def evaluator(cfg: TrainConfig, target: Target, device: torch.device, log: Calla
 def new_drafter_config(cfg: TrainConfig, target: Any) -> tuple[Any, dict | None]:
     """A fresh run's DrafterConfig, and the weights to start from (None: random): the release's with
     --init-from (checked against the target), else shaped like the target; the layer settings apply to both."""
+    from dflash.model.dflash2 import DFlash2Config
     from dflash.model.drafter import DrafterConfig
     from dflash.model.released import start_from_release
+    from dflash.targets.heads import applied
 
     m = cfg.model
     if m.init_from:
         return start_from_release(m.init_from, target, block_size=m.block_size, gamma=m.gamma,
                                   num_layers=m.drafter_layers, layer_types=m.drafter_layer_types,
-                                  sliding_window=m.drafter_sliding_window)
+                                  sliding_window=m.drafter_sliding_window, drafter_type=m.drafter_type)
     dcfg = DrafterConfig.for_target(
         target.config, num_layers=m.drafter_layers or len(m.drafter_layer_types or target.layer_ids),
         block_size=m.block_size,
         target_layer_ids=target.layer_ids, mask_token_id=target.default_mask_token_id(), gamma=m.gamma,
     )
-    return replace(dcfg, layer_types=m.drafter_layer_types, sliding_window=m.drafter_sliding_window), None
+    dcfg = replace(dcfg, layer_types=m.drafter_layer_types, sliding_window=m.drafter_sliding_window)
+    if m.drafter_type == "dflash2":
+        scale, cap = applied(*target.frozen_head(target.device))
+        dcfg = DFlash2Config(**dcfg.__dict__, conv_kernel_size=m.conv_kernel_size, conv_group_size=m.conv_group_size,
+                             selector_rank=m.selector_rank, selector_top_k=m.selector_top_k,
+                             input_embedding_scale=scale, final_logit_softcapping=cap)
+    return dcfg, None
 
 
 def limit_epochs(cfg: TrainConfig, per_epoch: int, log: Callable[[str], None]) -> None:

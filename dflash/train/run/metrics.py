@@ -30,6 +30,7 @@ class Totals:
     counts: list[int] = field(default_factory=list)  # supervised slots per position
     blocks: int = 0
     terms: dict[str, float] = field(default_factory=dict)  # each objective term's sum over the steps
+    measured: dict[str, float] = field(default_factory=dict)  # each rate a term measured, summed over the steps
 
     def __add__(self, other: Totals) -> Totals:
         if not self.steps:
@@ -39,7 +40,8 @@ class Totals:
         return Totals(self.steps + other.steps, self.loss + other.loss, self.grad_norm + other.grad_norm,
                       self.runs + other.runs, [a + b for a, b in zip(self.correct, other.correct, strict=True)],
                       [a + b for a, b in zip(self.counts, other.counts, strict=True)], self.blocks + other.blocks,
-                      {k: v + other.terms.get(k, 0.0) for k, v in self.terms.items()})
+                      {k: v + other.terms.get(k, 0.0) for k, v in self.terms.items()},
+                      {k: v + other.measured.get(k, 0.0) for k, v in self.measured.items()})
 
     def summary(self) -> dict[str, Any]:
         """Mean loss, gradient norm and objective terms (``terms``: name -> mean, before its weight) per
@@ -49,6 +51,7 @@ class Totals:
                                "supervised_tokens": sum(self.counts),
                                "terms": {k: v * per_step for k, v in self.terms.items()}}
         out.update(metrics_of(self.runs, self.correct, self.counts, self.blocks))
+        out["measured"] = {k: v * per_step for k, v in self.measured.items()}  # selector_recall, ...
         return out
 
 
@@ -64,7 +67,7 @@ class StepMetrics:
         self._host = Totals()
 
     def add(self, stats: torch.Tensor, grad_norm: torch.Tensor, counts: list[int], blocks: int,
-            terms: tuple[str, ...] = ()) -> None:
+            terms: tuple[str, ...] = (), measured: tuple[str, ...] = ()) -> None:
         """One step: ``stats`` as in LossOutput (its objective's ``terms`` by name), its gradient norm, and
         its host counts. Never waits."""
         vec = torch.cat([stats.detach().double(), grad_norm.detach().double().reshape(1)])
@@ -77,6 +80,7 @@ class StepMetrics:
             h.counts = [a + b for a, b in zip(h.counts, counts, strict=True)] if h.counts else list(counts)
             h.blocks += blocks
             h.terms = dict.fromkeys(terms, 0.0)  # named now, summed at collect
+            h.measured = dict.fromkeys(measured, 0.0)
 
     def collect(self) -> Totals | None:
         """The sums since the previous collect (None if no step ended since). Waits for the device."""
@@ -92,5 +96,7 @@ class StepMetrics:
         v = taken.tolist()
         slots = len(host.counts)
         host.loss, host.runs, host.correct, host.grad_norm = v[0], v[1], v[2:2 + slots], v[-1]
-        host.terms = dict(zip(host.terms, v[2 + slots:-1], strict=True))
+        rest = v[2 + slots:-1]
+        host.terms = dict(zip(host.terms, rest[:len(host.terms)], strict=True))
+        host.measured = dict(zip(host.measured, rest[len(host.terms):], strict=True))
         return host

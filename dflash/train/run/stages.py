@@ -235,6 +235,8 @@ class DrafterStage:
             plan = b.plan if b.plan is not None else plan_blocks(
                 b.input_ids, b.loss_mask, self.drafter.config.block_size, self.cfg.model.num_anchors, self.generator)
             plan = plan.to(self.device)
+        for term in self.objective.terms:
+            term.at(progress)  # a scheduled weight (DFlash2's selector ramps in)
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
             t0 = time.perf_counter()
             out = self.loss(ids, hb.hidden, plan, attn)

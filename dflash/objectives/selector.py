@@ -1,0 +1,143 @@
+"""The candidate selector's training loss (DFlash2), beside the token loss every drafter trains on.
+
+z-lab has not published how it trains the selector; this follows the design SpecForge documents for
+its DFlash2 trainer (docs/concepts/DFlash2.md there), because it trains the selector on exactly what
+it sees when serving:
+
+* **Teacher forcing.** Slot k's predecessor is the data's token before its label, x[a + k - 1] (the
+  anchor's own token for k = 1), not the drafter's guess: every slot trains at once, in one pass.
+* **The serving candidates.** The candidates are the unary top-k of the target's head over the drafter's
+  state (``selector_top_k``), and the loss is a K-way cross-entropy of the selector's scores with the
+  gold token's place among them. A slot whose gold token is not among its candidates adds nothing: no
+  re-ranking could have drafted it (a miss of the backbone, counted as recall, not a selector error).
+* **The token loss's weighting.** Each slot is weighted by the block position's decay exp(-(k-1)/gamma),
+  and the sum joins the token loss's numerator over the same denominator (the token loss's weights), so
+  the two are on one scale: ``loss = (sum w ce + alpha sum w [covered] ce_sel) / sum w``.
+* **Ramped in.** ``alpha`` is 0 for the first ``warmup`` fraction of the run, rises linearly over the
+  next ``ramp`` fraction, then stays at the weight set. The selector stays in the graph meanwhile (its
+  gradient is 0, not absent), which multi-rank gradient reduction needs.
+* The selector's loss reaches the unary logits and the drafter's states too (no stop-gradient), as in
+  that design's default.
+
+What the log reports: **recall**, the share of supervised slots whose gold token is among the top-k,
+and **accuracy**, the share of those where the selector's best-scoring candidate is the gold token
+(teacher-forced). Both are summed on the device with the step's other metrics and read once per interval.
+
+The head is applied again to the supervised rows here, chunk by chunk under activation checkpointing (the
+token loss keeps no logits), so the selector's cost is its own span of the step (``selector``).
+
+A DFlash2 drafter asks for this term (``objective_terms``); its weight and schedule are the run's
+``--selector-loss-weight``, ``--selector-warmup`` and ``--selector-ramp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.objectives import register
+from dflash.objectives.base import LABELS, Forward, Term, TermValue
+from dflash.objectives.positions import exp_weights
+from dflash.telemetry.wire.vocab import SELECTOR
+
+#: rows of [rows, vocab] logits the selector takes through the head at once
+CHUNK = 4096
+
+
+def predecessors(input_ids: torch.Tensor, anchors: torch.Tensor, sel: torch.Tensor, slot: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """The data's token before each supervised slot's label: slot k of the block at anchor a is labelled
+    x[a + k], so its predecessor is x[a + k - 1] (``slot`` holds k - 1). ``anchors`` [Bsz, N] and
+    ``sel`` [S] as in a BlockPlan; computed on the device."""
+    t, n = input_ids.shape[1], anchors.shape[1]
+    block = torch.div(sel, block_size - 1, rounding_mode="floor")  # flat block index b * N + j
+    anchor = anchors.reshape(-1)[block].clamp(min=0)
+    row = torch.div(block, n, rounding_mode="floor")
+    return input_ids.reshape(-1)[row * t + anchor + slot]
+
+
+def ramp_weight(progress: float, weight: float, warmup: float, ramp: float) -> float:
+    """The selector loss's weight at ``progress`` (the run's fraction done): 0 during warmup, then a
+    linear rise over ``ramp``, then ``weight``."""
+    if progress < warmup:
+        return 0.0
+    if ramp <= 0:
+        return weight
+    return weight * min(1.0, (progress - warmup) / ramp)
+
+
+def _chunk_terms(selector: nn.Module, lm_head: nn.Module, h: torch.Tensor, labels: torch.Tensor,
+                 before: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = lm_head(h.to(lm_head.weight.dtype)).float()
+    unary, candidates = selector.candidates(logits)
+    match = candidates == labels[:, None]
+    covered = match.any(-1)
+    gold = match.int().argmax(-1)  # the gold token's place among the candidates (0 where it is absent)
+    scores = selector.scores(selector.hidden_projection(h), before, unary, candidates).float()
+    ce = F.cross_entropy(scores, gold, reduction="none")
+    num = (ce * weights * covered).sum()
+    with torch.no_grad():
+        right = candidates.gather(-1, scores.argmax(-1, keepdim=True))[:, 0] == labels
+        counts = torch.stack([covered.sum(), (right & covered).sum()]).float()
+    return num, counts
+
+
+def selector_terms(selector: nn.Module, lm_head: nn.Module, h: torch.Tensor, labels: torch.Tensor,
+                   before: torch.Tensor, weights: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over the covered slots of weight x the selector's cross-entropy, differentiable; float32
+    [covered, correct] counts) for the supervised slots' drafter states ``h`` [S, H], their ``labels``,
+    the tokens ``before`` them and their position ``weights``. ``selector`` is a CandidateSelector,
+    ``lm_head`` the target's frozen head as the target applies it. Chunks of ``chunk`` rows, each
+    recomputed in backward when it needs a gradient."""
+    if h.shape[0] == 0:
+        return h.sum() * 0.0, torch.zeros(2, device=h.device)
+    parts = []
+    for i in range(0, h.shape[0], chunk):
+        args = (h[i:i + chunk], labels[i:i + chunk], before[i:i + chunk], weights[i:i + chunk])
+        if torch.is_grad_enabled() and h.shape[0] > chunk:
+            from torch.utils.checkpoint import checkpoint
+
+            parts.append(checkpoint(_chunk_terms, selector, lm_head, *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_terms(selector, lm_head, *args))
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+@register
+class SelectorLoss(Term):
+    """The candidate selector's K-way cross-entropy (module docstring), over the position weights'
+    sum: on the token term's scale when that is the exponential decay. Reports the selector's recall
+    and teacher-forced accuracy on each step."""
+
+    name = "selector"
+    needs = frozenset({LABELS})
+    metrics = ("selector_recall", "selector_accuracy")
+
+    def __init__(self, weight: float = 1.0, warmup: float = 0.0, ramp: float = 0.0) -> None:
+        super().__init__(weight)
+        self.full_weight, self.warmup, self.ramp = weight, warmup, ramp
+
+    @classmethod
+    def made(cls, weight: float, settings: Any) -> SelectorLoss:
+        return cls(weight * settings.selector_loss_weight, settings.selector_warmup, settings.selector_ramp)
+
+    def at(self, progress: float) -> None:
+        self.weight = ramp_weight(progress, self.full_weight, self.warmup, self.ramp)
+
+    def __call__(self, fwd: Forward) -> TermValue:
+        if fwd.input_ids is None or fwd.drafter is None or fwd.gamma is None:
+            raise ValueError("the selector's loss needs the batch's tokens, the drafter and its gamma")
+        drafter = getattr(fwd.drafter, "module", fwd.drafter)  # DDP holds the drafter as .module
+        plan = fwd.plan
+        with fwd.span(SELECTOR):
+            w = exp_weights(fwd.block_size, fwd.gamma, plan.slot.device)[plan.slot]
+            before = predecessors(fwd.input_ids, plan.anchors, plan.sel, plan.slot, fwd.block_size)
+            num, (covered, correct) = selector_terms(drafter.candidate_selector, fwd.lm_head, fwd.h, plan.labels,
+                                                     before, w)
+            value = num / w.sum().clamp(min=1e-12)
+            supervised = float(max(plan.num_tokens, 1))
+            metrics = {"selector_recall": covered / supervised, "selector_accuracy": correct / covered.clamp(min=1)}
+        return TermValue(value, metrics=metrics)
