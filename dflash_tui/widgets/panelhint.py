@@ -23,4 +23,4 @@ class PanelHint(Widget):
         text = Text("out of view: ", no_wrap=True, overflow="ellipsis")
         for i, (key, name) in enumerate(self.hidden):
             text.append(f"{'  ' if i else ''}{key}", style="bold").append(f" {name}")
-        return text.append(" · press its number to zoom")
+        return text.append(" · its number zooms it")
