@@ -46,6 +46,7 @@ from dflash_tui.widgets.gpus import GpuPanel
 from dflash_tui.widgets.header import RunHeader
 from dflash_tui.widgets.help import HelpScreen
 from dflash_tui.widgets.jump import JumpDialog, parse_time
+from dflash_tui.widgets.panelhint import PanelHint
 from dflash_tui.widgets.picker import ChoiceScreen, PickerScreen, WaitingScreen, rank_label
 from dflash_tui.widgets.record import ProfileScreen, RecordDialog
 from dflash_tui.widgets.stacks import StacksScreen
@@ -53,8 +54,9 @@ from dflash_tui.widgets.statusline import StatusLine
 from dflash_tui.widgets.threads import ThreadsPanel
 from dflash_tui.widgets.timebars import TimeBars
 
-#: the panels the number keys 1-6 zoom
-PANELS = ["p-time", "p-cats", "p-gpu", "p-threads", "p-curves", "p-events"]
+#: the panels the number keys 1-6 zoom, in that order, with the names the keys and the hint give them
+PANELS = {"p-time": "bars", "p-cats": "table", "p-gpu": "GPUs", "p-threads": "threads", "p-curves": "curves",
+          "p-events": "events"}
 
 
 class DFlashTop(App[None]):
@@ -92,8 +94,8 @@ class DFlashTop(App[None]):
         Binding("right_square_bracket", "rank(1)", "rank", key_display="[ ]"),
         Binding("left_square_bracket", "rank(-1)", "previous rank", show=False),
         Binding("g", "pick_rank", "ranks"),
-        Binding("1", "panel(0)", "zoom 1-6", tooltip="zoom a panel: 1 bars, 2 table, 3 GPUs, 4 threads, "
-                "5 curves, 6 events (again or escape: back)"),
+        Binding("1", "panel(0)", "zoom 1-6", tooltip="zoom a panel: " + ", ".join(
+            f"{i} {name}" for i, name in enumerate(PANELS.values(), 1)) + " (again or escape: back)"),
         Binding("2", "panel(1)", "table", show=False),
         Binding("3", "panel(2)", "gpu", show=False),
         Binding("4", "panel(3)", "threads", show=False),
@@ -154,6 +156,7 @@ class DFlashTop(App[None]):
                 yield Panel("threads (top -H)", ThreadsPanel(id="threads"), id="p-threads")
                 yield Panel("training curves", CurvesPanel(id="curves"), id="p-curves")
                 yield Panel("events", EventsLog(id="events"), id="p-events")
+        yield PanelHint(id="hint")  # names the panels a small terminal leaves out of view
         yield StatusLine(id="status")
         yield Footer()
 
@@ -168,6 +171,8 @@ class DFlashTop(App[None]):
         self._main = self.screen  # the dashboard, whatever modal is on top of it later
         self._cluster_box = self.query_one("#p-cluster")
         self._cluster_box.display = False
+        self._hint, self._body = self.query_one(PanelHint), self.query_one("#body")
+        self.watch(self._body, "scroll_y", lambda _: self.call_after_refresh(self._update_hint), init=False)
         if self.source is not None:
             self._start(self.source)
         elif self.target is not None:
@@ -259,6 +264,25 @@ class DFlashTop(App[None]):
             for panel in self._panels:
                 if slow or panel.id not in self.SLOW_PANELS or panel.parent is maximized:
                     panel.refresh_from(self.state)
+        self.call_after_refresh(self._update_hint)  # panels may have grown or shrunk
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self._update_hint)
+
+    def _update_hint(self) -> None:
+        """Name in the hint line each zoomable panel whose title or first row is out of view (rows
+        without their title do not say what they are)."""
+        if not self.screen_stack or not hasattr(self, "_hint"):
+            return
+        view = self._body.region
+
+        def in_view(panel) -> bool:
+            return view.y <= panel.region.y and panel.region.intersection(view).height >= 2
+
+        hidden = tuple((str(i), name) for i, (pid, name) in enumerate(PANELS.items(), 1)
+                       if (panel := self.query_one(f"#{pid}")).display and not in_view(panel))
+        if hidden != self._hint.hidden:
+            self._hint.hidden = hidden
 
     def _timed_slow(self) -> None:
         self._slow_timer = None
@@ -381,7 +405,7 @@ class DFlashTop(App[None]):
         self.notify(f"table shows {chosen or 'all workers'}", timeout=2)
 
     def action_panel(self, index: int) -> None:
-        panel = self.query_one(f"#{PANELS[index]}")
+        panel = self.query_one(f"#{list(PANELS)[index]}")
         if self._main.maximized is panel:
             self._main.minimize()
         else:

@@ -5,11 +5,12 @@ what the workers use only contend (on 2 shared cores a loaded machine made torch
 than one thread). The trainer's evaluations and `dflash eval` of a run therefore use the workers'
 `threads_per_worker`; this measures that choice against torch's default, alternating the two.
 
-The drafter is `make train`'s: trained here with configs/tiny-cpu.toml for `--train-seconds` (or an
-existing run given with `--drafter RUN_DIR`), then evaluated as the final evaluation is: 8 prompts x
-96 new tokens of the demo data with the lossless check (`dflash eval`'s work, in this process).
+The drafter is `make train`'s: trained here with configs/tiny-cpu.toml, its step budget or
+`--train-steps` (or an existing run given with `--drafter RUN_DIR`), then evaluated as the final
+evaluation is: 8 prompts x 96 new tokens of the demo data with the lossless check (`dflash eval`'s
+work, in this process), which also gives the wall-time speedup over plain greedy decoding.
 
-    python scripts/bench_eval.py [--json] [--quick] [--rounds 3] [--train-seconds 300] [--drafter RUN_DIR]
+    python scripts/bench_eval.py [--json] [--quick] [--rounds 3] [--train-steps N] [--drafter RUN_DIR]
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from _bench import ForeignLoad, bench_parser, print_report
 REPO = Path(__file__).resolve().parents[1]
 
 
-def train_drafter(run_dir: Path, seconds: float | None, steps: int | None) -> None:
-    """`make train`'s run, cut to `seconds` (or `steps`), without its own evaluation or telemetry."""
+def train_drafter(run_dir: Path, steps: int | None) -> None:
+    """`make train`'s run (its step budget, or `steps`), without its own evaluation or telemetry."""
     from dflash.train.config.schema import load_toml, make_config
     from dflash.train.trainer import Trainer
 
-    limits = {"max_time": seconds} if steps is None else {"max_steps": steps}
+    limits = {} if steps is None else {"max_steps": steps}
     cfg = make_config(load_toml(REPO / "configs" / "tiny-cpu.toml"),
                       {"run_dir": str(run_dir), "telemetry": False, "eval_prompts": 0, **limits})
     if Trainer(cfg, log=lambda s: None).run() != 0:
@@ -69,6 +70,8 @@ def measure(run_dir: Path, prompts_n: int, new_tokens: int, rounds: int) -> dict
         "lossless": result.lossless, "workers_threads": workers, "default_threads": default,
         "eval_s_workers_threads": round(ours, 2), "eval_s_default_threads": round(theirs, 2),
         "default_over_workers": round(theirs / ours, 2),
+        "speedup_over_greedy": round(result.speedup, 3) if result.speedup is not None else None,
+        "round_cost_steps": round(result.round_cost, 2) if result.round_cost is not None else None,
     }
 
 
@@ -77,7 +80,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a 2-step drafter, 1 prompt x 8 tokens, one round "
                    "(a smoke run: the figures mean nothing)")
     p.add_argument("--rounds", type=int, default=3, help="evaluations per thread setting (median)")
-    p.add_argument("--train-seconds", type=float, default=300.0, help="training time of the drafter (make train's)")
+    p.add_argument("--train-steps", type=int, default=None, help="training steps of the drafter (default: make "
+                   "train's budget, configs/tiny-cpu.toml)")
     p.add_argument("--drafter", type=Path, default=None, help="evaluate this run's drafter instead of training one")
     args = p.parse_args()
     rounds, prompts_n, new_tokens = (1, 1, 8) if args.quick else (args.rounds, 8, 96)
@@ -85,7 +89,7 @@ def main() -> None:
         run_dir = args.drafter
         if run_dir is None:
             run_dir = Path(tmp) / "run"
-            train_drafter(run_dir, args.train_seconds, 2 if args.quick else None)
+            train_drafter(run_dir, 2 if args.quick else args.train_steps)
         report = measure(run_dir, prompts_n, new_tokens, rounds)
     report.update({"cpus": os.cpu_count(), "foreign_load_cores": round(load.cores, 2),
                    "busy_machine": load.cores > 0.2})

@@ -48,6 +48,34 @@ def test_eval_json_report(setup, capsys, drafter):
     assert r["tau"] >= 1.0 and r["rounds"] > 0 and len(r["per_position_acceptance"]) == 3
     assert sum(r["acceptance_histogram"]) == r["rounds"]
     assert {"target_forwards", "baseline_forwards", "forwards_saved", "tokens_generated"} <= set(r)
+    # the wall-time speedup over plain greedy decoding, and what a round costs in its steps
+    assert r["speedup"] == pytest.approx(r["greedy_seconds"] / r["speculative_seconds"])
+    step = r["greedy_seconds"] / r["baseline_forwards"]
+    assert r["round_cost"] == pytest.approx(r["speculative_seconds"] / r["rounds"] / step)
+
+
+def test_the_speedup_is_said_plainly_and_a_slow_down_says_why(setup, capsys):
+    from types import SimpleNamespace
+
+    from dflash.commands.eval import speed_text
+
+    slow = SimpleNamespace(speedup=13.9 / 26.9, speculative_seconds=26.9, greedy_seconds=13.9,
+                           block_size=16, round_cost=2.8, tau=1.46)
+    text = speed_text(slow)
+    assert text.startswith("SLOWER than plain decoding: 0.52x in wall time (26.9 s speculative vs 13.9 s plain")
+    assert "takes as long as 2.8 plain decoding steps but yields tau 1.46 tokens" in text, text
+    assert speed_text(SimpleNamespace(**{**vars(slow), "speedup": 2.5})).startswith("speedup 2.50x in wall time")
+    # end to end: the text report has the line; without the plain decode it says it was not measured
+    root, target_dir, data = setup
+    args = ["eval", "--drafter", str(root / "export"), "--target", str(target_dir), "--data", str(data),
+            "--max-new-tokens", "6", "--num-prompts", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "SLOWER than plain decoding" in out or "speedup" in out and "x in wall time" in out, out
+    assert main([*args, "--no-lossless-check", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["speedup"] is None
+    assert main([*args, "--no-lossless-check"]) == 0
+    assert "speedup: not measured" in capsys.readouterr().out
 
 
 def test_eval_text_report_and_errors(setup, capsys):

@@ -127,3 +127,14 @@ def test_a_second_demo_never_starts_a_second_trainer(tmp_path):
         assert run("tmux", "display-message", "-p", "-t", "work", "#{window_name}").strip() == "dflash-demo"
     finally:
         subprocess.run(["tmux", "kill-server"], env=env, capture_output=True, timeout=30)
+
+
+def test_make_train_is_a_step_budget_and_a_limit_flag_replaces_it():
+    """The demo's result must not depend on the machine: it ends after a number of steps, not seconds.
+    A limit given on the command line replaces the file's (`--max-time 600` trains 600 s)."""
+    toml = load_toml(ROOT / "configs" / "tiny-cpu.toml")
+    cfg = make_config(toml, {})
+    assert cfg.run.max_steps and (cfg.run.max_time, cfg.run.epochs) == (None, None)
+    cfg = make_config(toml, {"max_time": 600.0})
+    assert (cfg.run.max_steps, cfg.run.max_time) == (None, 600.0)
+    assert make_config(toml, {"max_steps": 5}).run.max_steps == 5

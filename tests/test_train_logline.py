@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
+from dflash.telemetry.verdict.evidence import analyze
+from dflash.telemetry.wire.protocol import CategoryStats, Snapshot
 from dflash.train.config import TrainConfig
 from dflash.train.config.schema import updated
 from dflash.train.reporting import Reporter
@@ -44,6 +46,16 @@ def _step(state: TrainCounters, metrics: StepMetrics, loss: float, tokens: int) 
     metrics.add(torch.tensor([loss, 3.0, 2.0, 1.0], dtype=torch.float64), torch.tensor(1.5), [4, 4], 4)
 
 
+def cs(share: float) -> CategoryStats:
+    return CategoryStats(n=10, total=share, mean=share / 10, p50=share / 10, p95=share / 10, max=share / 10,
+                         share=share)
+
+
+def shares(put: float) -> dict:
+    return {"target-0": {"target_forward": cs(1 - put), "hs_queue_put": cs(put)},
+            "drafter-0": {"drafter_forward": cs(0.4), "drafter_backward": cs(0.6)}}
+
+
 def test_a_line_per_interval_only_when_steps_were_made() -> None:
     now, out = [0.0], []
     state, metrics, stats = TrainCounters(), StepMetrics(), _Stats()
@@ -70,25 +82,14 @@ def test_a_line_per_interval_only_when_steps_were_made() -> None:
 
 
 def test_the_last_line_judges_the_whole_run_not_its_wind_down_window() -> None:
-    """Between intervals the line shows the verdict dflash-top shows (the window's); the last line of
+    """(With --log-table, so that every line has its verdict and evidence.) Between intervals the line shows the verdict dflash-top shows (the window's); the last line of
     the run judges the cumulative shares: the last window is the wind-down, where a stage that waits
     on a stopped one looks blocked (84% there against 25% over the run, in a real `make train`)."""
-    from dflash.telemetry.verdict.evidence import analyze
-    from dflash.telemetry.wire.protocol import CategoryStats, Snapshot
-
-    def cs(share: float) -> CategoryStats:
-        return CategoryStats(n=10, total=share, mean=share / 10, p50=share / 10, p95=share / 10,
-                             max=share / 10, share=share)
-
-    def shares(put: float) -> dict:
-        return {"target-0": {"target_forward": cs(1 - put), "hs_queue_put": cs(put)},
-                "drafter-0": {"drafter_forward": cs(0.4), "drafter_backward": cs(0.6)}}
-
     run, wind_down = shares(0.25), analyze(shares(0.84))
     assert "84%" in wind_down.reason and "25%" in analyze(run).reason
     now, out = [0.0], []
     state, metrics = TrainCounters(), StepMetrics()
-    lines = LogLines(TrainConfig(), state, _Stats(), metrics, _Pipeline(now),
+    lines = LogLines(updated(TrainConfig(), log_table=True), state, _Stats(), metrics, _Pipeline(now),
                      latest=lambda: Snapshot(seq=1, t=0.0, interval_s=1.0, cumulative=run),
                      verdict=lambda whole_run=None: None if whole_run is not None else wind_down,
                      report=Reporter(out.append), devices=[], clock=lambda: now[0])
@@ -102,3 +103,49 @@ def test_the_last_line_judges_the_whole_run_not_its_wind_down_window() -> None:
     # each verdict line is followed by its own evidence: the wind-down's 84%, then the run's 25%
     evidence = [line for line in out if line.startswith("  evidence:")]
     assert "target.hs_queue_put 84.0%" in evidence[0] and "target.hs_queue_put 25.0%" in evidence[1], evidence
+
+
+def test_the_default_log_is_one_line_per_interval_and_a_table_every_few_minutes() -> None:
+    """An hour at 10 s per line: 360 lines, each one line (progress, metrics, the verdict's name); the
+    table, the verdict's reason and its evidence only every 5 minutes (the default) and at the end."""
+    run = shares(0.25)
+    now, out = [0.0], []
+    state, metrics = TrainCounters(), StepMetrics()
+    lines = LogLines(updated(TrainConfig(), log_every=10.0, telemetry_interval=1.0, max_steps=360), state, _Stats(),
+                     metrics, _Pipeline(now), latest=lambda: Snapshot(seq=1, t=0.0, interval_s=1.0, cumulative=run),
+                     verdict=lambda whole_run=None: analyze(run), report=Reporter(out.append), devices=[],
+                     clock=lambda: now[0])
+    per_write = []
+    for i in range(360):
+        _step(state, metrics, loss=2.0, tokens=100)
+        now[0] += 10.0
+        before = len(out)
+        lines.write(final=i == 359)
+        per_write.append(len(out) - before)
+    progress = [line for line in out if line.startswith("step ")]
+    assert len(progress) == 360 and all(line.endswith("| drafter-bound") for line in progress), progress[:2]
+    tables = [i for i, n in enumerate(per_write) if n > 1]
+    assert tables == list(range(29, 359, 30)) + [359], tables  # every 300 s of the clock, and the last line
+    assert all(n == 1 for i, n in enumerate(per_write) if i not in tables)
+    table = per_write[29] - 1  # the table, the verdict line and its evidence
+    assert table >= 3 and len(out) == 360 + table * len(tables)
+    assert sum(line.startswith("bottleneck") for line in out) == len(tables)
+
+
+def test_a_step_budget_says_up_front_how_long_it_takes_here() -> None:
+    """Once, from the rate of the steps after the first (which pays for the warm-up)."""
+    now, out = [0.0], []
+    state, metrics = TrainCounters(), StepMetrics()
+    lines = LogLines(updated(TrainConfig(), log_every=1e9, max_steps=400, eval_prompts=8), state, _Stats(), metrics,
+                     _Pipeline(now), latest=lambda: None, verdict=lambda whole_run=None: None,
+                     report=Reporter(out.append), devices=[], clock=lambda: now[0])
+    now[0] = 30.0  # start-up
+    _step(state, metrics, loss=2.0, tokens=100)
+    lines.tick()
+    for _ in range(30):  # then 2 steps/s
+        now[0] += 0.5
+        _step(state, metrics, loss=2.0, tokens=100)
+        lines.tick()
+    assert len(out) == 1, out
+    assert out[0] == ("[phase] training: 400 steps at 2.00 steps/s here (steps 1-21): about 3:10 more, 3:50 in "
+                      "all, then the final evaluation"), out

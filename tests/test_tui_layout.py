@@ -121,3 +121,54 @@ async def test_a_zoomed_panel_fills_the_80x24_screen(key, title) -> None:
         await settle(pilot)
         # 24 rows: 2 of header, the status line and the keys; the box and its borders take the rest
         assert len(box(lines_of(app), title)) == 24 - 4 - 2, screen_text(app)
+
+
+async def _until_screen(pilot, cond, what: str) -> list[str]:
+    """The screen's lines once `cond(lines)` holds (the hint follows the layout a refresh later)."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while not cond(lines := lines_of(pilot.app)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(lines))
+        await pilot.pause()
+    return lines
+
+
+def _hint(lines: list[str]) -> str | None:
+    return next((line.strip() for line in lines if line.strip().startswith("out of view:")), None)
+
+
+async def test_at_80x24_every_panel_shows_or_is_named_with_its_zoom_key() -> None:
+    """The stacked panels do not fit 24 rows: those out of view are named on a line of their own with
+    the number that zooms each; scrolled down, the ones above are; at 160x50 all fit and no line shows."""
+    from dflash_tui.app import PANELS
+
+    titles = {"bars": "where time goes", "table": "per-category timings", "GPUs": "GPUs", "threads": "threads",
+              "curves": "training curves", "events": "events"}
+    assert set(titles) == set(PANELS.values())
+
+    def accounted(lines: list[str]) -> bool:
+        hint = _hint(lines) or ""
+        shown = {name for name, title in titles.items() if any(f"╭─ {title}" in line for line in lines)}
+        named = {name for i, name in enumerate(PANELS.values(), 1) if f"{i} {name}" in hint}
+        return hint.endswith("its number zooms it") and shown | named == set(titles) and named
+
+    app = app_of(synthetic.frames(80, workers=3, gpus=2))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        lines = await _until_screen(pilot, accounted, "every panel on screen or named in the hint")
+        assert "3 GPUs" in _hint(lines) and "1 bars" not in _hint(lines), _hint(lines)
+        await pilot.press("3")  # the key the hint names brings the panel up
+        lines = await _until_screen(pilot, lambda ls: any("╭─ GPUs" in line for line in ls), "the zoomed GPUs")
+        assert _hint(lines) is None  # a zoomed panel fills the screen
+        await pilot.press("3")
+        app.query_one("#body").scroll_end(animate=False)
+        lines = await _until_screen(pilot, lambda ls: accounted(ls) and "1 bars" in (_hint(ls) or ""),
+                                    "the panels scrolled above named")
+    app = app_of(synthetic.frames(80, workers=3, gpus=2))
+    async with app.run_test(size=(160, 50)) as pilot:
+        await settle(pilot)
+        lines = lines_of(app)
+        assert all(any(f"╭─ {title}" in line for line in lines) for title in titles.values()), "\n".join(lines)
+        assert _hint(lines) is None

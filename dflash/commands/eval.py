@@ -162,15 +162,26 @@ def format_result(r) -> str:
                     "verified by rejection sampling, no token-for-token check")
     if r.near_tie_prompts:
         lossless += f" ({len(r.near_tie_prompts)} prompt(s) left greedy only at a near-tie: {r.near_tie_prompts})"
-    speed = ""
-    if r.greedy_seconds > 0 and r.speculative_seconds > 0:
-        speed = f"  wall {r.speculative_seconds:.1f}s vs greedy {r.greedy_seconds:.1f}s " \
-                f"({r.greedy_seconds / r.speculative_seconds:.2f}x)"
     return "\n".join([
         f"tau {r.tau:.3f} tokens/round over {r.rounds} rounds ({r.num_prompts} prompts, block {r.block_size}, "
         f"{r.tokens_generated} tokens); mean over prompts {r.acceptance_length:.3f}",
-        f"target forwards {r.target_forwards} vs {r.baseline_forwards} greedy (saved {r.forwards_saved}){speed}",
+        speed_text(r),
+        f"target forwards {r.target_forwards} vs {r.baseline_forwards} greedy (saved {r.forwards_saved})",
         f"accepted drafts per round (count): {hist}",
         f"acceptance by position 1..{r.block_size - 1}: {acc}",
         f"lossless (== target greedy): {lossless}",
     ])
+
+
+def speed_text(r) -> str:
+    """The number a user decides on: wall time against plain greedy decoding, and when speculation is
+    slower, why, in the run's own measurements (a round costs more plain steps than it yields tokens)."""
+    if r.speedup is None:
+        return "speedup: not measured (the plain greedy decode it is timed against runs with the lossless check)"
+    times = f"{r.speculative_seconds:.1f} s speculative vs {r.greedy_seconds:.1f} s plain greedy"
+    if r.speedup >= 1:
+        return f"speedup {r.speedup:.2f}x in wall time ({times})"
+    return (f"SLOWER than plain decoding: {r.speedup:.2f}x in wall time ({times}): a round (draft a block of "
+            f"{r.block_size}, verify it in one target forward) takes as long as {r.round_cost:.1f} plain decoding "
+            f"steps but yields tau {r.tau:.2f} tokens; it pays only where tau exceeds that cost (a drafter far "
+            "cheaper than its target, as on a large model, or a better-trained one)")

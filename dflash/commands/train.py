@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         if saved is None:  # a resumed run takes only its placement from the recipe
             print(f"dflash train: {line}", flush=True)
     try:
-        cfg = make_config(file_values, overrides, recipe)
+        cfg = make_config(file_values, overrides, recipe, file=str(args.config or 'config file'))
         if saved is not None:
             where = str(Path(args.run_dir) / "config.json")
             given = set(file_values) | {name for name, value in overrides.items() if value is not None}

@@ -316,6 +316,18 @@ class EvalResult:
     temperature: float = 0.0  # 0: greedy; else sampled at this temperature, top_p and top_k (0: no cut)
     top_p: float = 1.0
     top_k: int = 0
+    # wall time of plain greedy decoding over speculative decoding's (< 1: a slow-down); None when
+    # the plain decode did not run (no lossless check)
+    speedup: float | None = None
+    # a round's wall time in plain decoding steps (one target forward of one token, as greedy
+    # decoding timed it): speculation is faster only where tau exceeds it
+    round_cost: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.greedy_seconds > 0 and self.speculative_seconds > 0 and self.rounds and self.baseline_forwards:
+            self.speedup = self.greedy_seconds / self.speculative_seconds
+            step = self.greedy_seconds / self.baseline_forwards
+            self.round_cost = self.speculative_seconds / self.rounds / step
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -94,7 +94,8 @@ class Trainer:
         if faults is not None:
             report.say(f"fault injection (DFLASH_FAULT): {faults.describe()}")
         ckpt = checkpoint_to_resume(Path(cfg.run.run_dir), d, self.resume, report)
-        self.parts = parts = build(cfg, d, run_target(cfg), ckpt, faults, log=report.log)
+        target = run_target(cfg, report.log, resuming=ckpt is not None)
+        self.parts = parts = build(cfg, d, target, ckpt, faults, log=report.log)
         if ckpt is not None:
             self.state = restore(ckpt, parts, d, report.log)
         if d.is_main:

@@ -54,7 +54,10 @@ class RunSettings:
     max_time: float | None = setting(None, "stop after this many seconds of training")
     epochs: float | None = setting(None, "passes over the data, fractions allowed (default 1 when no step or "
                                    "time limit is given)")
-    log_every: float = setting(10.0, "seconds between log lines (default 10)")
+    log_every: float = setting(10.0, "seconds between log lines, one line each (default 10)")
+    log_table_every: float = setting(300.0, "seconds between the category tables (with the verdict and its "
+                                     "evidence) in the log; the end of the run always has one (default 300)")
+    log_table: bool = setting(False, "the category table, the verdict and its evidence after every log line")
 
 
 @dataclass
@@ -105,7 +108,8 @@ class ModelSettings:
         bad = [t for t in types if t not in kinds]
         if bad:
             raise ConfigError(f"drafter_layer_types: {bad[0]!r} is not a layer type; use {' or '.join(kinds)}")
-        if self.drafter_layers is not None and len(types) != self.drafter_layers:
+        # with --init-from the release settles the count (config/released.py checks it against the types)
+        if self.drafter_layers is not None and self.init_from is None and len(types) != self.drafter_layers:
             raise ConfigError(f"drafter_layer_types names {len(types)} layer(s) for {self.drafter_layers} drafter "
                               "layers: give one type per layer")
         if "sliding_attention" in types and window is None and self.init_from is None:
@@ -268,6 +272,16 @@ class TrainConfig:
     health: HealthSettings = field(default_factory=HealthSettings)
     distributed: DistributedSettings = field(default_factory=DistributedSettings)
 
+    def __post_init__(self) -> None:
+        # flat name -> where its value came from (the command line, a file's path, the hardware recipe,
+        # a saved config.json; schema.stated says it); a setting left at its default has none. Not a
+        # field: config.json holds what ran, not how it was asked for.
+        self.origins: dict[str, str] = {}
+
+    def origin(self, name: str) -> str | None:
+        """Where setting `name` (flat) was set, None for its default."""
+        return self.origins.get(name)
+
     @property
     def name(self) -> str:
         return self.run.run_name or Path(self.run.run_dir or "").name
@@ -296,7 +310,8 @@ class TrainConfig:
             raise ConfigError("--follow needs --hidden-states DIR: the cache directory to follow")
         positive = {"block_size": self.model.block_size, "num_anchors": self.model.num_anchors,
                     "batch_size": self.data.batch_size, "max_seq_len": self.data.max_seq_len, "lr": self.optim.lr,
-                    "log_every": run.log_every, "telemetry_interval": tel.telemetry_interval,
+                    "log_every": run.log_every, "log_table_every": run.log_table_every,
+                    "telemetry_interval": tel.telemetry_interval,
                     "batch_queue_size": pipe.batch_queue_size, "hs_queue_size": pipe.hs_queue_size,
                     "keep_checkpoints": self.checkpoint.keep_checkpoints,
                     "collective_timeout": self.distributed.collective_timeout,

@@ -53,15 +53,21 @@ SECTIONS, SETTINGS = _collect()
 
 
 def make_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any],
-                recipe: Mapping[str, Any] | None = None) -> TrainConfig:
-    """Defaults <- hardware recipe <- file <- CLI; unknown keys and wrong types are errors, not silently
-    ignored. With no step, time or epoch limit anywhere, the run makes one pass over the data."""
+                recipe: Mapping[str, Any] | None = None, file: str = "config file") -> TrainConfig:
+    """Defaults <- hardware recipe <- file (`file` names it) <- CLI; unknown keys and wrong types are
+    errors, not silently ignored. The limits given on the command line replace the file's (`--max-time
+    600` on a file with a step budget trains 600 s). With no step, time or epoch limit anywhere, the run
+    makes one pass over the data. Where each setting came from is kept (`TrainConfig.origin`)."""
     from dflash.train.config.recipes import fresh_run_dir
 
     cfg = TrainConfig()
-    for where, values in (("recipe", recipe or {}), ("config file", file_values)):
-        _apply(cfg, values, where)
-    _apply(cfg, {k: v for k, v in overrides.items() if v is not None}, "command line")  # absent flags are None
+    given = {k: v for k, v in overrides.items() if v is not None}  # absent flags are None
+    file_values = flatten(file_values, file)
+    if given.keys() & set(LIMITS):
+        file_values = {k: v for k, v in file_values.items() if k not in LIMITS}
+    _apply(cfg, recipe or {}, RECIPE)
+    _apply(cfg, file_values, file)
+    _apply(cfg, given, COMMAND_LINE)
     run = cfg.run
     if run.max_steps is None and run.max_time is None and run.epochs is None:
         run.epochs = 1.0
@@ -140,6 +146,7 @@ def resumed(saved: TrainConfig, requested: TrainConfig, given: set[str], where: 
                 raise ConfigError(f"--resume keeps what the run trains: {s.name} is {old!r} in {where}, not {new!r} "
                                   "(start a new --run-dir to train with it)")
             s.put(cfg, new)
+            cfg.origins[s.name] = requested.origin(s.name) or where
             lines.append(f"{s.name} {old!r} -> {new!r}")
     if given & set(LIMITS):
         for name in LIMITS:
@@ -198,10 +205,33 @@ def flatten(values: Mapping[str, Any], where: str = "config file") -> dict[str, 
     return flat
 
 
+#: where a setting came from, besides a file's path (TrainConfig.origins)
+RECIPE, COMMAND_LINE = "the recipe for this machine", "command line"
+
+
 def _apply(cfg: TrainConfig, values: Mapping[str, Any], where: str) -> TrainConfig:
     for name, value in flatten(values, where).items():
         _setting(name, where).put(cfg, value)
+        cfg.origins[name] = where
     return cfg
+
+
+def explicit(cfg: TrainConfig, name: str) -> bool:
+    """Whether the user set `name`: a flag, a config file or a saved config, not a default or the
+    hardware recipe (which only fills in what nothing else said)."""
+    return cfg.origin(name) not in (None, RECIPE)
+
+
+def stated(cfg: TrainConfig, name: str) -> str:
+    """Where `name`'s value was said, in the user's own terms: `--drafter-layers 1`,
+    `drafter_layers = 1 in configs/tiny-cpu.toml`, `drafter_layers 1 (the recipe for this machine)`."""
+    value, where = SETTINGS[name].get(cfg), cfg.origin(name)
+    if where == COMMAND_LINE:
+        shown = ",".join(map(str, value)) if isinstance(value, list) else value
+        return f"--{name.replace('_', '-')} {shown}"
+    if where is None or where == RECIPE:
+        return f"{name} {value!r} ({where or 'the default'})"
+    return f"{name} = {value!r} in {where}"
 
 
 def _setting(name: str, where: str) -> Setting:

@@ -1,7 +1,9 @@
 """The main thread's regular work while the workers train: once per telemetry interval, read the
 drafter's device-side metric sums (the one wait on the GPU the training loop allows) and publish them
-with the progress; once per log interval, write the log line, the category table and the bottleneck
-verdict, and feed the trackers."""
+with the progress; once per log interval, write one log line (progress, metrics, the verdict's name)
+and feed the trackers. The category table, the verdict's reason and its evidence follow a line only
+every `log_table_every` seconds, at the end of the run, or every time with `--log-table`: they are
+what dflash-top and `dflash stats` are for, and twelve rows every few seconds bury the progress."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from dflash.telemetry.wire.vocab import term_gauge
 from dflash.train.config import TrainConfig
 from dflash.train.control import Interval
 from dflash.train.reporting import Reporter
-from dflash.train.reporting.progress import Progress
+from dflash.train.reporting.progress import Progress, clock
 from dflash.train.reporting.trackers import interval_scalars
 from dflash.train.run.memory import AllocatorRetries, allocator_gauges
 from dflash.train.run.metrics import StepMetrics, Totals
@@ -33,11 +35,14 @@ class LogLines:
         self.retries = AllocatorRetries()  # an event each time the allocator had to retry (CUDA only)
         self.clock = clock
         self.logs = Interval(cfg.run.log_every, clock)
+        self.tables = Interval(cfg.run.log_table_every, clock)
+        self._planned = False  # the run's duration here, said once from its first steps (`plan`)
         self.harvests = Interval(cfg.telemetry.telemetry_interval, clock)
         self._totals = Totals()  # harvested since the last log line
         self._tokens_at_log = state.tokens
         self._logged_step = -1
         self._start = (state.step, pipeline.clock())  # where this process began, for the rate and ETA
+        self._first: tuple[int, float] | None = None
 
     def tick(self) -> None:
         """Whatever is due now."""
@@ -46,8 +51,44 @@ class LogLines:
         if self.cfg.telemetry.enabled and self.harvests.due():
             self.harvest()
             self.harvests.restart()
+        if not self._planned:
+            self.plan()
         if self.logs.due():
             self.write()
+
+    #: the rate the duration is said from: this much training and this many steps after the first one
+    #: (the first step also pays for warm-up: thread start, allocator, the first batches)
+    PLAN_AFTER_S, PLAN_AFTER_STEPS = 10.0, 5
+
+    def plan(self) -> None:
+        """Once the first steps have set the rate, say how long the run takes here: a step budget's
+        duration depends on the machine (its result does not), so the log says it up front."""
+        first, run = self._first_step(), self.cfg.run
+        if first is None:
+            return
+        now = self.pipeline.clock()
+        steps, ran = self.state.step - first[0], now - first[1]
+        if steps < self.PLAN_AFTER_STEPS or ran < self.PLAN_AFTER_S:
+            return
+        self._planned = True
+        if not run.max_steps:
+            return  # a time limit says its own duration; an open-ended run has none
+        rate = steps / ran
+        left = (run.max_steps - self.state.step) / rate
+        cut = run.max_time is not None and run.max_time - now < left
+        if cut:
+            left = run.max_time - now
+        then = ", then the final evaluation" if self.cfg.eval.eval_prompts > 0 else ""
+        self.report.event("phase", f"training: {run.max_steps:,} steps at {rate:.2f} steps/s here (steps "
+                          f"{first[0]}-{self.state.step}): about {clock(left)} more, {clock(now + left)} in all"
+                          + (" (--max-time ends it first)" if cut else "") + then,
+                          steps=run.max_steps, steps_per_s=rate, eta_s=left)
+
+    def _first_step(self) -> tuple[int, float] | None:
+        """(step, training clock) when this process made its first step; None before it."""
+        if self._first is None and self.state.step > self._start[0]:
+            self._first = (self.state.step, self.pipeline.clock())
+        return self._first
 
     def progress(self) -> Progress:
         elapsed = self.pipeline.clock()
@@ -78,8 +119,9 @@ class LogLines:
 
     def write(self, final: bool = False) -> None:
         """The log line for the steps since the last one (nothing when no step was made: a line per
-        interval without progress would only be noise), the table and the verdict. The `final` one
-        judges the whole run: its last window holds the wind-down, when every stage waits on another."""
+        interval without progress would only be noise), and when due the table and the verdict's
+        reason and evidence. The `final` one judges the whole run: its last window holds the
+        wind-down, when every stage waits on another."""
         st, r = self.state, self.state.last
         dt = max(1e-9, self.clock() - self.logs.last)
         tps = (st.tokens - self._tokens_at_log) / dt
@@ -95,25 +137,19 @@ class LogLines:
         measured = m["measured"]
         selector = f"| sel recall {measured['selector_recall']:.3f} acc {measured['selector_accuracy']:.3f} " \
             if "selector_recall" in measured else ""
-        self.report.log(f"{self.progress().text()} | loss {m['loss']:.3f} | acc {m['accuracy']:.3f} "
-                        f"| sim_tau {m['sim_tau']:.2f} {selector}| {tps:,.0f} tok/s | lr {r.lr:.2e} "
-                        f"| gnorm {m['grad_norm']:.2f} | {q}")
         summary, b = self.latest(), None
         if summary is not None:
-            from dflash.telemetry import format_profile_stats
             from dflash.telemetry.verdict.published import whole_run
-            from dflash.telemetry.wire.table import evidence_text
 
-            # Cumulative: a 1 s window is too noisy for a line printed every few seconds.
-            self.report.log(format_profile_stats(summary, limit=12, cumulative=True))
-            # The verdict dflash-top shows (the recent span it names), the whole run at the end; its
-            # evidence from that same span, so the line never pairs a verdict with other numbers.
+            # The verdict dflash-top shows (the recent span it names), the whole run at the end.
             b = self.verdict(summary if final else None) or whole_run(summary.cumulative, summary.roles,
                                                                      summary.counters.get("steps"))
-            scope = f" ({b.scope})" if b.scope else ""
-            self.report.log(f"bottleneck{scope}: {b.verdict}" + (f" - {b.reason}" if b.reason else ""))
-            if b.evidence:
-                self.report.log(f"  evidence: {evidence_text(b.evidence)}")
+        self.report.log(f"{self.progress().text()} | loss {m['loss']:.3f} | acc {m['accuracy']:.3f} "
+                        f"| sim_tau {m['sim_tau']:.2f} {selector}| {tps:,.0f} tok/s | lr {r.lr:.2e} "
+                        f"| gnorm {m['grad_norm']:.2f} | {q}" + (f" | {b.verdict}" if b is not None else ""))
+        if summary is not None and (final or self.cfg.run.log_table or self.tables.due()):
+            self.tables.restart()
+            self.table(summary, b)
         if self.report.trackers is not None:
             self.report.trackers.log(st.step, interval_scalars(
                 loss=m["loss"], terms=m["terms"], accuracy=m["accuracy"], sim_tau=m["sim_tau"],
@@ -121,3 +157,16 @@ class LogLines:
                 tokens_per_s=tps, lr=r.lr, grad_norm=m["grad_norm"], verdict=b.verdict if b else None,
                 measured=measured,
                 workers=summary.cumulative if summary is not None else None))
+
+    def table(self, summary: Any, b: Any) -> None:
+        """The category table of the run so far (cumulative: a 1 s window is too noisy for a table in a
+        log), the verdict with its scope and reason, and its evidence from that same span, so the
+        lines never pair a verdict with other numbers."""
+        from dflash.telemetry import format_profile_stats
+        from dflash.telemetry.wire.table import evidence_text
+
+        self.report.log(format_profile_stats(summary, limit=12, cumulative=True))
+        scope = f" ({b.scope})" if b.scope else ""
+        self.report.log(f"bottleneck{scope}: {b.verdict}" + (f" - {b.reason}" if b.reason else ""))
+        if b.evidence:
+            self.report.log(f"  evidence: {evidence_text(b.evidence)}")

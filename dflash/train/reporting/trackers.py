@@ -179,4 +179,6 @@ def interval_scalars(*, loss: float, accuracy: float, sim_tau: float, per_positi
 def eval_scalars(summary: Mapping[str, Any]) -> dict[str, float]:
     out = {"eval/tau": summary["tau"]}
     out.update({f"eval/acceptance_{k}": a for k, a in enumerate(summary.get("per_position_acceptance") or [], 1)})
+    if summary.get("speedup") is not None:
+        out["eval/speedup"] = summary["speedup"]
     return out

@@ -25,7 +25,7 @@ from dflash.targets.heads import NormedHead
 from dflash.telemetry.wire.vocab import Role
 from dflash.train import distributed
 from dflash.train.checkpoint import rng
-from dflash.train.config import TrainConfig
+from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.distributed import Dist
 from dflash.train.run.devices import resolve
 from dflash.train.run.faults import FaultPlan
@@ -67,20 +67,22 @@ class Components:
                 f"mask token {d.mask_token_id}; data {self.data_path} ({self.samples} samples)")
 
 
-def run_target(cfg: TrainConfig) -> Target:
+def run_target(cfg: TrainConfig, log: Callable[[str], None] = print, resuming: bool = False) -> Target:
     """The target the settings name, on the first target worker's device (build replicates it). The
-    data path is checked first: a typo in it should not wait for a large target to load."""
+    data path is checked first: a typo in it should not wait for a large target to load; and on a
+    fresh start with --init-from the drafter's shape (its taps among it) is the release's where the
+    user set none (a resumed run has its checkpoint's shape, and its saved config says it)."""
     from dflash.data import DataError, resolve_data
     from dflash.model.export import DrafterLoadError
-    from dflash.model.released import release_config
     from dflash.targets import make_target
+    from dflash.train.config.released import take_release_shape
 
     try:
         resolve_data(cfg.run.data)
-        if cfg.model.init_from and cfg.model.target_layer_ids is None:  # tap what the release was trained on
-            cfg.model.target_layer_ids = release_config(cfg.model.init_from).target_layer_ids
+        if not resuming and (line := take_release_shape(cfg)):
+            log(line)
         return make_target(cfg, resolve(cfg.pipeline.target_devices[0]))
-    except (DataError, TargetError, DrafterLoadError) as e:
+    except (DataError, TargetError, DrafterLoadError, ConfigError) as e:
         raise TrainError(str(e)) from None
 
 
