@@ -28,7 +28,7 @@ from textual.widgets import Footer
 
 from dflash.telemetry.wire.protocol import Hello
 from dflash.telemetry.wire.sockets import SocketInfo, default_socket_dir, discover, group_jobs
-from dflash_tui import sources
+from dflash_tui import layout, sources
 from dflash_tui.jobs import RecordSettings, take_record, take_snapshot
 from dflash_tui.messages import ProfileDone, SourceUpdated, TrainersFound
 from dflash_tui.pyspy import RecordReport, StackReport, find_pyspy, pid_is_local
@@ -37,12 +37,7 @@ from dflash_tui.sources import Connection, FrameSource, LiveLink, Playback, Sour
 from dflash_tui.state import RunState
 from dflash_tui.widgets.alerts import AlertBanner
 from dflash_tui.widgets.base import Panel
-from dflash_tui.widgets.bottleneck import BottleneckPanel
 from dflash_tui.widgets.categories import CategoryTable
-from dflash_tui.widgets.cluster import ClusterPanel
-from dflash_tui.widgets.curves import CurvesPanel
-from dflash_tui.widgets.events import EventsLog
-from dflash_tui.widgets.gpus import GpuPanel
 from dflash_tui.widgets.header import RunHeader
 from dflash_tui.widgets.help import HelpScreen
 from dflash_tui.widgets.jump import JumpDialog, parse_time
@@ -51,12 +46,15 @@ from dflash_tui.widgets.picker import ChoiceScreen, PickerScreen, WaitingScreen,
 from dflash_tui.widgets.record import ProfileScreen, RecordDialog
 from dflash_tui.widgets.stacks import StacksScreen
 from dflash_tui.widgets.statusline import StatusLine
-from dflash_tui.widgets.threads import ThreadsPanel
-from dflash_tui.widgets.timebars import TimeBars
 
-#: the panels the number keys 1-6 zoom, in that order, with the names the keys and the hint give them
-PANELS = {"p-time": "bars", "p-cats": "table", "p-gpu": "GPUs", "p-threads": "threads", "p-curves": "curves",
-          "p-events": "events"}
+
+def _zoom_bindings() -> list[Binding]:
+    """Number keys for the zoomable panels: the first shown in the footer for all of them."""
+    names = ", ".join(f"{i} {p.zoom}" for i, p in enumerate(layout.ZOOMABLE, 1))
+    first = Binding("1", "panel(0)", f"zoom 1-{len(layout.ZOOMABLE)}",
+                    tooltip=f"zoom a panel: {names} (again or escape: back)")
+    return [first, *(Binding(str(i), f"panel({i - 1})", p.zoom or p.id, show=False)
+                     for i, p in enumerate(layout.ZOOMABLE[1:], 2))]
 
 
 class DFlashTop(App[None]):
@@ -68,10 +66,8 @@ class DFlashTop(App[None]):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
     ALLOW_IN_MAXIMIZED_VIEW = "Footer, RunHeader, #alerts-box, AlertBanner, StatusLine"
     MAX_REFRESH_HZ = 5.0
-    #: dense panels, read row by row (like top and nvidia-smi), redraw at most this often while the
-    #: headline ones (header, bars, bottleneck) follow every snapshot: redrawing is nearly all of
-    #: dflash-top's CPU time, and at 2 Hz this halves the largest part of it
-    SLOW_PANELS = frozenset({"table", "gpus", "threads", "curves"})
+    #: how often the dense panels (layout.SLOW) redraw at most: at 2 Hz this halved the largest part of
+    #: dflash-top's CPU time
     SLOW_INTERVAL_S = 1.0
     BINDINGS = [
         Binding("q,ctrl+c", "quit", "quit"),
@@ -94,13 +90,7 @@ class DFlashTop(App[None]):
         Binding("right_square_bracket", "rank(1)", "rank", key_display="[ ]"),
         Binding("left_square_bracket", "rank(-1)", "previous rank", show=False),
         Binding("g", "pick_rank", "ranks"),
-        Binding("1", "panel(0)", "zoom 1-6", tooltip="zoom a panel: " + ", ".join(
-            f"{i} {name}" for i, name in enumerate(PANELS.values(), 1)) + " (again or escape: back)"),
-        Binding("2", "panel(1)", "table", show=False),
-        Binding("3", "panel(2)", "gpu", show=False),
-        Binding("4", "panel(3)", "threads", show=False),
-        Binding("5", "panel(4)", "curves", show=False),
-        Binding("6", "panel(5)", "events", show=False),
+        *_zoom_bindings(),
     ]
 
     #: the panels dim while the trainer is away, and keep the last data
@@ -145,25 +135,19 @@ class DFlashTop(App[None]):
         yield RunHeader(id="header")
         with Vertical(id="alerts-box"):  # a container of auto height: the banner's own height varies
             yield AlertBanner(id="alerts")
-        yield Panel("cluster", ClusterPanel(id="cluster"), id="p-cluster")
+        yield from (Panel(p.title, p.widget(id=p.id), id=p.box) for p in layout.in_column("top"))
         with Container(id="body"):
-            with Vertical(id="left"):
-                yield Panel("bottleneck", BottleneckPanel(id="bottleneck"), id="p-bottleneck")
-                yield Panel("where time goes (share of wall time per worker)", TimeBars(id="bars"), id="p-time")
-                yield Panel("per-category timings", CategoryTable(id="table"), id="p-cats")
-            with Vertical(id="right"):
-                yield Panel("GPUs", GpuPanel(id="gpus"), id="p-gpu")
-                yield Panel("threads (top -H)", ThreadsPanel(id="threads"), id="p-threads")
-                yield Panel("training curves", CurvesPanel(id="curves"), id="p-curves")
-                yield Panel("events", EventsLog(id="events"), id="p-events")
+            for column in ("left", "right"):
+                with Vertical(id=column):
+                    yield from (Panel(p.title, p.widget(id=p.id), id=p.box) for p in layout.in_column(column))
         yield PanelHint(id="hint")  # names the panels a small terminal leaves out of view
         yield StatusLine(id="status")
         yield Footer()
 
     @property
     def panels(self) -> list:
-        return [self.query_one(sel) for sel in ("#header", "#alerts", "#cluster", "#bars", "#bottleneck", "#table", "#gpus",
-                                                "#threads", "#curves", "#events", "#status")]
+        ids = ("header", "alerts", *(p.id for p in layout.DASHBOARD), "status")
+        return [self.query_one(f"#{i}") for i in ids]
 
     def on_mount(self) -> None:
         self._panels = self.panels
@@ -262,7 +246,7 @@ class DFlashTop(App[None]):
             if self._cluster_box.display != show_cluster:
                 self._cluster_box.display = show_cluster
             for panel in self._panels:
-                if slow or panel.id not in self.SLOW_PANELS or panel.parent is maximized:
+                if slow or panel.id not in layout.SLOW or panel.parent is maximized:
                     panel.refresh_from(self.state)
         self.call_after_refresh(self._update_hint)  # panels may have grown or shrunk
 
@@ -279,8 +263,8 @@ class DFlashTop(App[None]):
         def in_view(panel) -> bool:
             return view.y <= panel.region.y and panel.region.intersection(view).height >= 2
 
-        hidden = tuple((str(i), name) for i, (pid, name) in enumerate(PANELS.items(), 1)
-                       if (panel := self.query_one(f"#{pid}")).display and not in_view(panel))
+        hidden = tuple((str(i), p.zoom) for i, p in enumerate(layout.ZOOMABLE, 1)
+                       if (panel := self.query_one(f"#{p.box}")).display and not in_view(panel))
         if hidden != self._hint.hidden:
             self._hint.hidden = hidden
 
@@ -405,7 +389,7 @@ class DFlashTop(App[None]):
         self.notify(f"table shows {chosen or 'all workers'}", timeout=2)
 
     def action_panel(self, index: int) -> None:
-        panel = self.query_one(f"#{list(PANELS)[index]}")
+        panel = self.query_one(f"#{layout.ZOOMABLE[index].box}")
         if self._main.maximized is panel:
             self._main.minimize()
         else:

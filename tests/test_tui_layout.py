@@ -142,16 +142,16 @@ def _hint(lines: list[str]) -> str | None:
 async def test_at_80x24_every_panel_shows_or_is_named_with_its_zoom_key() -> None:
     """The stacked panels do not fit 24 rows: those out of view are named on a line of their own with
     the number that zooms each; scrolled down, the ones above are; at 160x50 all fit and no line shows."""
-    from dflash_tui.app import PANELS
+    from dflash_tui.layout import ZOOMABLE
 
     titles = {"bars": "where time goes", "table": "per-category timings", "GPUs": "GPUs", "threads": "threads",
               "curves": "training curves", "events": "events"}
-    assert set(titles) == set(PANELS.values())
+    assert set(titles) == {p.zoom for p in ZOOMABLE}
 
     def accounted(lines: list[str]) -> bool:
         hint = _hint(lines) or ""
         shown = {name for name, title in titles.items() if any(f"╭─ {title}" in line for line in lines)}
-        named = {name for i, name in enumerate(PANELS.values(), 1) if f"{i} {name}" in hint}
+        named = {p.zoom for i, p in enumerate(ZOOMABLE, 1) if f"{i} {p.zoom}" in hint}
         return hint.endswith("its number zooms it") and shown | named == set(titles) and named
 
     app = app_of(synthetic.frames(80, workers=3, gpus=2))

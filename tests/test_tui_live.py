@@ -194,7 +194,7 @@ async def test_attaches_and_fills_every_panel_at_80x24(short_dir: Path, workload
         assert "loss" in text_of(app, "#curves")
         assert app.query_one(EventsLog).lines, "events reach the log"
         await pilot.press("2")
-        assert app.screen.maximized is app.query_one("#p-cats")
+        assert app.screen.maximized is app.query_one("#p-table")
         await pilot.press("2")
         assert app.screen.maximized is None
 
@@ -330,7 +330,7 @@ async def test_a_stuck_pyspy_never_freezes_the_app(short_dir: Path, workloads, t
         assert app.job is not None
         seen = app.state.snapshots
         await pilot.press("3")  # keys are handled while py-spy hangs (the job is still running) ...
-        assert app.screen.maximized is app.query_one("#p-gpu") and app.job is not None
+        assert app.screen.maximized is app.query_one("#p-gpus") and app.job is not None
         # ... and so are snapshots: three more arrive before the job's timeout ends it
         await until(pilot, lambda: app.state.snapshots > seen + 2 or app.job is None, "snapshots or the timeout",
                     timeout=30)
