@@ -199,14 +199,19 @@ def check_sync_free(ctx: Ctx) -> dict:
         if ctx.cuda:
             torch.cuda.set_sync_debug_mode(0)
     out["trainer"] = _steady_trainer(ctx, warm, steady)
+    # the other objectives and Muon: KL's verifier logits, D-PACE's weights, Muon's guarded step
+    out["trainer_kl_muon"] = _steady_trainer(ctx, warm, steady, loss="kl", optimizer="muon")
+    out["trainer_dpace"] = _steady_trainer(ctx, warm, steady, position_weight="dpace")
     if not ctx.cuda:
         return {"ok": None, **out, "note": "ran on CPU: the sync assertion needs CUDA"}
-    return {"ok": out["stages"] == "no sync" and out["trainer"] in ("no sync", "unavailable"), **out}
+    trainers = (out["trainer"], out["trainer_kl_muon"], out["trainer_dpace"])
+    return {"ok": out["stages"] == "no sync" and all(t in ("no sync", "unavailable") for t in trainers), **out}
 
 
-def _steady_trainer(ctx: Ctx, warm: int, steady: int) -> str:
+def _steady_trainer(ctx: Ctx, warm: int, steady: int, **recipe) -> str:
     """The whole trainer (producer planning, pinned batches, metrics) on the built-in tiny target,
-    through dflash.train.run.steady where this checkout has it."""
+    through dflash.train.run.steady where this checkout has it; ``recipe``: settings beside the default
+    objective and optimizer (a checkout without them answers "unavailable")."""
     import contextlib
 
     try:
@@ -216,9 +221,13 @@ def _steady_trainer(ctx: Ctx, warm: int, steady: int) -> str:
     from dflash.train.config.schema import make_config
 
     dev = "cuda" if ctx.cuda else "cpu"
-    cfg = make_config({}, dict(target="tiny", data="demo", run_dir=str(ctx.tmp / "steady"), batch_size=4,
-                               num_anchors=16, max_steps=1, drafter_layers=1, target_devices=[dev],
-                               drafter_device=dev, max_seq_len=256))
+    name = "-".join(f"{v}" for v in recipe.values()) or "default"
+    try:
+        cfg = make_config({}, dict(target="tiny", data="demo", run_dir=str(ctx.tmp / f"steady-{name}"),
+                                   batch_size=4, num_anchors=16, max_steps=1, drafter_layers=1, target_devices=[dev],
+                                   drafter_device=dev, max_seq_len=256, **recipe))
+    except ValueError:  # ConfigError: a checkout before the objectives
+        return "unavailable"
     try:
         run_steady(cfg, warm, steady, cuda_sync_errors if ctx.cuda else contextlib.nullcontext)
     except RuntimeError as e:

@@ -39,7 +39,7 @@ def test_config_keeps_what_is_right():
 
 @pytest.mark.parametrize("argv, says", [
     (["train", "--max-stesp", "5"], "dflash train: error: unknown flag --max-stesp; did you mean --max-steps?"),
-    (["train", "--bogus"], "dflash train: error: unknown flag --bogus"),
+    (["train", "--xyzzy"], "dflash train: error: unknown flag --xyzzy"),
     (["export", "ckpt", "--out", "o", "--dtpye=bf16"], "dflash export: error: unknown flag --dtpye; did you mean --dtype?"),
     (["train", "--max-steps", "abc"], "dflash train: error: argument --max-steps: invalid int value: 'abc'"),
 ])

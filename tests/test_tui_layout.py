@@ -121,3 +121,32 @@ async def test_a_zoomed_panel_fills_the_80x24_screen(key, title) -> None:
         await settle(pilot)
         # 24 rows: 2 of header, the status line and the keys; the box and its borders take the rest
         assert len(box(lines_of(app), title)) == 24 - 4 - 2, screen_text(app)
+
+
+def _with_terms(frames: list, **terms: float) -> list:
+    """The frames with the objective's term gauges a trainer publishes (`loss_<term>`) on every snapshot."""
+    import msgspec
+
+    extra = {f"loss_{k}": v for k, v in terms.items()}
+    return [msgspec.structs.replace(f, gauges={**f.gauges, **extra}) if isinstance(f, Snapshot) else f
+            for f in frames]
+
+
+async def test_the_header_names_the_objective_and_shows_its_terms() -> None:
+    app = app_of(_with_terms(synthetic.frames(80, workers=3, gpus=0), ce=2.1, selector=0.42))
+    async with app.run_test(size=(160, 50)) as pilot:
+        await settle(pilot)
+        header = lines_of(app)[1]
+        assert re.search(r"loss [\d.]+ \(ce 2\.1 \+ selector 0\.42\)  sim tau", header), header
+    frames = _with_terms(synthetic.frames(80, workers=8, gpus=0), kl=2.5)
+    app = app_of(frames)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        header = lines_of(app)[1]
+        # at 80 columns the term's name gives way before any number is cut
+        assert re.search(r"trained \d+:\d\d\s*$", header), header
+    app = app_of(frames)
+    async with app.run_test(size=(100, 24)) as pilot:
+        await settle(pilot)
+        header = lines_of(app)[1]
+        assert re.search(r"loss [\d.]+ \(kl\)  sim tau", header), header

@@ -34,10 +34,11 @@ def header_text(state: RunState, width: int = 200) -> Text:
         t.append("  waiting for the trainer's hello", style="dim")
     t.append("  up ", style="dim").append(fmt.clock(state.uptime_s))
     t.append("\n")
-    # the sparkline is the one part that can go: a narrow terminal keeps every number whole instead
+    # the sparkline is the first part that can go: a narrow terminal keeps every number whole instead
     # (`trained 0:57/5:00`, not `trained 0:57/5:0`)
-    for spark_w in (12 if width >= 100 else 6, 0):
-        line = progress_line(state, spark_w)
+    # and then the objective's terms beside the loss, the total staying
+    for spark_w, terms in ((12 if width >= 100 else 6, True), (0, True), (0, False)):
+        line = progress_line(state, spark_w, terms)
         if line.cell_len <= width - 2:  # the header's padding
             break
     t.append_text(line)
@@ -46,9 +47,10 @@ def header_text(state: RunState, width: int = 200) -> Text:
     return t
 
 
-def progress_line(state: RunState, spark_w: int) -> Text:
+def progress_line(state: RunState, spark_w: int, terms: bool = True) -> Text:
     """`step 320/1,000 32% ETA 1:25  tok/s 30.1K ▁▂▃  loss 3.99  sim tau 2.97  trained 0:40/5:00`: the
-    tau here is the simulated one (teacher-forced on training batches), so it says so."""
+    tau here is the simulated one (teacher-forced on training batches), so it says so. ``terms``: the
+    objective's terms after the loss (terms_text)."""
     t = Text()
     step = state.step
     t.append("step ", style="dim").append(f"{step:,}" if step is not None else fmt.NA, style="bold")
@@ -65,7 +67,8 @@ def progress_line(state: RunState, spark_w: int) -> Text:
     t.append("  loss ", style="dim")
     t.append(bad_loss.upper(), style="bold white on red") if bad_loss else t.append(
         fmt.number(state.loss_value), style="bold")
-    t.append_text(terms_text(state.loss_terms))
+    if terms:
+        t.append_text(terms_text(state.loss_terms))
     t.append("  sim tau ", style="dim").append(fmt.number(state.tau_value), style="bold")
     t.append_text(tail)
     return t

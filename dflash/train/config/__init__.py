@@ -65,7 +65,8 @@ class ModelSettings:
     drafter_layers: int | None = setting(None, "drafter layers (default: one per target tap)")
     block_size: int = setting(16, "tokens per block: an anchor and the ones drafted after it (default 16)")
     num_anchors: int = setting(512, "anchors (blocks) sampled per sequence (default 512)")
-    gamma: float | None = setting(None, "loss weight decay over block positions (default: the recipe's)")
+    gamma: float | None = setting(None, "--position-weight exp's decay over block positions (default: the "
+                                  "recipe's)")
     target_layer_ids: list[int] | None = setting(None, "comma-separated target layers whose hidden states the "
                                                  "drafter reads (default: spread evenly)", metavar="IDS")
     # not in the reference recipe, which starts from random weights; it speeds up short runs a lot
