@@ -169,7 +169,7 @@ def format_result(r) -> str:
         f"target forwards {r.target_forwards} vs {r.baseline_forwards} greedy (saved {r.forwards_saved})",
         f"accepted drafts per round (count): {hist}",
         f"acceptance by position 1..{r.block_size - 1}: {acc}",
-        f"lossless (== target greedy): {lossless}",
+        f"lossless: {lossless}" if r.temperature > 0 else f"lossless (== target greedy): {lossless}",
     ])
 
 

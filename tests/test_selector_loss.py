@@ -1,0 +1,124 @@
+"""The DFlash2 selector's loss on small cases worked by hand: teacher-forced predecessors, the K-way
+cross-entropy over the unary top-k where the gold token is a candidate, the position decay, the ramp,
+chunking, and the term in the objective (its recall and accuracy carried to the step's metrics)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_dflash2_model import BASE, dflash2
+from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
+from test_model_objective import B, H, V, batch
+
+from dflash.model.dflash2 import CandidateSelector, DFlash2Config, DFlash2Drafter
+from dflash.model.objective import plan_blocks
+from dflash.objectives import for_drafter
+from dflash.objectives.selector import predecessors, ramp_weight, selector_terms
+from dflash.train.config import ObjectiveSettings
+from dflash.train.run.metrics import StepMetrics
+
+
+def test_each_slot_s_predecessor_is_the_datas_token_before_its_label():
+    ids = torch.arange(100, 120).view(2, 10)  # token at (row r, position p) is 100 + 10 r + p
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    plan = plan_blocks(ids, loss_mask, 4, 2, anchors=(torch.tensor([[0, 5], [2, 6]]), torch.ones(2, 2, dtype=torch.bool)))
+    before = predecessors(ids, plan.anchors, plan.sel, plan.slot, 4)
+    # labels x[a+1..a+3]; predecessors x[a..a+2] (the anchor's own token for slot 1)
+    assert plan.labels.tolist() == [101, 102, 103, 106, 107, 108, 113, 114, 115, 117, 118, 119]
+    assert before.tolist() == [100, 101, 102, 105, 106, 107, 112, 113, 114, 116, 117, 118]
+
+
+def test_the_weight_ramps_in():
+    assert [ramp_weight(p, 2.0, 0.1, 0.2) for p in (0.0, 0.099, 0.1, 0.2, 0.3, 0.9)] == \
+        pytest.approx([0, 0, 0, 1.0, 2.0, 2.0])
+    assert ramp_weight(0.5, 1.5, 0.5, 0.0) == 1.5 and ramp_weight(0.49, 1.5, 0.5, 0.0) == 0.0
+
+
+def test_the_loss_on_a_case_worked_by_hand():
+    """Vocabulary 4, top-2, rank 1, two slots. Slot 1: gold 2 is a candidate; slot 2: gold 0 is not."""
+    cfg = DFlash2Config(**{**dict(hidden_size=2, intermediate_size=4, num_layers=1, num_attention_heads=1,
+                                  num_key_value_heads=1, head_dim=2, vocab_size=4, num_target_layers=2,
+                                  target_layer_ids=[0], mask_token_id=3, block_size=4),
+                           "selector_rank": 1, "selector_top_k": 2, "conv_group_size": 1})
+    sel = CandidateSelector(cfg).double()
+    head = torch.nn.Linear(2, 4, bias=False).double().requires_grad_(False)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [-1.0, -1.0]]))
+        sel.hidden_projection.weight.copy_(torch.tensor([[1.0, 1.0]]))
+        sel.predecessor_codebook.copy_(torch.tensor([[1.0], [0.5], [2.0], [0.0]]))
+        sel.successor_codebook.copy_(torch.tensor([[0.0], [1.0], [-1.0], [0.0]]))
+    h = torch.tensor([[2.0, 1.0], [1.0, 3.0]]).double()
+    labels, before, weights = torch.tensor([2, 0]), torch.tensor([1, 2]), torch.tensor([1.0, 0.5]).double()
+    num, counts = selector_terms(sel, head, h, labels, before, weights)
+    # slot 1: logits [0, 2, 1, -3] -> candidates 1 (unary 2), 2 (unary 1); projected 3, context 0.5 * 3
+    # scores: 2 + 1.5 * 1 = 3.5 and 1 + 1.5 * (-1) = -0.5; gold 2 is the second candidate
+    ce = -math.log(math.exp(-0.5) / (math.exp(3.5) + math.exp(-0.5)))
+    assert float(num.detach()) == pytest.approx(1.0 * ce)  # slot 2's gold is no candidate: it adds nothing
+    assert counts.tolist() == [1.0, 0.0]  # covered 1 of 2; the best candidate (1) is not the gold one
+    # the same by F.cross_entropy over the scores the selector computes
+    unary, cands = sel.candidates(head(h).float())
+    scores = sel.scores(sel.hidden_projection(h), before, unary, cands)
+    assert float(F.cross_entropy(scores[:1].float(), torch.tensor([1]))) == pytest.approx(ce)
+
+
+def test_chunks_give_the_same_loss_and_gradients():
+    d = dflash2()
+    sel, head = d.candidate_selector, torch.nn.Linear(H, V, bias=False).double().requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(23, H, generator=g).double().requires_grad_(True)
+    labels, before = torch.randint(0, V, (23,), generator=g), torch.randint(0, V, (23,), generator=g)
+    labels = torch.where(torch.arange(23) % 3 == 0, labels, head(h).argmax(-1))  # most gold tokens candidates
+    w = torch.rand(23, generator=g).double()
+    whole, c1 = selector_terms(sel, head, h, labels, before, w, chunk=1000)
+    grads = torch.autograd.grad(whole, [h, sel.successor_codebook])
+    chunked, c2 = selector_terms(sel, head, h, labels, before, w, chunk=5)
+    grads2 = torch.autograd.grad(chunked, [h, sel.successor_codebook])
+    torch.testing.assert_close(chunked, whole)
+    assert c1.tolist() == c2.tolist() and c1[0] >= 15
+    for a, b in zip(grads, grads2, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_term_in_the_objective_weighs_ramps_and_reports_recall_and_accuracy():
+    d = dflash2()
+    embed = torch.nn.Embedding(V, H).double().requires_grad_(False)
+    head = torch.nn.Linear(H, V, bias=False).double().requires_grad_(False)
+    ids, hidden = batch()
+    plan = plan_blocks(ids, torch.ones_like(ids, dtype=torch.bool), B, 4, torch.Generator().manual_seed(0))
+    objective = for_drafter(ObjectiveSettings(selector_loss_weight=2.0, selector_warmup=0.5, selector_ramp=0.25), d)
+    assert objective.term_names == ("ce", "selector")
+    assert objective.metric_names == ("selector_recall", "selector_accuracy")
+    selector_term = objective.terms[1]
+    for progress, weight in [(0.1, 0.0), (0.625, 1.0), (0.9, 2.0)]:
+        selector_term.at(progress)
+        out = objective(d, embed, head, ids, hidden, plan)
+        terms, measured = out.terms(), out.term_metrics()
+        assert float(out.loss) == pytest.approx(terms["ce"] + weight * terms["selector"])
+        assert 0 < measured["selector_recall"] <= 1 and 0 <= measured["selector_accuracy"] <= 1
+    # the step's metrics sum and name them
+    metrics = StepMetrics()
+    for _ in range(2):
+        metrics.add(out.stats, torch.tensor(1.0), out.per_position_count, out.num_blocks, out.term_names,
+                    out.metric_names)
+    summary = metrics.collect().summary()
+    assert summary["measured"] == pytest.approx(out.term_metrics())
+
+
+def test_at_the_start_only_the_successor_codebook_learns():
+    """A zero successor codebook: its gradient is predecessor x projection (not zero), the other two
+    factors' is zero until it moves (the peers' start)."""
+    torch.manual_seed(0)
+    d = DFlash2Drafter(DFlash2Config(**BASE)).double()
+    embed = torch.nn.Embedding(V, H).double().requires_grad_(False)
+    head = torch.nn.Linear(H, V, bias=False).double().requires_grad_(False)
+    ids, hidden = batch()
+    plan = plan_blocks(ids, torch.ones_like(ids, dtype=torch.bool), B, 4, torch.Generator().manual_seed(0))
+    objective = for_drafter(ObjectiveSettings(selector_ramp=0.0), d)
+    objective.terms[1].at(1.0)
+    objective(d, embed, head, ids, hidden, plan).loss.backward()
+    sel = d.candidate_selector
+    assert sel.successor_codebook.grad.abs().sum() > 0
+    assert sel.predecessor_codebook.grad.abs().sum() == 0 and sel.hidden_projection.weight.grad.abs().sum() == 0
