@@ -210,12 +210,12 @@ def check_sync_free(ctx: Ctx) -> dict:
 
 def _steady_trainer(ctx: Ctx, warm: int, steady: int, **recipe) -> str:
     """The whole trainer (producer planning, pinned batches, metrics) on the built-in tiny target,
-    through dflash.train.run.steady where this checkout has it; ``recipe``: settings beside the default
+    through dflash.testing where this checkout has it; ``recipe``: settings beside the default
     objective and optimizer (a checkout without them answers "unavailable")."""
     import contextlib
 
     try:
-        from dflash.train.run.steady import cuda_sync_errors, run_steady
+        from dflash.testing import cuda_sync_errors, run_steady
     except ImportError:
         return "unavailable"
     from dflash.train.config.schema import make_config
@@ -807,9 +807,9 @@ def check_host_gap(ctx: Ctx) -> dict:
     median, and the step it happened at."""
     import contextlib
 
+    from dflash.testing import cuda_sync_errors, run_steady
     from dflash.train import distributed
     from dflash.train.config.schema import make_config
-    from dflash.train.run.steady import cuda_sync_errors, run_steady
 
     dev = "cuda" if ctx.cuda else "cpu"
     warm, steady = (2, 4) if ctx.smoke else (12, 100)
@@ -854,7 +854,7 @@ def check_checkpoint_1b(ctx: Ctx) -> dict:
     except ImportError:
         raise Skip("no asynchronous checkpoint writer in this checkout") from None
     from dflash.checkpoint_files import save_checkpoint
-    from dflash.train.run import devices
+    from dflash.train.device import binding as devices
 
     shape = TINY if ctx.smoke else {**QWEN3_8B, "vocab_size": 32768}
     target = make_target(ctx, shape, layers=2)
@@ -898,7 +898,7 @@ def check_thread_device(ctx: Ctx) -> dict:
     workers, the telemetry publisher, the main thread (evaluation, checkpoints) and the checkpoint
     writer; all must be the trainer's GPU (on a multi-GPU rank, never GPU 0 by default)."""
     from dflash.train.config.schema import make_config
-    from dflash.train.run import devices
+    from dflash.train.device import binding as devices
     from dflash.train.trainer import Trainer
 
     dev = "cuda:0" if ctx.cuda else "cpu"

@@ -299,7 +299,7 @@ def test_step_metrics_summed_on_the_device_equal_the_pooled_figures():
     """The trainer adds each step's device-side stats to a running sum and reads it once per interval:
     that read must give the mean loss and the acceptance figures pooled over every supervised slot."""
     from dflash.model.objective import metrics_of
-    from dflash.train.run.metrics import StepMetrics
+    from dflash.train.device.metrics import StepMetrics
 
     drafter, embed, head = make_parts()
     acc, outs = StepMetrics(), []

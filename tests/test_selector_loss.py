@@ -18,7 +18,7 @@ from dflash.model.objective import plan_blocks
 from dflash.objectives import for_drafter
 from dflash.objectives.selector import predecessors, ramp_weight, selector_terms
 from dflash.train.config import ObjectiveSettings
-from dflash.train.run.metrics import StepMetrics
+from dflash.train.device.metrics import StepMetrics
 
 
 def test_each_slot_s_predecessor_is_the_datas_token_before_its_label():

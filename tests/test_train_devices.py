@@ -15,9 +15,9 @@ from conftest import REPO, wait_until
 from dflash.telemetry import ProfileStats
 from dflash.train.config import TrainConfig
 from dflash.train.config.schema import updated
+from dflash.train.device.binding import bindings
 from dflash.train.distributed import Dist
 from dflash.train.reporting import Reporter
-from dflash.train.run.devices import bindings
 from dflash.train.run.pipeline import Pipeline, TrainCounters
 
 G0, G1 = torch.device("cuda:0"), torch.device("cuda:1")
@@ -159,7 +159,7 @@ def test_pyproject_declares_the_torch_the_start_check_accepts() -> None:
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
 
-    from dflash.train.run.versions import BELOW_TORCH, MIN_TORCH
+    from dflash.train.versions import BELOW_TORCH, MIN_TORCH
 
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert f"torch>={MIN_TORCH},<{BELOW_TORCH}" in deps

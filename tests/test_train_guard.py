@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.train.run.guard import NonFiniteGuard
+from dflash.train.health.nonfinite import NonFiniteGuard
 
 
 def _model_and_opt(fused: bool):
@@ -68,7 +68,7 @@ class _Stats:
 
 def test_the_watch_reports_each_bad_step_and_stops_once_at_the_limit() -> None:
     from dflash.train.control import Interval
-    from dflash.train.run.guard import NonFiniteWatch
+    from dflash.train.health.nonfinite import NonFiniteWatch
 
     model, opt = _model_and_opt(fused=False)
     guard, stats, events = NonFiniteGuard(opt, torch.device("cpu"), limit=3), _Stats(), []
@@ -86,7 +86,7 @@ def test_the_watch_reports_each_bad_step_and_stops_once_at_the_limit() -> None:
 def test_device_counters_are_read_once_per_interval() -> None:
     """On CUDA a read is a device copy: the watch reads on the log interval, not after every step."""
     from dflash.train.control import Interval
-    from dflash.train.run.guard import NonFiniteWatch
+    from dflash.train.health.nonfinite import NonFiniteWatch
 
     class DeviceCounters:  # the guard as CUDA has it: reading costs a synchronisation
         reads_free = False

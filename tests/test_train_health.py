@@ -16,7 +16,7 @@ from dflash.checkpoint_files import list_checkpoints
 from dflash.telemetry.wire.protocol import Event, Snapshot
 from dflash.telemetry.wire.reader import read_frames
 from dflash.telemetry.wire.vocab import WAIT_SUFFIXES
-from dflash.train.run.faults import FaultPlan, FaultSpecError, parse
+from dflash.train.health.faults import FaultPlan, FaultSpecError, parse
 
 
 @pytest.fixture(scope="module")

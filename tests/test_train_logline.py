@@ -11,9 +11,9 @@ from dflash.telemetry.verdict.evidence import analyze
 from dflash.telemetry.wire.protocol import CategoryStats, Snapshot
 from dflash.train.config import TrainConfig
 from dflash.train.config.schema import updated
+from dflash.train.device.metrics import StepMetrics
 from dflash.train.reporting import Reporter
 from dflash.train.reporting.logline import LogLines
-from dflash.train.run.metrics import StepMetrics
 from dflash.train.run.pipeline import TrainCounters
 
 

@@ -12,8 +12,7 @@ from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.objective import plan_blocks
 from dflash.telemetry import ProfileStats
 from dflash.train.config.schema import make_config
-from dflash.train.distributed import Dist
-from dflash.train.run.memory import (
+from dflash.train.device.memory import (
     GIB,
     HEADROOM,
     AllocatorRetries,
@@ -26,6 +25,7 @@ from dflash.train.run.memory import (
     saved_bytes,
     size_to_device,
 )
+from dflash.train.distributed import Dist
 from dflash.train.run.stages import DrafterStage
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -26,7 +26,7 @@ import torch
 from test_model_helpers import make_target_dir, make_tokenizer, one_thread  # noqa: F401
 from test_train_pipeline import _cfg, _write_data
 
-from dflash.train.run.steady import run_steady
+from dflash.testing import run_steady
 
 WORKERS = ("target-", "drafter-")
 
@@ -106,7 +106,7 @@ def test_steady_state_steps_make_no_syncing_call(setup, tmp_path, monkeypatch, l
     target, data = setup
     # The non-finite guard reads its counters after every step only where that read is free (a CPU
     # tensor); on CUDA it reads them once per log interval. Run it as on CUDA.
-    from dflash.train.run.guard import NonFiniteGuard
+    from dflash.train.health.nonfinite import NonFiniteGuard
 
     monkeypatch.setattr(NonFiniteGuard, "reads_free", property(lambda self: False))
     counts: collections.Counter = collections.Counter()
@@ -117,7 +117,7 @@ def test_steady_state_steps_make_no_syncing_call(setup, tmp_path, monkeypatch, l
 
 
 def test_each_thread_binds_the_first_gpu_it_touches_and_host_threads_none() -> None:
-    from dflash.train.run.devices import resolve, thread_device
+    from dflash.train.device.binding import resolve, thread_device
 
     cpu, g0, g1 = torch.device("cpu"), torch.device("cuda:0"), torch.device("cuda:1")
     assert thread_device(cpu, cpu) is None  # host-only: must not initialise CUDA at all

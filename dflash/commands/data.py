@@ -81,8 +81,8 @@ def _cache(args: argparse.Namespace) -> int:
     from dflash.data.cache_format import rows_ready, write_rows
     from dflash.data.cache_writer import meta_for, rank_share, write_cache
     from dflash.telemetry import ProfileStats
+    from dflash.train.device.binding import bind_thread, resolve, thread_device
     from dflash.train.distributed import DistError, from_env, place_devices
-    from dflash.train.run.devices import bind_thread, resolve, thread_device
 
     # intra-op threads as OMP_NUM_THREADS says (torch's default otherwise), set once, before any work
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())

@@ -85,7 +85,7 @@ def _load(args: argparse.Namespace) -> tuple:
     from dflash.targets import TargetError, load_target
     from dflash.targets.hf import slow_kernel_note
     from dflash.train.config import ConfigError, check_device
-    from dflash.train.run.devices import bind_thread, resolve, thread_device
+    from dflash.train.device.binding import bind_thread, resolve, thread_device
 
     if args.max_new_tokens < 1 or args.num_prompts < 1:
         raise CliError("--max-new-tokens and --num-prompts must be at least 1")

@@ -39,7 +39,7 @@ class LossOutput:
 
     Nothing here is read back from the device during a training step (a read would block the worker
     until the GPU drains): ``stats`` stays on the device and the trainer sums it over a log interval
-    and reads it once (dflash/train/run/metrics.py). The properties below read it at once; they are for
+    and reads it once (dflash/train/device/metrics.py). The properties below read it at once; they are for
     tests and one-off use.
 
     stats: float32 ``[loss, sum over blocks of the run of leading correct slots, correct slot 1 ..

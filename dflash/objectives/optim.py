@@ -5,7 +5,7 @@ layers' matrices only, so, as the peers do, the parameters it does not take go t
 biases (not 2-D), and any 2-D table that is not a linear layer's weight (embedding-like: rows looked up,
 not a map applied). The drafter's own embedding and LM head are the target's, frozen, and not here.
 
-Both run with the non-finite guard's contract (dflash/train/run/guard.py): a step is skipped on the
+Both run with the non-finite guard's contract (dflash/train/health/nonfinite.py): a step is skipped on the
 device when ``found_inf`` is 1, with no host sync. Fused AdamW reads ``found_inf`` itself; torch's
 Muon does not, so ``GuardedMuon`` takes the same step with the skip folded into its arithmetic.
 

@@ -31,21 +31,21 @@ from dflash.train.checkpoint.checkpointer import (
 from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.config.schema import flat_values
 from dflash.train.control import Interval, StepControl
+from dflash.train.device.binding import bind_thread, resolve, thread_device
+from dflash.train.device.metrics import StepMetrics
 from dflash.train.distributed import Dist, DistError
+from dflash.train.health.faults import FaultPlan, FaultSpecError
+from dflash.train.health.nonfinite import NonFiniteWatch
 from dflash.train.reporting import Reporter
 from dflash.train.reporting.evaluation import Evaluations
 from dflash.train.reporting.logline import LogLines
 from dflash.train.reporting.monitoring import Monitoring
 from dflash.train.reporting.trackers import TrackerError, Trackers, check_available
 from dflash.train.run.build import Components, TrainError, build, restore, run_target
-from dflash.train.run.devices import bind_thread, resolve, thread_device
-from dflash.train.run.faults import FaultPlan, FaultSpecError
-from dflash.train.run.guard import NonFiniteWatch
-from dflash.train.run.metrics import StepMetrics
 from dflash.train.run.pipeline import Pipeline, TrainCounters
 from dflash.train.run.stages import StepResult
-from dflash.train.run.versions import check_torch
 from dflash.train.signals import stop_on_signals
+from dflash.train.versions import check_torch
 from dflash.words import plural
 
 

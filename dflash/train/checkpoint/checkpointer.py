@@ -25,11 +25,11 @@ from dflash.train.checkpoint import rng
 from dflash.train.checkpoint.writer import CheckpointWriter, HostSnapshot, Written
 from dflash.train.config import TrainConfig
 from dflash.train.control import Interval
+from dflash.train.device.binding import thread_device
+from dflash.train.device.memory import trained_bytes
 from dflash.train.distributed import Dist, DistError
 from dflash.train.reporting import Reporter
 from dflash.train.run.build import Components, TrainError
-from dflash.train.run.devices import thread_device
-from dflash.train.run.memory import trained_bytes
 from dflash.train.run.pipeline import TrainCounters
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from dflash.checkpoint_files import CheckpointError
-from dflash.train.run.devices import bind_thread
+from dflash.train.device.binding import bind_thread
 
 #: the writer thread's name, as the telemetry thread map and py-spy show it
 WRITER_THREAD = "checkpoint-writer"

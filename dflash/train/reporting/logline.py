@@ -14,11 +14,11 @@ from typing import Any
 from dflash.telemetry.wire.vocab import term_gauge
 from dflash.train.config import TrainConfig
 from dflash.train.control import Interval
+from dflash.train.device.memory import AllocatorRetries, allocator_gauges
+from dflash.train.device.metrics import StepMetrics, Totals
 from dflash.train.reporting import Reporter
 from dflash.train.reporting.progress import Progress, clock
 from dflash.train.reporting.trackers import interval_scalars
-from dflash.train.run.memory import AllocatorRetries, allocator_gauges
-from dflash.train.run.metrics import StepMetrics, Totals
 from dflash.train.run.pipeline import Pipeline, TrainCounters
 
 

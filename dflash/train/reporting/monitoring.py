@@ -70,7 +70,7 @@ class Monitoring:
             self.exchange.start()
 
     def _bind_publisher(self) -> None:
-        from dflash.train.run.devices import bind_thread
+        from dflash.train.device.binding import bind_thread
 
         bind_thread(self.device)
 

@@ -26,10 +26,10 @@ from dflash.telemetry.wire.vocab import Role
 from dflash.train import distributed
 from dflash.train.checkpoint import rng
 from dflash.train.config import ConfigError, TrainConfig
+from dflash.train.device.binding import resolve
+from dflash.train.device.memory import RecipeError, size_to_device
 from dflash.train.distributed import Dist
-from dflash.train.run.devices import resolve
-from dflash.train.run.faults import FaultPlan
-from dflash.train.run.memory import RecipeError, size_to_device
+from dflash.train.health.faults import FaultPlan
 from dflash.train.run.pipeline import TrainCounters
 from dflash.train.run.stages import BatchSource, DrafterStage, TargetStage
 from dflash.words import plural

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.telemetry.wire.vocab import Role
-from dflash.train.run.devices import bind_thread, cuda_devices, thread_device
+from dflash.train.device.binding import bind_thread, cuda_devices, thread_device
 from dflash.train.run.stages import BatchSource, DrafterStage, HiddenBatch, StepResult, TargetStage
 
 _POLL = 0.05  # seconds: how often a blocked worker rechecks the stop flag

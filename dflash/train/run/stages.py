@@ -24,8 +24,8 @@ from dflash.objectives import Objective, for_drafter
 from dflash.objectives.optim import build_optimizer
 from dflash.targets.base import Target
 from dflash.train.distributed import explain_backward_error
-from dflash.train.run.faults import FaultPlan
-from dflash.train.run.guard import NonFiniteGuard
+from dflash.train.health.faults import FaultPlan
+from dflash.train.health.nonfinite import NonFiniteGuard
 
 
 @dataclass
