@@ -1,8 +1,8 @@
 """The objective the drafter trains on, and its optimizer: a registry of loss terms and position
 weights, and ``build`` picking them by the run's settings.
 
-A term is one file here (ce.py, kl.py) whose class is decorated with ``@register``: its ``name`` is what
-``--loss`` (or an extra term) says, its ``needs`` what the batch must carry (LABELS, VERIFIER; see
+A term is one file here (ce.py, kl.py, selector.py; each found by itself) whose class is decorated
+with ``@register``: its ``name`` is what ``--loss`` (or an extra term) says, its ``needs`` what the batch must carry (LABELS, VERIFIER; see
 base.py). A position weighting is a PositionWeight in positions.py. The optimizers are optim.py.
 
 Extra terms (beside the token term ``--loss`` names) come from the drafter: a drafter whose forward
@@ -12,6 +12,8 @@ them in its ``objective_terms`` (``{name: weight}``); ``build`` adds them, each 
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,7 +40,12 @@ def register(cls: type[Term]) -> type[Term]:
     return cls
 
 
-from dflash.objectives import ce, kl, selector  # noqa: E402,F401 - registers the terms
+#: the package's modules that hold no term: every other module here is a term file, imported below so
+#: that its @register runs (a new objective is one new file, nothing to add here)
+_SUPPORT = frozenset({"base", "head", "optim", "positions"})
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name not in _SUPPORT:
+        importlib.import_module(f"{__name__}.{_module.name}")
 from dflash.objectives.positions import DPace, ExpDecay  # noqa: E402
 
 #: position weightings by name
