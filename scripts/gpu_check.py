@@ -134,7 +134,7 @@ def run_pipeline(source, tstage, dstage, cfg, stats, steps: int, pipeline: bool,
             on_step_extra(state.step)
         return state.step < steps
 
-    p = Pipeline(source, [tstage], dstage, updated(cfg, pipeline=pipeline), stats, state, on_step)
+    p = Pipeline(source, [tstage], dstage, updated(cfg, pipeline=pipeline).pipeline, cfg.run, stats, state, on_step)
     p.start()
     deadline = time.monotonic() + timeout_s
     while p.running and time.monotonic() < deadline:

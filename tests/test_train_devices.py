@@ -69,7 +69,8 @@ def _pipeline(stats: ProfileStats, target_device: torch.device, drafter_device: 
         return state.step < steps
 
     cfg = updated(TrainConfig(), pipeline=pipelined, batch_queue_size=2, hs_queue_size=2)
-    return Pipeline(lambda i: SimpleNamespace(index=i), [Target()], drafter, cfg, stats, state, on_step)
+    return Pipeline(lambda i: SimpleNamespace(index=i), [Target()], drafter, cfg.pipeline, cfg.run, stats, state,
+                    on_step)
 
 
 def _run(p: Pipeline) -> None:

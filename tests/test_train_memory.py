@@ -10,6 +10,7 @@ from test_model_helpers import one_thread  # noqa: F401
 
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.objective import plan_blocks
+from dflash.objectives import for_drafter
 from dflash.telemetry import ProfileStats
 from dflash.train.config.schema import make_config
 from dflash.train.device.memory import (
@@ -32,6 +33,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 H, VOCAB, SEQ = 128, 512, 192
 
 
+def _drafter_stage(drafter: DFlashDrafter, embed, head, cfg) -> DrafterStage:
+    """A drafter stage on the host with the settings `cfg` gives each part, as build() hands them out."""
+    return DrafterStage(drafter, embed, head, torch.device("cpu"), ProfileStats().worker("d"), torch.Generator(),
+                        optim=cfg.optim, num_anchors=cfg.model.num_anchors, nonfinite_limit=cfg.health.nonfinite_limit,
+                        objective=for_drafter(cfg.objective, drafter))
+
+
 def _stage(autocast: bool) -> DrafterStage:
     """A real drafter stage on the host, two layers of a Qwen3-shaped drafter; `autocast`: bf16 as on CUDA."""
     torch.manual_seed(0)
@@ -41,8 +49,7 @@ def _stage(autocast: bool) -> DrafterStage:
     embed = torch.nn.Embedding(VOCAB, H).requires_grad_(False)
     head = torch.nn.Linear(H, VOCAB, bias=False).requires_grad_(False)
     cfg = make_config({}, dict(max_steps=1, max_seq_len=SEQ, batch_size=8, num_anchors=64))
-    stage = DrafterStage(DFlashDrafter(dcfg), embed, head, torch.device("cpu"), cfg, ProfileStats().worker("d"),
-                         torch.Generator())
+    stage = _drafter_stage(DFlashDrafter(dcfg), embed, head, cfg)
     stage.autocast = autocast
     return stage
 
@@ -112,23 +119,23 @@ def test_the_recipe_is_kept_when_it_fits_and_the_batch_lowered_when_it_does_not(
 
 def test_fitting_a_real_drafter_to_given_free_memory():
     stage = _stage(True)
-    cfg = stage.cfg
     fixed = first_step_bytes(stage.drafter)
     assert fixed == 3 * 4 * sum(p.numel() for p in stage.drafter.parameters())
-    big, _ = fit_to_device(cfg, stage, 2 * H, torch.bfloat16, in_flight=4, free=64 * GIB)
+    asked = dict(seq_len=SEQ, batch_size=8, num_anchors=64)
+    big, _ = fit_to_device(stage, 2 * H, torch.bfloat16, in_flight=4, **asked, free=64 * GIB)
     assert (big.batch, big.anchors) == (8, 64)
     budget = fixed + 3.5 * big.per_sample  # room for three and a half samples (before the headroom)
-    small, model = fit_to_device(cfg, stage, 2 * H, torch.bfloat16, in_flight=4, free=budget / HEADROOM)
+    small, model = fit_to_device(stage, 2 * H, torch.bfloat16, in_flight=4, **asked, free=budget / HEADROOM)
     assert (small.batch, small.anchors) == (3, 64)
     assert small.per_sample == pytest.approx(model.sample_bytes(64, 16) + 4 * SEQ * 2 * H * 2)  # + bf16 states
 
 
 def test_the_host_is_not_sized_and_has_no_allocator_gauges(capsys):
     stage = _stage(False)
-    before = (stage.cfg.data.batch_size, stage.cfg.model.num_anchors)
     lines: list[str] = []
-    size_to_device(stage.cfg, stage, target=None, target_devices=[torch.device("cpu")], dist=Dist(), log=lines.append)
-    assert (stage.cfg.data.batch_size, stage.cfg.model.num_anchors) == before and not lines
+    chosen = size_to_device(stage, target=None, target_devices=[torch.device("cpu")], dist=Dist(), log=lines.append,
+                            seq_len=SEQ, batch_size=8, num_anchors=64, hs_queue_size=2)
+    assert chosen == (8, 64) and not lines
     assert allocator_gauges([torch.device("cpu")]) == {}  # N/A on the host: no gauge at all, not a zero
 
 
@@ -180,17 +187,17 @@ def test_sizing_the_run_to_given_free_memory_lowers_the_config_and_says_so_in_on
                                     mask_token_id=target.default_mask_token_id())
     embed, head = target.frozen_head("cpu")
     cfg = make_config({}, dict(max_steps=1, max_seq_len=128, batch_size=8, num_anchors=6))
-    stage = DrafterStage(DFlashDrafter(dcfg), embed, head, torch.device("cpu"), cfg, ProfileStats().worker("d"),
-                         torch.Generator())
+    stage = _drafter_stage(DFlashDrafter(dcfg), embed, head, cfg)
     cpu = [torch.device("cpu")]
-    fit, _ = fit_to_device(cfg, stage, 2 * target.hidden_size, target.dtype, cfg.pipeline.hs_queue_size + 3,
+    asked = dict(seq_len=128, batch_size=8, num_anchors=6)
+    fit, _ = fit_to_device(stage, 2 * target.hidden_size, target.dtype, cfg.pipeline.hs_queue_size + 3, **asked,
                            free=64 * GIB)
     lines: list[str] = []
-    size_to_device(cfg, stage, target, cpu, Dist(), lines.append, free=int(64 * GIB))
-    assert (cfg.data.batch_size, cfg.model.num_anchors) == (8, 6) and len(lines) == 1
+    queue = dict(hs_queue_size=cfg.pipeline.hs_queue_size)
+    assert size_to_device(stage, target, cpu, Dist(), lines.append, **asked, **queue, free=int(64 * GIB)) == (8, 6)
+    assert len(lines) == 1
     assert lines[0].startswith("memory: batch 8 x 6 anchors x block 16 fits cpu: ") and "asked" not in lines[0]
     tight = int((fit.fixed + 2.5 * fit.per_sample) / HEADROOM)  # room for two and a half samples
-    size_to_device(cfg, stage, target, cpu, Dist(), lines.append, free=tight)
-    assert (cfg.data.batch_size, cfg.model.num_anchors) == (2, 6)
+    assert size_to_device(stage, target, cpu, Dist(), lines.append, **asked, **queue, free=tight) == (2, 6)
     assert lines[1].startswith("memory: batch 2 x 6 anchors x block 16 fits cpu (asked: batch 8 x 6 anchors): ")
     assert "KB per query token per drafter layer (measured at start)" in lines[1]

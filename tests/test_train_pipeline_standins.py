@@ -81,7 +81,8 @@ def test_an_exception_in_any_stage_stops_every_thread_within_half_a_second(fail_
     stats = ProfileStats()
     parts = StandIns(stats, fail_in=fail_in)
     state = TrainCounters()
-    p = Pipeline(parts.source, [TargetStandIn(parts)], parts.drafter, _cfg(pipelined), stats, state,
+    cfg = _cfg(pipelined)
+    p = Pipeline(parts.source, [TargetStandIn(parts)], parts.drafter, cfg.pipeline, cfg.run, stats, state,
                  _advance(state))
     p.start()
     assert parts.raised.wait(10), f"the {fail_in} stand-in was never called {parts.after + 1} times"
@@ -112,7 +113,8 @@ def test_progress_counts_on_the_clock_it_is_given():
         advance(r)
         return len(seen) < 4
 
-    p = Pipeline(parts.source, [TargetStandIn(parts)], parts.drafter, _cfg(max_time=100.0), stats, state,
+    cfg = _cfg(max_time=100.0)
+    p = Pipeline(parts.source, [TargetStandIn(parts)], parts.drafter, cfg.pipeline, cfg.run, stats, state,
                  on_step, clock=lambda: now[0])
     p.start()
     for t in p.threads:

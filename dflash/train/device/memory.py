@@ -163,19 +163,19 @@ def first_step_bytes(drafter: torch.nn.Module) -> int:
     return 3 * trained_bytes(drafter)
 
 
-def fit_to_device(cfg: Any, stage: Any, hidden_width: int, hidden_dtype: torch.dtype, in_flight: int,
-                  free: int | None = None) -> tuple[Fit, ActivationModel]:
-    """Measure the drafter and fit the config's batch and anchors to its device (`free`: the free
-    bytes, measured when not given). `in_flight`: hidden-state batches held on the drafter's device at
-    once (the queue's, the one in use, the one being copied)."""
-    seq_len, block = cfg.data.max_seq_len, stage.drafter.config.block_size
+def fit_to_device(stage: Any, hidden_width: int, hidden_dtype: torch.dtype, in_flight: int, *, seq_len: int,
+                  batch_size: int, num_anchors: int, free: int | None = None) -> tuple[Fit, ActivationModel]:
+    """Measure the drafter and fit the asked batch and anchors to its device (`free`: the free bytes,
+    measured when not given). `in_flight`: hidden-state batches held on the drafter's device at once
+    (the queue's, the one in use, the one being copied)."""
+    block = stage.drafter.config.block_size
     model = measure_activations(stage, hidden_width, hidden_dtype, seq_len)
     hidden_per_sample = in_flight * seq_len * hidden_width * torch.empty((), dtype=hidden_dtype).element_size()
     fixed = first_step_bytes(stage.drafter) + model.per_step
     if free is None:
         free = free_bytes(stage.device)
     fit = fit_recipe(free, fixed, lambda a: model.sample_bytes(a, block) + hidden_per_sample,
-                     cfg.data.batch_size, cfg.model.num_anchors)
+                     batch_size, num_anchors)
     return fit, model
 
 
@@ -188,29 +188,30 @@ def describe(fit: Fit, model: ActivationModel, block: int, device: torch.device,
             f"{model.per_query_token_layer / 1e3:.0f} KB per query token per drafter layer (measured at start)")
 
 
-def size_to_device(cfg: Any, stage: Any, target: Any, target_devices: list[torch.device], dist: Any,
-                   log: Callable[[str], None], free: int | None = None) -> None:
-    """On a CUDA drafter: fit ``cfg.data.batch_size`` and ``cfg.model.num_anchors`` to the device's
-    free memory (`free` bytes when given) and say so in one line (they only ever go down; the saved
-    config holds what ran). Every rank takes the smallest fit of all, so that the ranks' batches, epochs
-    and stops stay in step. Nothing on the host, whose memory the step does not plan against."""
+def size_to_device(stage: Any, target: Any, target_devices: list[torch.device], dist: Any,
+                   log: Callable[[str], None], *, seq_len: int, batch_size: int, num_anchors: int,
+                   hs_queue_size: int, free: int | None = None) -> tuple[int, int]:
+    """(batch size, anchors) for the step: on a CUDA drafter the asked ones fitted to the device's free
+    memory (`free` bytes when given), said in one line (they only ever go down). Every rank takes the
+    smallest fit of all, so that the ranks' batches, epochs and stops stay in step. The host keeps what
+    was asked: the step does not plan against its memory."""
     if free is None:
         if stage.device.type != "cuda":
-            return
+            return batch_size, num_anchors
         free = free_bytes(stage.device)
     # hidden-state batches on the drafter's device at once: the queue's, the one in use, the one being
     # copied over, and the one a target on the same device is producing
-    in_flight = cfg.pipeline.hs_queue_size + 2 + (stage.device in target_devices)
+    in_flight = hs_queue_size + 2 + (stage.device in target_devices)
     # the taps, and the target's final state after them for an objective that needs the verifier
     width = (len(target.layer_ids) + (stage.verifier_head is not None)) * target.hidden_size
-    fit, model = fit_to_device(cfg, stage, width, target.dtype, in_flight, free)
-    asked = (cfg.data.batch_size, cfg.model.num_anchors)
+    fit, model = fit_to_device(stage, width, target.dtype, in_flight, seq_len=seq_len, batch_size=batch_size,
+                               num_anchors=num_anchors, free=free)
     chosen = (fit.batch, fit.anchors)
     if dist.enabled:
         chosen = min(distributed.gather(dist, chosen))
-    cfg.data.batch_size, cfg.model.num_anchors = chosen
-    log(describe(fit, model, stage.drafter.config.block_size, stage.device, asked)
+    log(describe(fit, model, stage.drafter.config.block_size, stage.device, (batch_size, num_anchors))
         + ("" if chosen == (fit.batch, fit.anchors) else f"; batch {chosen[0]} x {chosen[1]} on every rank"))
+    return chosen
 
 
 class AllocatorRetries:

@@ -121,8 +121,9 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     objective, verifier_head = make_objective(cfg, model, first, lm_head, drafter_device)
     ddp = distributed.wrap_ddp(model, drafter_device, stats, cfg.distributed.bucket_mb) if dist.enabled else None
     worker = stats.worker("drafter-0", Role.DRAFTER) if cfg.pipeline.enabled else stats.worker("trainer")
-    drafter = DrafterStage(model, embed, lm_head, drafter_device, cfg, worker, generator, ddp, faults=faults,
-                           objective=objective, verifier_head=verifier_head)
+    drafter = DrafterStage(model, embed, lm_head, drafter_device, worker, generator, optim=cfg.optim,
+                           num_anchors=cfg.model.num_anchors, nonfinite_limit=cfg.health.nonfinite_limit,
+                           objective=objective, ddp=ddp, faults=faults, verifier_head=verifier_head)
     log(f"objective: {objective.describe()}, position weight {cfg.objective.position_weight}; optimizer "
         f"{describe_optimizer(drafter.optimizer)}")
     targets = []
@@ -132,7 +133,11 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
         targets.append(TargetStage(replicas[dev], drafter_device, stats.worker(name, role), name, faults=faults,
                                    index=i, final=objective.needs_verifier))
     try:
-        size_to_device(cfg, drafter, first, devices, dist, log)
+        # the saved config holds what ran
+        cfg.data.batch_size, cfg.model.num_anchors = size_to_device(
+            drafter, first, devices, dist, log, seq_len=cfg.data.max_seq_len, batch_size=cfg.data.batch_size,
+            num_anchors=cfg.model.num_anchors, hs_queue_size=cfg.pipeline.hs_queue_size)
+        drafter.num_anchors = cfg.model.num_anchors
     except RecipeError as e:
         raise TrainError(str(e)) from None
     cuda = drafter_device.type == "cuda" or any(t.device.type == "cuda" for t in targets)

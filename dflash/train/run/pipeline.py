@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.telemetry.wire.vocab import Role
+from dflash.train.config import PipelineSettings, RunSettings
 from dflash.train.device.binding import bind_thread, cuda_devices, thread_device
 from dflash.train.run.stages import BatchSource, DrafterStage, HiddenBatch, StepResult, TargetStage
 
@@ -84,20 +85,24 @@ def get(q: queue.Queue, stop: threading.Event):
 class Pipeline:
     """Runs the stages in worker threads until the drafter says it is done or something fails."""
 
-    def __init__(self, source: BatchSource, targets: list[TargetStage], drafter: DrafterStage, cfg, stats,
-                 state: TrainCounters, on_step: Callable[[StepResult], bool], clock: Callable[[], float] | None = None):
-        """`on_step` is called by the drafter thread after each step; returning False ends the run.
+    def __init__(self, source: BatchSource, targets: list[TargetStage], drafter: DrafterStage,
+                 settings: PipelineSettings, limits: RunSettings, stats, state: TrainCounters,
+                 on_step: Callable[[StepResult], bool], clock: Callable[[], float] | None = None):
+        """`settings`: queues, threads, pipelined or not; `limits`: the run's max_steps and max_time, which
+        the progress (the LR schedule's) counts toward. `on_step` is called by the drafter thread after
+        each step; returning False ends the run.
         `clock` is what the LR schedule and max_time count: this process's `train_time` by default; a
         multi-rank run passes the clock all ranks agreed on at the last step, so their schedules match."""
-        self.source, self.targets, self.drafter, self.cfg, self.stats = source, targets, drafter, cfg, stats
+        self.source, self.targets, self.drafter, self.stats = source, targets, drafter, stats
+        self.settings, self.limits = settings, limits
         self.state, self.on_step = state, on_step
         self.clock: Callable[[], float] = clock or self.train_time
         self._t0 = time.monotonic()  # restarted by start()
         self.stop = threading.Event()
         self.failure: tuple[str, str] | None = None  # (worker name, formatted traceback)
         self.error: BaseException | None = None  # the exception behind `failure`
-        self.batch_q: queue.Queue = queue.Queue(maxsize=cfg.pipeline.batch_queue_size)
-        self.hs_q: queue.Queue = queue.Queue(maxsize=cfg.pipeline.hs_queue_size)
+        self.batch_q: queue.Queue = queue.Queue(maxsize=settings.batch_queue_size)
+        self.hs_q: queue.Queue = queue.Queue(maxsize=settings.hs_queue_size)
         self.threads: list[threading.Thread] = []
 
     # --- workers --------------------------------------------------------------------------------------
@@ -109,10 +114,10 @@ class Pipeline:
         def run() -> None:
             _name_os_thread(name)
             bind_thread(thread_device(*devices), cuda_devices(*devices) if compute else ())
-            if self.cfg.pipeline.threads_per_worker:
+            if self.settings.threads_per_worker:
                 # Per thread on purpose: OpenMP/MKL thread counts are thread-local, so setting it in the
                 # main thread does not reach matmuls issued from this one.
-                torch.set_num_threads(self.cfg.pipeline.threads_per_worker)
+                torch.set_num_threads(self.settings.threads_per_worker)
             try:
                 body()
             except Stopped:
@@ -165,10 +170,10 @@ class Pipeline:
     def progress(self) -> float:
         """Fraction of the run done, by steps or by time, whichever is further along."""
         p = 0.0
-        if self.cfg.run.max_steps:
-            p = self.state.step / self.cfg.run.max_steps
-        if self.cfg.run.max_time:
-            p = max(p, self.clock() / self.cfg.run.max_time)
+        if self.limits.max_steps:
+            p = self.state.step / self.limits.max_steps
+        if self.limits.max_time:
+            p = max(p, self.clock() / self.limits.max_time)
         return min(1.0, p)
 
     def depths(self) -> tuple[int, int]:
@@ -196,7 +201,7 @@ class Pipeline:
         self._t0 = time.monotonic()
         drafter = self.drafter.device
         targets = [stage.device for stage in self.targets]
-        if self.cfg.pipeline.enabled:
+        if self.settings.enabled:
             # The producer pins batches, which needs the CUDA context of the GPU they will go to.
             self._thread("batch-producer", self._producer, *targets, drafter, compute=False)
             for stage in self.targets:

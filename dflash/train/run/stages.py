@@ -20,9 +20,10 @@ import torch
 
 from dflash.data import Sample
 from dflash.model.objective import BlockPlan, LossOutput, plan_blocks
-from dflash.objectives import Objective, for_drafter
+from dflash.objectives import Objective
 from dflash.objectives.optim import build_optimizer
 from dflash.targets.base import Target
+from dflash.train.config import OptimSettings
 from dflash.train.distributed import explain_backward_error
 from dflash.train.health.faults import FaultPlan
 from dflash.train.health.nonfinite import NonFiniteGuard
@@ -200,24 +201,26 @@ class DrafterStage:
     """The drafter, its objective and optimizer, and the target's frozen embedding and LM head (and, for
     an objective that needs the verifier, its final norm) on the drafter's device."""
 
-    def __init__(self, drafter, embed_tokens, lm_head, device: torch.device, cfg, telemetry, generator,
+    def __init__(self, drafter, embed_tokens, lm_head, device: torch.device, telemetry, generator, *,
+                 optim: OptimSettings, num_anchors: int, nonfinite_limit: int, objective: Objective,
                  ddp: torch.nn.Module | None = None, faults: FaultPlan | None = None,
-                 objective: Objective | None = None, verifier_head: torch.nn.Module | None = None):
+                 verifier_head: torch.nn.Module | None = None):
         """`ddp`: the drafter wrapped in DistributedDataParallel (multi-rank runs); the forward goes
         through it so that backward averages gradients across ranks. `generator` samples anchors for
         batches that come without a plan. `verifier_head`: the target's final norm and LM head, when
         the objective needs the verifier (the hidden states then end with the target's final state).
-        `objective`: the run's (build.py makes it), else the one ``cfg.objective`` names."""
+        `objective`: the run's (build.py makes it: objectives.for_drafter). `num_anchors`: per sample, for
+        batches that come without a plan (build sets it again once the step is sized to the device)."""
         self.drafter, self.embed, self.lm_head = drafter, embed_tokens, lm_head
-        self.objective = objective if objective is not None else for_drafter(cfg.objective, drafter)
+        self.objective, self.optim, self.num_anchors = objective, optim, num_anchors
         self.verifier_head = verifier_head
         self.forward_module = ddp if ddp is not None else drafter
-        self.device, self.cfg, self.tel, self.generator = device, cfg, telemetry, generator
-        self.optimizer = build_optimizer(drafter, cfg.optim, device)
+        self.device, self.tel, self.generator = device, telemetry, generator
+        self.optimizer = build_optimizer(drafter, optim, device)
         # bf16 activations on CUDA with fp32 master weights; plain fp32 on CPU (bf16 matmuls are
         # slower than fp32 on the CPUs we measured).
         self.autocast = device.type == "cuda"
-        self.guard = NonFiniteGuard(self.optimizer, device, cfg.health.nonfinite_limit)
+        self.guard = NonFiniteGuard(self.optimizer, device, nonfinite_limit)
         self.faults = faults
         self.span = device_span(telemetry, device)
 
@@ -233,7 +236,7 @@ class DrafterStage:
             ids = b.input_ids.to(self.device, non_blocking=True)
             attn = b.attention_mask.to(self.device, non_blocking=True)
             plan = b.plan if b.plan is not None else plan_blocks(
-                b.input_ids, b.loss_mask, self.drafter.config.block_size, self.cfg.model.num_anchors, self.generator)
+                b.input_ids, b.loss_mask, self.drafter.config.block_size, self.num_anchors, self.generator)
             plan = plan.to(self.device)
         for term in self.objective.terms:
             term.at(progress)  # a scheduled weight (DFlash2's selector ramps in)
@@ -253,10 +256,10 @@ class DrafterStage:
                     raise
                 raise explain_backward_error(self.forward_module, e, torch.distributed.get_rank()) from None
         with self.span("optimizer_step"):
-            lr = lr_at(progress, self.cfg.optim.lr, self.cfg.optim.warmup_ratio, self.cfg.optim.min_lr_ratio)
+            lr = lr_at(progress, self.optim.lr, self.optim.warmup_ratio, self.optim.min_lr_ratio)
             for g in self.optimizer.param_groups:
                 g["lr"] = lr * g["lr_scale"]
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.optim.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.optim.grad_clip)
             self.guard.step(out.loss, grad_norm, b.index)  # skips a non-finite step, on the device
             self.optimizer.zero_grad(set_to_none=True)
         return StepResult(out=out, grad_norm=grad_norm.detach(), lr=lr, tokens=b.num_tokens,
