@@ -258,7 +258,11 @@ class DFlashTop(App[None]):
         without their title do not say what they are)."""
         if not self.screen_stack or not hasattr(self, "_hint"):
             return
+        # judged as if the hint showed (it takes its row from the body): showing it then changes nothing,
+        # so one pass settles it
         view = self._body.region
+        if not self._hint.display:
+            view = view._replace(height=max(0, view.height - 1))
 
         def in_view(panel) -> bool:
             return view.y <= panel.region.y and panel.region.intersection(view).height >= 2

@@ -149,3 +149,22 @@ def test_a_step_budget_says_up_front_how_long_it_takes_here() -> None:
     assert len(out) == 1, out
     assert out[0] == ("[phase] training: 400 steps at 2.00 steps/s here (steps 1-21): about 3:10 more, 3:50 in "
                       "all, then the final evaluation"), out
+
+
+def test_the_run_ends_with_its_table_even_when_the_last_line_came_before() -> None:
+    """The last interval's line may already show the last step (a short or fast run): the end of the
+    run still has the table and the whole run's verdict, and no second line for the same step."""
+    run = shares(0.25)
+    now, out = [0.0], []
+    state, metrics = TrainCounters(), StepMetrics()
+    lines = LogLines(updated(TrainConfig(), log_every=10.0), state, _Stats(), metrics, _Pipeline(now),
+                     latest=lambda: Snapshot(seq=1, t=0.0, interval_s=1.0, cumulative=run),
+                     verdict=lambda whole_run=None: analyze(run), report=Reporter(out.append), devices=[],
+                     clock=lambda: now[0])
+    _step(state, metrics, loss=2.0, tokens=100)
+    now[0] = 10.0
+    lines.write()
+    assert len(out) == 1 and out[0].startswith("step ")
+    lines.write(final=True)
+    assert [line.startswith("step ") for line in out].count(True) == 1
+    assert any(line.startswith("bottleneck") for line in out[1:]), out

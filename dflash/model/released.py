@@ -5,8 +5,9 @@ A released drafter (z-lab's, another trainer's, or our own ``dflash export``) on
 target it was trained for: its ``fc`` reads that target's tap layers, its output feeds that target's LM
 head, its masked slots hold that target's mask-token embedding. A mismatch would train without an
 error and produce nonsense, so each of these is compared first and the first disagreement is refused
-in one line. The release's layer types and sliding window carry over unless the run overrides them
-(the weights do not depend on either); block size and gamma are the run's (neither do they).
+in one line. Which of the release's shape a run takes (all of it, unless the user set some) is the
+run's config's to decide (dflash/train/config/released.py); here the layer types, window and block
+size given replace the release's (no weight depends on them).
 """
 
 from __future__ import annotations
@@ -106,8 +107,7 @@ def start_from_release(
         raise ReleaseMismatch(f"{where}: a DFlash drafter, not a DFlash2 one: drop --drafter-type dflash2 to "
                               "train it as it is")
     if num_layers is not None and num_layers != cfg.num_layers:
-        raise ReleaseMismatch(f"{where}: it has {cfg.num_layers} layer(s), the run asks for {num_layers}: "
-                              "drop --drafter-layers")
+        raise ReleaseMismatch(f"{where}: it has {cfg.num_layers} layer(s), the run asks for {num_layers}")
     check_against_target(cfg, target, where)
     try:
         cfg = replace(cfg, block_size=block_size, gamma=gamma,

@@ -120,23 +120,17 @@ class LogLines:
     def write(self, final: bool = False) -> None:
         """The log line for the steps since the last one (nothing when no step was made: a line per
         interval without progress would only be noise), and when due the table and the verdict's
-        reason and evidence. The `final` one judges the whole run: its last window holds the
+        reason and evidence; the `final` call always ends with them, even when the last interval's
+        line already showed the last step. It judges the whole run: its last window holds the
         wind-down, when every stage waits on another."""
         st, r = self.state, self.state.last
         dt = max(1e-9, self.clock() - self.logs.last)
         tps = (st.tokens - self._tokens_at_log) / dt
         self.logs.restart()
         self._tokens_at_log = st.tokens
-        if r is None or st.step == self._logged_step:
+        new = r is not None and st.step != self._logged_step
+        if not new and not (final and r is not None):
             return
-        self._logged_step = st.step
-        self.harvest()
-        m, self._totals = self._totals.summary(), Totals()  # means over the steps since the last line
-        batch_q, hs_q = self.pipeline.depths()
-        q = f"q batch {batch_q}/{self.cfg.pipeline.batch_queue_size} hs {hs_q}/{self.cfg.pipeline.hs_queue_size}"
-        measured = m["measured"]
-        selector = f"| sel recall {measured['selector_recall']:.3f} acc {measured['selector_accuracy']:.3f} " \
-            if "selector_recall" in measured else ""
         summary, b = self.latest(), None
         if summary is not None:
             from dflash.telemetry.verdict.published import whole_run
@@ -144,12 +138,26 @@ class LogLines:
             # The verdict dflash-top shows (the recent span it names), the whole run at the end.
             b = self.verdict(summary if final else None) or whole_run(summary.cumulative, summary.roles,
                                                                      summary.counters.get("steps"))
-        self.report.log(f"{self.progress().text()} | loss {m['loss']:.3f} | acc {m['accuracy']:.3f} "
-                        f"| sim_tau {m['sim_tau']:.2f} {selector}| {tps:,.0f} tok/s | lr {r.lr:.2e} "
-                        f"| gnorm {m['grad_norm']:.2f} | {q}" + (f" | {b.verdict}" if b is not None else ""))
+        if new:
+            self._logged_step = st.step
+            self.line(tps, b, summary)
         if summary is not None and (final or self.cfg.run.log_table or self.tables.due()):
             self.tables.restart()
             self.table(summary, b)
+
+    def line(self, tps: float, b: Any, summary: Any) -> None:
+        """The one line of an interval (the means over its steps), and the trackers' scalars."""
+        st, r = self.state, self.state.last
+        self.harvest()
+        m, self._totals = self._totals.summary(), Totals()  # means over the steps since the last line
+        batch_q, hs_q = self.pipeline.depths()
+        q = f"q batch {batch_q}/{self.cfg.pipeline.batch_queue_size} hs {hs_q}/{self.cfg.pipeline.hs_queue_size}"
+        measured = m["measured"]
+        selector = f"| sel recall {measured['selector_recall']:.3f} acc {measured['selector_accuracy']:.3f} " \
+            if "selector_recall" in measured else ""
+        self.report.log(f"{self.progress().text()} | loss {m['loss']:.3f} | acc {m['accuracy']:.3f} "
+                        f"| sim_tau {m['sim_tau']:.2f} {selector}| {tps:,.0f} tok/s | lr {r.lr:.2e} "
+                        f"| gnorm {m['grad_norm']:.2f} | {q}" + (f" | {b.verdict}" if b is not None else ""))
         if self.report.trackers is not None:
             self.report.trackers.log(st.step, interval_scalars(
                 loss=m["loss"], terms=m["terms"], accuracy=m["accuracy"], sim_tau=m["sim_tau"],
