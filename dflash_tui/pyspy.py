@@ -234,7 +234,14 @@ def short_path(file: str) -> str:
     m = _IMPORT_ROOTS.match(file)
     if m:
         return file[m.end():]
-    return "/".join(Path(file).parts[-3:])
+    path = Path(file)
+    # a checkout (an editable install): up through the packages' own directories, when they are here
+    top = path.parent
+    while (top / "__init__.py").is_file() and top.parent != top:
+        top = top.parent
+    if top != path.parent:
+        return path.relative_to(top).as_posix()
+    return "/".join(path.parts[-3:])
 
 
 def join_cpu(threads: list[ThreadStack], cpu: dict[int, float], names: dict[int, str]) -> list[ThreadStack]:
