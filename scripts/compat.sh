@@ -23,15 +23,7 @@ fi
 shift
 TRANSFORMERS=${TRANSFORMERS:-}
 
-if [ -z "${PYTHON:-}" ]; then  # python3.12 on PATH, else pyenv's (its shim fails when 3.12 is not selected)
-    for candidate in python3.12 "$(pyenv root 2>/dev/null || echo /nonexistent)"/versions/3.12*/bin/python3.12; do
-        if "$candidate" -c 'import sys' 2>/dev/null; then PYTHON=$candidate; break; fi
-    done
-fi
-if [ -z "${PYTHON:-}" ]; then
-    echo "compat: no Python 3.12 found; set PYTHON=/path/to/python" >&2
-    exit 2
-fi
+source scripts/_python312.sh
 
 NAME=torch-$TORCH${TRANSFORMERS:+-tf$TRANSFORMERS}
 VENV=.compat/$NAME
