@@ -43,6 +43,6 @@ The call to make on the lent GPU machine (the device tool's run):
 Its report comes back under \$OUT: gpu_check.jsonl (a line per check as it finished), gpu_check.json (the
 summary, when the run finished), gpu_check.log, train.log, env.txt. A run cut short: python
 scripts/gpu_check.py --summarize <files_at>/gpu_check.jsonl. Then one rerun of what failed (the log's last
-line names it), on a fresh machine if this one went back:
-  {"command": "bash scripts/device_run.sh --only NAMES --budget 150", "carry": ["$BUNDLE"], "timeout_s": 180}
+line names it), at once while the machine is still warm (30 s), else on a fresh one (4 minutes must be left):
+  {"command": "DEVICE_TRAIN=0 bash scripts/device_run.sh --only NAMES --budget 100", "carry": ["$BUNDLE"], "timeout_s": 130}
 EOF

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lent GPU machine's call, dry, on CPU: scripts/device_run.sh (the command the call makes there)
 # in a simulated device environment -- a Python 3.12 venv holding only the image's versions of what
-# dflash imports (the pinned lines of scripts/device_image.txt; no msgspec), the bundle made by
+# dflash imports (the first block of scripts/device_image.txt; no msgspec), the bundle made by
 # scripts/device_bundle.sh and installed the way the command installs it, $OUT a fresh folder -- with
 # gpu_check's --cpu-smoke and its forked children (--isolate), as on CUDA. Anyone can repeat it before
 # a GPU is lent:
@@ -18,7 +18,7 @@ VENV=.compat/device-sim
 if [ ! -f "$VENV/.installed" ]; then
     test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"  # (a venv left half-made is completed)
     "$VENV/bin/pip" install -q --upgrade pip
-    sed -n 's/^\([A-Za-z0-9_.-]*==[^ #]*\).*/\1/p' scripts/device_image.txt > "$VENV/image.txt"
+    sed -e '/^# the rest of the image/q' scripts/device_image.txt | grep -v '^#' > "$VENV/image.txt"
     "$VENV/bin/pip" install -q -r "$VENV/image.txt"
     touch "$VENV/.installed"
 fi

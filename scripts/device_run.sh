@@ -8,7 +8,8 @@
 #   bash scripts/device_run.sh [gpu_check options: --only a,b --budget S --cpu-smoke --isolate]
 #
 # PYTHON (default python3: the machine's, which holds torch), DEVICE_SITE (default /tmp/dflash-site) and
-# TRAIN_TIMEOUT (default 45 s) are for the dry run. Exit status: gpu_check's.
+# TRAIN_TIMEOUT (default 45 s) are for the dry run; DEVICE_TRAIN=0 skips the train start. Exit status:
+# gpu_check's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,7 +32,7 @@ fi
 print(f"python {sys.version.split()[0]} ({sys.executable}), torch {torch.__version__}, "
       f"transformers {transformers.__version__}, triton {triton.__version__}, msgspec {msgspec.__version__}")'
     du -sk .device-bundle | cut -f1 | sed 's/$/ KiB of wheels carried/'
-    nvidia-smi -L 2>&1 || true
+    if command -v nvidia-smi > /dev/null; then nvidia-smi -L; else echo "no nvidia-smi here"; fi
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
@@ -40,9 +41,13 @@ cat "$OUT/env.txt"
 rc=${PIPESTATUS[0]}
 
 # The trainer's own start under this software (its torch version gate, the CLI, a few real steps); the
-# built-in tiny target and demo data, no evaluation.
-TORCHINDUCTOR_CACHE_DIR=$CACHE timeout "${TRAIN_TIMEOUT:-45}" "$PY" -m dflash.cli train --target tiny --data demo \
-    --max-steps 3 --eval-prompts 0 --run-dir "$(mktemp -d)/train" > "$OUT/train.log" 2>&1
-train_rc=$?
-echo "device_run: dflash train --max-steps 3: exit $train_rc; $(grep -E '^done:|error' "$OUT/train.log" | tail -n 1)"
+# built-in tiny target and demo data, no evaluation. DEVICE_TRAIN=0 leaves it out (a rerun of checks).
+if [ "${DEVICE_TRAIN:-1}" != 0 ]; then
+    SECONDS=0
+    TORCHINDUCTOR_CACHE_DIR=$CACHE timeout "${TRAIN_TIMEOUT:-45}" "$PY" -m dflash.cli train --target tiny \
+        --data demo --max-steps 3 --eval-prompts 0 --run-dir "$(mktemp -d)/train" > "$OUT/train.log" 2>&1
+    train_rc=$?
+    echo "device_run: dflash train --max-steps 3: exit $train_rc in $SECONDS s;" \
+         "$(grep -E '^done:|error' "$OUT/train.log" | tail -n 1)"
+fi
 exit "$rc"
