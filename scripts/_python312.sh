@@ -2,7 +2,8 @@
 # machine's) unless the caller set one: python3.12 on PATH, else pyenv's (its shim fails when 3.12 is
 # not the selected version).
 if [ -z "${PYTHON:-}" ]; then
-    for candidate in python3.12 "$(pyenv root 2>/dev/null || echo /nonexistent)"/versions/3.12*/bin/python3.12; do
+    pyenv_root=$(pyenv root 2>/dev/null || echo /nonexistent)
+    for candidate in python3.12 "$pyenv_root"/versions/3.12*/bin/python3.12; do
         if "$candidate" -c 'import sys' 2>/dev/null; then PYTHON=$candidate; break; fi
     done
 fi

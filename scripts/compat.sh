@@ -51,11 +51,13 @@ EOF
     touch "$VENV/.installed"
 fi
 "$BIN/python" -c 'import sys, torch, transformers
-print(f"compat: Python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")'
+print(f"compat: Python {sys.version.split()[0]}, torch {torch.__version__}, "
+      f"transformers {transformers.__version__}")'
 
 # One intra-op thread, as `make test`; niced: the suite shares this machine with other work.
 set +e
-OMP_NUM_THREADS=1 nice -n 10 "$BIN/python" -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee ".compat/$NAME.log"
+OMP_NUM_THREADS=1 nice -n 10 "$BIN/python" -m pytest -q -p no:cacheprovider "$@" 2>&1 \
+    | tee ".compat/$NAME.log"
 rc=${PIPESTATUS[0]}
 set -e
 tail -n 1 ".compat/$NAME.log" > ".compat/$NAME.summary"

@@ -32,9 +32,11 @@ fi
 
 bundle_kib=$(du -sk "$BUNDLE" | cut -f1)
 # what travels: tracked and untracked-not-ignored files, and the carried bundle (the limit is 64 MiB)
-tree_kib=$(git ls-files -z --cached --others --exclude-standard | du -ck --files0-from=- 2>/dev/null | tail -n 1 | cut -f1)
+tree_kib=$(git ls-files -z --cached --others --exclude-standard | du -ck --files0-from=- 2>/dev/null \
+    | tail -n 1 | cut -f1)
 echo "device_bundle: ${#wheels[@]} wheel(s) in $BUNDLE: $(cd "$BUNDLE" && ls -- *.whl | tr '\n' ' ')"
-echo "device_bundle: bundle $((bundle_kib / 1024)).$(( (bundle_kib % 1024) * 10 / 1024 )) MiB ($bundle_kib KiB);" \
+mib=$((bundle_kib / 1024)).$(( (bundle_kib % 1024) * 10 / 1024 ))
+echo "device_bundle: bundle $mib MiB ($bundle_kib KiB);" \
      "working tree with it $(( (tree_kib + bundle_kib) / 1024 )) MiB of 64"
 cat <<EOF
 
@@ -44,5 +46,6 @@ Its report comes back under \$OUT: gpu_check.jsonl (a line per check as it finis
 summary, when the run finished), gpu_check.log, train.log, env.txt. A run cut short: python
 scripts/gpu_check.py --summarize <files_at>/gpu_check.jsonl. Then one rerun of what failed (the log's last
 line names it), at once while the machine is still warm (30 s), else on a fresh one (4 minutes must be left):
-  {"command": "DEVICE_TRAIN=0 bash scripts/device_run.sh --only NAMES --budget 100", "carry": ["$BUNDLE"], "timeout_s": 130}
+  {"command": "DEVICE_TRAIN=0 bash scripts/device_run.sh --only NAMES --budget 100", "carry": ["$BUNDLE"],
+   "timeout_s": 130}
 EOF

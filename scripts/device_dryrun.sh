@@ -49,11 +49,12 @@ from pathlib import Path
 
 out = Path(sys.argv[1])
 report = json.loads((out / "gpu_check.json").read_text())
-print(f"device_dryrun: {report['mode']} under torch {report['torch']}, transformers {report['transformers']}, "
-      f"Python {report['python']}; imports once: {report['warmup_s']} s")
+versions = f"torch {report['torch']}, transformers {report['transformers']}, Python {report['python']}"
+print(f"device_dryrun: {report['mode']} under {versions}; imports once: {report['warmup_s']} s")
 for name, r in report["checks"].items():
     print(f"  {name:<17} {r['status']}")
-print("device_dryrun: " + ", ".join(f"{n} {s}" for s, n in report["counts"].items()) + f" in {report['wall_s']} s")
+counts = ", ".join(f"{n} {status}" for status, n in report["counts"].items())
+print(f"device_dryrun: {counts} in {report['wall_s']} s")
 EOF
 echo "device_dryrun: gpu_check exit $rc; files in $OUT_DIR: $(ls "$OUT_DIR" | tr '\n' ' ')"
 exit "$rc"

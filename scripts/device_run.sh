@@ -24,7 +24,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
         .device-bundle/*.whl; then
-    echo "device_run: the bundle did not install: run scripts/device_bundle.sh here and carry .device-bundle" >&2
+    echo "device_run: the bundle did not install: run scripts/device_bundle.sh and carry .device-bundle" >&2
     exit 3
 fi
 {
@@ -36,8 +36,8 @@ print(f"python {sys.version.split()[0]} ({sys.executable}), torch {torch.__versi
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-"$PY" scripts/gpu_check.py --jsonl "$OUT/gpu_check.jsonl" --json "$OUT/gpu_check.json" --cache-dir "$CACHE" "$@" \
-    2>&1 | tee "$OUT/gpu_check.log"
+"$PY" scripts/gpu_check.py --jsonl "$OUT/gpu_check.jsonl" --json "$OUT/gpu_check.json" \
+    --cache-dir "$CACHE" "$@" 2>&1 | tee "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}
 
 # The trainer's own start under this software (its torch version gate, the CLI, a few real steps); the

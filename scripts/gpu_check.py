@@ -1071,8 +1071,8 @@ def run_forked(name: str, ctx: Ctx, limit_s: float) -> dict:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            return {"status": "timeout", "seconds": round(time.perf_counter() - t0, 2), "limit_s": round(limit_s, 1),
-                    "log_tail": _tail(log)}
+            return {"status": "timeout", "seconds": round(time.perf_counter() - t0, 2),
+                    "limit_s": round(limit_s, 1), "log_tail": _tail(log)}
         else:
             time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):
@@ -1164,10 +1164,10 @@ def gpu_name() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", metavar="PATH", help="write the report here at the end (derived from --jsonl's lines)")
+    ap.add_argument("--json", metavar="PATH", help="write the report here at the end (from --jsonl's lines)")
     ap.add_argument("--jsonl", metavar="PATH", help="write each check's result here as it finishes (flushed)")
-    ap.add_argument("--summarize", metavar="JSONL", help="print the report of a run's JSON lines (also a cut-short "
-                                                          "run's) and exit")
+    ap.add_argument("--summarize", metavar="JSONL",
+                    help="print the report of a run's JSON lines (also a cut-short run's) and exit")
     ap.add_argument("--cpu-smoke", action="store_true", help="run what can run on CPU at tiny shapes")
     ap.add_argument("--only", help="comma-separated checks (default: all): " + ", ".join(CHECKS))
     ap.add_argument("--in-process", action="store_true", help="run checks in this process (default on CPU)")
@@ -1198,7 +1198,8 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
 
         if not args.cpu_smoke and not torch.cuda.is_available():
-            print("gpu_check: skipped: no CUDA device here (run it on the GPU box; --cpu-smoke checks the script)")
+            print("gpu_check: skipped: no CUDA device here (run it on the GPU box; --cpu-smoke checks the "
+                  "script)")
             return 0
         device = "cpu" if args.cpu_smoke else "cuda:0"
         isolate = not args.in_process and (args.isolate or not args.cpu_smoke)
@@ -1219,15 +1220,16 @@ def main(argv: list[str] | None = None) -> int:
             lines.write("begin", name=name, limit_s=round(limit, 1))
             res = run_forked(name, ctx, limit) if isolate else run_in_process(name, ctx)
             lines.write("check", name=name, **res)
-            print(f"{name:<17} {res['status']:<7} {res['seconds']:>7.1f}s  "
-                  + json.dumps({k: v for k, v in res.items() if k not in ("status", "seconds", "traceback", "log_tail")},
-                               default=str)[:300], flush=True)
+            shown = {k: v for k, v in res.items() if k not in ("status", "seconds", "traceback", "log_tail")}
+            line = f"{name:<17} {res['status']:<7} {res['seconds']:>7.1f}s  "
+            print(line + json.dumps(shown, default=str)[:300], flush=True)
         lines.write("end", wall_s=round(time.monotonic() - start, 1))
     summary = summarize(lines.close())
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     counts = ", ".join(f"{n} {status}" for status, n in summary["counts"].items())
-    print(f"gpu_check: {counts} in {summary['wall_s']:.0f} s" + (f"; again: {summary['rerun']}" if summary["rerun"] else ""))
+    again = f"; again: {summary['rerun']}" if summary["rerun"] else ""
+    print(f"gpu_check: {counts} in {summary['wall_s']:.0f} s{again}")
     return 0 if summary["ok"] else 1
 
 
