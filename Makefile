@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv train demo test bench lint clean
+.PHONY: venv train demo test compat device-bundle device-dryrun bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,19 @@ test: $(STAMP)
 	# machine made them several times slower.
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
+# The whole suite under another torch (TORCH=2.11.0; TRANSFORMERS=5.17.0, PYTHON=... optional) in a
+# throwaway venv under .compat/: the check behind the declared torch range. Not in CI: it doubles its time.
+compat:
+	bash scripts/compat.sh $(TORCH)
+
+# The wheels scripts/gpu_check.py needs that the lent GPU machine's image lacks, and the call to make
+# there; device-dryrun repeats that call on CPU in a copy of the machine's software (docs/gpu.md).
+device-bundle:
+	bash scripts/device_bundle.sh
+
+device-dryrun:
+	bash scripts/device_dryrun.sh
+
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_telemetry.py
 	$(BIN)/python scripts/bench_pipeline.py
@@ -45,4 +58,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check dflash dflash_tui tests scripts
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .compat .device-bundle

@@ -1,21 +1,29 @@
-"""One-shot proof of dflash's CUDA paths on one GPU (written for an H200; <= 8 minutes), as a JSON report.
+"""One-shot proof of dflash's CUDA paths on one GPU (written for an H200; <= 7 minutes), as JSON lines.
 
-    python scripts/gpu_check.py --json gpu_check.json         # on the GPU box
+    python scripts/gpu_check.py --jsonl $OUT/gpu_check.jsonl --json $OUT/gpu_check.json  # on the GPU box
     python scripts/gpu_check.py --cpu-smoke --json smoke.json # every check that can run on CPU, tiny
     python scripts/gpu_check.py --plan                        # the checks and their budgets, as JSON
+    python scripts/gpu_check.py --summarize gpu_check.jsonl   # the report of a run, also one cut short
 
-Each check is an independent function with its own time budget. On CUDA each runs in its own child
-process (a sticky CUDA error, a hang or the CUDA sanitizer stay inside it; the budget is a hard
-timeout); with ``--cpu-smoke`` they run in this process at tiny shapes, to prove the script itself
-before a GPU is lent. A failing check never hides the others: every result lands in the report.
-Without CUDA (and without ``--cpu-smoke``) the script prints one line and exits 0.
+On the lent GPU machine, ``scripts/device_run.sh`` runs it (``scripts/device_bundle.sh`` prints the
+call; docs/gpu.md). Each check is an independent function with its own time budget. On CUDA each runs
+in its own child process, forked from this one after it imported torch, transformers, Inductor and
+dflash (without touching CUDA): the start-up is paid once, and a sticky CUDA error, a hang or the
+CUDA sanitizer stay inside the child; the budget (plus a small allowance for the child's CUDA
+context) is a hard limit, at which the child first dumps every thread's stack into its log. With
+``--cpu-smoke`` the checks run in this process at tiny shapes, to prove the script itself before a
+GPU is lent. A failing check never hides the others. Each result is written to ``--jsonl`` as it
+finishes (flushed), so a run stopped at its limit still returns what it did; the report (``--json``,
+and ``--summarize`` later) is derived from those lines. Without CUDA (and without ``--cpu-smoke``)
+the script prints one line and exits 0.
 
 The checks run by importance, so that a run cut short still answers the questions that matter most,
-and their budgets sum to the total. The first, ``prewarm``, compiles FlexAttention forward and
-backward into an Inductor cache directory (``--cache-dir``, default a fresh one per run) that every
-child process shares: the compile-heavy checks then load kernels instead of compiling them cold.
+and their budgets with the allowances sum to the total. The first, ``prewarm``, compiles
+FlexAttention forward and backward into an Inductor cache directory (``--cache-dir``, default a fresh
+one per run) that every child shares: the compile-heavy checks then load kernels instead of compiling
+them cold.
 
-Checks (see README "GPU check"; ``--plan`` lists them with their budgets): prewarm, flex_uneven,
+Checks (see docs/gpu.md; ``--plan`` lists them with their budgets): prewarm, flex_uneven,
 host_gap, sync_free, thread_device, device_shares, flex_vs_sdpa, memory_recipe, throughput,
 checkpoint_1b, side_stream_copy, cuda_spans, ddp_resume, compile_count, verdicts, eval_lossless,
 mask_build, nvml.
@@ -24,10 +32,13 @@ mask_build, nvml.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
+import importlib
 import json
 import os
+import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,11 +49,18 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 H200_BF16_DENSE_FLOPS = 989e12  # H200 SXM bf16 dense tensor-core peak (the H100 SXM's; same chip)
-TOTAL_BUDGET_S = 480.0
+# The whole run's wall time (the parent's imports, each child's start and its check): with the lent
+# machine's start (~2 min) and the call around it this leaves 15 minutes of device time enough for one
+# rerun of what failed on a fresh machine (docs/gpu.md, "Time").
+TOTAL_BUDGET_S = 420.0
+# Each forked child's own start (its CUDA context and first allocation) before its check's clock
+# starts: outside each check's budget, inside the total (the budgets and allowances sum to <= the total).
+START_ALLOWANCE_S = 2.0
 # --cpu-smoke proves the script, not the GPU's timings: its per-check time limits are the GPU budgets
 # times this (a CPU shared with other work starts a child process in seconds, not one)
 SMOKE_SLACK = 10.0
@@ -171,7 +189,7 @@ def check(budget_s: float) -> Callable[[Callable[[Ctx], dict]], Callable[[Ctx], 
     return register
 
 
-@check(budget_s=20)
+@check(budget_s=15)
 def check_sync_free(ctx: Ctx) -> dict:
     """20 steady pipelined steps under set_sync_debug_mode("error"), of the real stages and Pipeline at
     8B-layer shapes, and of the whole trainer on the tiny target: any host sync in a worker raises
@@ -280,7 +298,7 @@ def _flex_against_sdpa(ctx: Ctx, target, dstage, seq: int, n: int, pad: int, see
             "ok": loss_rel < 1e-2 and grad_rel < 5e-2}
 
 
-@check(budget_s=20)
+@check(budget_s=15)
 def check_flex_vs_sdpa(ctx: Ctx) -> dict:
     """Loss and gradients of the packed-block drafter under compiled FlexAttention (block mask from
     tile metadata) vs SDPA (dense mask), in bf16 autocast. CPU: forward only (no flex backward there)."""
@@ -294,7 +312,7 @@ def check_flex_vs_sdpa(ctx: Ctx) -> dict:
     return {"ok": ok, **r, "backward_compared": ctx.cuda, "flex_fallback": masks._flex_failed}
 
 
-@check(budget_s=30)
+@check(budget_s=25)
 def check_flex_uneven(ctx: Ctx) -> dict:
     """Flex vs SDPA, forward and backward in bf16, where tiles and shapes do not line up: anchor counts
     not a multiple of 8, lengths not a multiple of 128, padded rows; and no fallback to SDPA."""
@@ -308,7 +326,7 @@ def check_flex_uneven(ctx: Ctx) -> dict:
     return {"ok": ok, "shapes": runs, "backward_compared": ctx.cuda, "flex_fallback": masks._flex_failed}
 
 
-@check(budget_s=15)
+@check(budget_s=12)
 def check_compile_count(ctx: Ctx) -> dict:
     """Compiled FlexAttention over varying sequence lengths and anchor counts (forward + backward):
     at most 2 compilations (torch._dynamo's unique graphs), and no fallback to SDPA."""
@@ -344,7 +362,7 @@ def check_compile_count(ctx: Ctx) -> dict:
             "seconds_per_shape": times, "flex_fallback": masks._flex_failed}
 
 
-@check(budget_s=10)
+@check(budget_s=5)
 def check_mask_build(ctx: Ctx) -> dict:
     """The recipe-size block mask (512 anchors x 16, 4096 tokens, batch 2): build time, peak memory
     (vs the dense mask's bytes) and, on CUDA, no host sync while building."""
@@ -382,7 +400,7 @@ def check_mask_build(ctx: Ctx) -> dict:
     return out
 
 
-@check(budget_s=15)
+@check(budget_s=12)
 def check_side_stream_copy(ctx: Ctx) -> dict:
     """Hidden states handed from target to drafter through the side-stream copy (CPU target -> GPU
     drafter: pinned, non-blocking; GPU -> same GPU) equal a direct forward, checksum for checksum,
@@ -416,7 +434,7 @@ def check_side_stream_copy(ctx: Ctx) -> dict:
             "sanitizer": ctx.cuda}
 
 
-@check(budget_s=10)
+@check(budget_s=8)
 def check_cuda_spans(ctx: Ctx) -> dict:
     """CUDA spans from a worker thread on its own stream resolve to device times via query(), and
     after the GPU is idle one drain leaves nothing pending."""
@@ -472,7 +490,7 @@ def _verdict(ctx: Ctx, target_layers: int, drafter_layers: int, anchors: int, sh
     return {"verdict": b.verdict, "reason": b.reason}
 
 
-@check(budget_s=20)
+@check(budget_s=15)
 def check_verdicts(ctx: Ctx) -> dict:
     """The bottleneck verdict on a target-heavy run (deep target, one small drafter layer, few
     anchors) and a drafter-heavy one (shallow target, deep drafter, many anchors)."""
@@ -484,7 +502,7 @@ def check_verdicts(ctx: Ctx) -> dict:
     return {"ok": ok, "target_heavy": heavy_t, "drafter_heavy": heavy_d}
 
 
-@check(budget_s=10)
+@check(budget_s=8)
 def check_nvml(ctx: Ctx) -> dict:
     """NVML sample of this GPU under load: fields present, the GPU found as this process's cuda:0 by
     UUID, and GPM SM-active / tensor-active where the GPU supports it."""
@@ -559,7 +577,7 @@ def one_rank_world() -> Iterator[type]:
                 os.environ[k] = v
 
 
-@check(budget_s=20)
+@check(budget_s=15)
 def check_ddp_resume(ctx: Ctx) -> dict:
     """The trainer's multi-rank path (DDP, agreed stops, process groups) with one rank, NCCL on CUDA
     (gloo on CPU): 6 steps straight equal stop after a few, resume, run to 6 (drafter weights)."""
@@ -612,7 +630,7 @@ def check_ddp_resume(ctx: Ctx) -> dict:
             "stopped_at": first.state.step, "backend": "nccl" if ctx.cuda else "gloo", "ddp": type(second.drafter.forward_module).__name__}
 
 
-@check(budget_s=10)
+@check(budget_s=8)
 def check_eval_lossless(ctx: Ctx) -> dict:
     """`dflash eval`'s decode loop with a bf16 drafter and bf16 target: speculative output equals the
     target's own greedy output (no real divergence; near-ties listed apart where eval reports them)."""
@@ -656,7 +674,7 @@ def step_flops(target, drafter_cfg, batch: int, seq: int, anchors: int) -> float
     return fwd_t + 3 * fwd_d + head
 
 
-@check(budget_s=55)
+@check(budget_s=40)
 def check_throughput(ctx: Ctx) -> dict:
     """Qwen3-8B-shaped target (random weights), the recipe drafter (5 layers, 512 anchors, block 16),
     4096-token sequences: tokens/s pipelined vs --pipeline off, and MFU against the bf16 dense peak."""
@@ -734,7 +752,7 @@ def _device_ms(window, worker: str, cats: tuple[str, ...]) -> tuple[float, float
     return share, secs
 
 
-@check(budget_s=40)
+@check(budget_s=30)
 def check_device_shares(ctx: Ctx) -> dict:
     """Target and drafter on one GPU, each worker on its own stream: the two stages' device shares sum
     to at most 1.05, and each stage's device ms per step pipelined matches that stage alone (sync mode:
@@ -767,7 +785,7 @@ def check_device_shares(ctx: Ctx) -> dict:
     return {"ok": ok, **out, "pipelined_over_alone": ratios}
 
 
-@check(budget_s=45)
+@check(budget_s=35)
 def check_memory_recipe(ctx: Ctx) -> dict:
     """The default recipe's shapes (batch 8, 512 anchors x block 16, 4096 tokens, 5 drafter layers,
     Qwen3-8B-shaped target): peak memory, the allocator's retries (each one synchronises the device)
@@ -798,7 +816,7 @@ def check_memory_recipe(ctx: Ctx) -> dict:
     return {"ok": out["alloc_retries"] == 0 and out["ooms"] == 0, **out}
 
 
-@check(budget_s=35)
+@check(budget_s=30)
 def check_host_gap(ctx: Ctx) -> dict:
     """The whole trainer in steady state as it really runs: telemetry on (publisher resolving events,
     recorder, monitors) and DDP with one rank, under set_sync_debug_mode("error") past iteration 100
@@ -845,7 +863,7 @@ def check_host_gap(ctx: Ctx) -> dict:
     return {"ok": result == "no sync" and out.get("largest_over_median", 99) < 3.0, **out}
 
 
-@check(budget_s=60)  # writes and hashes ~12.6 GB
+@check(budget_s=40)  # writes and hashes ~12.6 GB
 def check_checkpoint_1b(ctx: Ctx) -> dict:
     """One asynchronous save of a 1B-parameter drafter (5 layers at Qwen3-8B's shapes, with its Adam
     state): the step times around it against the median step, the save's own duration and size."""
@@ -892,7 +910,7 @@ def check_checkpoint_1b(ctx: Ctx) -> dict:
     return {"ok": ok if ctx.cuda else None, **out}
 
 
-@check(budget_s=15)
+@check(budget_s=12)
 def check_thread_device(ctx: Ctx) -> dict:
     """The device every CUDA-touching thread of a real run bound (devices.bindings()): the pipeline's
     workers, the telemetry publisher, the main thread (evaluation, checkpoints) and the checkpoint
@@ -931,24 +949,60 @@ assert len(CHECKS) == len(_REGISTERED), "a registered check is missing from IMPO
 
 
 def plan() -> dict:
-    """The checks in running order with their budgets (what --plan prints)."""
+    """The checks in running order with their budgets (what --plan prints); with each child's start
+    allowance they fit the total, which is the whole run's wall time from the parent's start."""
     return {"checks": [{"name": name, "budget_s": budget} for name, (_, budget) in CHECKS.items()],
-            "total_s": TOTAL_BUDGET_S}
+            "start_allowance_s": START_ALLOWANCE_S, "total_s": TOTAL_BUDGET_S}
 
 
 # --------------------------------------------------------------------------------------------------
 # Running
 # --------------------------------------------------------------------------------------------------
 
+#: What the checks import, loaded once by the parent before it forks one child per check: the ~5 s of
+#: torch, transformers, Inductor and dflash imports are paid once, not in every child. None of them
+#: initialises CUDA on import (a child forked after that could not use the GPU).
+WARM_MODULES = (
+    "torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.nn.attention.flex_attention",
+    "transformers", "transformers.models.qwen3.modeling_qwen3",
+    "dflash.model.objective", "dflash.targets.hf", "dflash.train.trainer", "dflash.train.run.build",
+    "dflash.train.run.pipeline", "dflash.testing", "dflash.telemetry.verdict.evidence",
+    "dflash.telemetry.publish.system", "dflash.eval.speculative",
+)
+KILL_GRACE_S = 2.0  # between a child's stack dump at its limit and its kill
+
 
 def share_inductor_cache(directory: Path) -> None:
     """Point this process and the children it starts at one Inductor cache, with compiled graphs
     (FX graph cache) and their backward (AOT autograd cache) kept there: what ``prewarm`` compiles,
-    the later checks load."""
+    the later checks load. Called before torch is imported: Inductor reads these on import."""
     directory.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+
+
+def warm_up() -> dict:
+    """Import WARM_MODULES; a module that fails to import is reported (its checks fail on it later)."""
+    t0, failed = time.perf_counter(), {}
+    for module in WARM_MODULES:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - reported in the run's first line, and by each check
+            failed[module] = f"{type(e).__name__}: {e}"[:300]
+    return {"warmup_s": round(time.perf_counter() - t0, 2), "warmup_failed": failed}
+
+
+def start_device(ctx: Ctx) -> float:
+    """A forked child's CUDA context and first allocation (seconds), made before its check's clock starts."""
+    if not ctx.cuda:
+        return 0.0
+    import torch
+
+    t0 = time.perf_counter()
+    torch.zeros(1, device=ctx.device)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def run_in_process(name: str, ctx: Ctx) -> dict:
@@ -964,30 +1018,169 @@ def run_in_process(name: str, ctx: Ctx) -> dict:
     return {"status": status, "seconds": round(time.perf_counter() - t0, 2), **res}
 
 
-def run_isolated(name: str, smoke: bool, timeout_s: float) -> dict:
-    """The check in a child process with a hard timeout (CUDA errors are sticky per process)."""
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as d:
-        out = Path(d) / "r.json"
-        cmd = [sys.executable, __file__, "--only", name, "--in-process", "--json", str(out)]
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd + (["--cpu-smoke"] if smoke else []), capture_output=True, text=True,
-                                  timeout=max(1.0, timeout_s))
-        except subprocess.TimeoutExpired:
-            return {"status": "timeout", "seconds": round(time.perf_counter() - t0, 2), "budget_s": timeout_s}
-        if out.exists():
-            return json.loads(out.read_text())["checks"][name]
+def _tail(log: Path, chars: int = 3000) -> str:
+    try:
+        return log.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel end this child when the parent dies (Linux; elsewhere a no-op): a parent stopped
+    at the call's limit must not leave a check holding the GPU."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # (the parent died before the line above)
+        os._exit(1)
+
+
+def _child(name: str, ctx: Ctx, limit_s: float, result: Path, log: Path, parent: int) -> NoReturn:
+    """The forked child: its output into ``log``, every thread's stack dumped there at ``limit_s``
+    (so a hang says where), the check's result into ``result``; it never returns to the parent's code."""
+    code = 1
+    try:
+        os.setpgid(0, 0)  # its own process group: a kill at the limit takes its compile workers too
+        _die_with(parent)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        faulthandler.dump_traceback_later(limit_s, exit=False)
+        start_s = start_device(ctx)
+        res = {**run_in_process(name, ctx), "start_s": round(start_s, 2)}
+        part = result.with_suffix(".part")
+        part.write_text(json.dumps(res, default=str))
+        part.replace(result)
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def run_forked(name: str, ctx: Ctx, limit_s: float) -> dict:
+    """The check in a child forked from this warmed process, killed at ``limit_s`` (a sticky CUDA error
+    or a hang stays inside it). A check that did not pass carries the tail of the child's output."""
+    result, log = ctx.tmp / f"{name}.result.json", ctx.tmp / f"{name}.log"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    t0, parent = time.perf_counter(), os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        _child(name, ctx, limit_s, result, log, parent)
+    with contextlib.suppress(OSError):
+        os.setpgid(pid, pid)  # (also here: the parent may kill before the child ran its own setpgid)
+    deadline = t0 + limit_s + KILL_GRACE_S
+    status = None
+    while status is None:
+        done, wait_status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status = wait_status
+        elif time.perf_counter() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return {"status": "timeout", "seconds": round(time.perf_counter() - t0, 2),
+                    "limit_s": round(limit_s, 1), "log_tail": _tail(log)}
+        else:
+            time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)  # whatever the check left running
+    if not result.exists():
+        how = f"signal {-os.waitstatus_to_exitcode(status)}" if os.WIFSIGNALED(status) else \
+            f"exit {os.waitstatus_to_exitcode(status)}"
         return {"status": "error", "seconds": round(time.perf_counter() - t0, 2),
-                "error": f"child exited {proc.returncode}", "stderr": proc.stderr[-2000:]}
+                "error": f"the child ended ({how}) before reporting", "log_tail": _tail(log)}
+    res = json.loads(result.read_text())
+    if res["status"] not in ("pass", "skip"):
+        res["log_tail"] = _tail(log)
+    return res
+
+
+class Lines:
+    """The run's report as JSON lines, each written and flushed when it happens: the run's settings,
+    each check as it begins and as it ends, the end. A run stopped at its limit leaves every finished
+    check on disk; ``summarize`` derives the report from these lines, whole or cut short."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.lines: list[dict] = []
+        self._file = path.open("w") if path else None
+
+    def write(self, kind: str, **fields) -> None:
+        line = {"kind": kind, **fields}
+        self.lines.append(line)
+        if self._file is not None:
+            self._file.write(json.dumps(line, default=str) + "\n")
+            self._file.flush()
+
+    def close(self) -> list[dict]:
+        """The lines as written (read back from the file, when there is one)."""
+        if self._file is None:
+            return self.lines
+        self._file.close()
+        return read_lines(self.path)
+
+
+def read_lines(path: Path) -> list[dict]:
+    """A run's JSON lines; a last line cut mid-write (the run killed while writing it) is left out."""
+    lines = []
+    for raw in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(raw))
+        except json.JSONDecodeError:
+            continue
+    return lines
+
+
+def summarize(lines: list[dict]) -> dict:
+    """The report from a run's JSON lines: every check's result; a check begun and never finished is
+    "cut", a planned one never begun is in ``not_run``; ``rerun`` is the --only that repeats the rest."""
+    head = next((line for line in lines if line.get("kind") == "run"), {})
+    end = next((line for line in lines if line.get("kind") == "end"), None)
+    checks: dict[str, dict] = {}
+    for line in lines:
+        if line.get("kind") == "begin":
+            checks[line["name"]] = {"status": "cut", "seconds": None, "limit_s": line.get("limit_s"),
+                                    "reason": "the run ended while this check ran"}
+        elif line.get("kind") == "check":
+            checks[line["name"]] = {k: v for k, v in line.items() if k not in ("kind", "name")}
+    not_run = [name for name in head.get("checks", []) if name not in checks]
+    counts: dict[str, int] = {}
+    for r in checks.values():
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    again = [name for name, r in checks.items() if r["status"] not in ("pass", "skip")] + not_run
+    return {**{k: head.get(k) for k in ("device", "torch", "mode", "python", "transformers", "warmup_s")},
+            "checks": checks, "not_run": not_run, "counts": counts, "finished": end is not None,
+            "wall_s": end["wall_s"] if end else None, "rerun": "--only " + ",".join(again) if again else None,
+            "ok": end is not None and not again}
+
+
+def gpu_name() -> str:
+    """GPU 0's name from NVML: asking torch would initialise CUDA in the parent, before its forks."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        finally:
+            pynvml.nvmlShutdown()
+        return name.decode() if isinstance(name, bytes) else name
+    except Exception:  # noqa: BLE001 - the name is for the report only
+        return "cuda:0"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", metavar="OUT", help="write the report here")
+    ap.add_argument("--json", metavar="PATH", help="write the report here at the end (from --jsonl's lines)")
+    ap.add_argument("--jsonl", metavar="PATH", help="write each check's result here as it finishes (flushed)")
+    ap.add_argument("--summarize", metavar="JSONL",
+                    help="print the report of a run's JSON lines (also a cut-short run's) and exit")
     ap.add_argument("--cpu-smoke", action="store_true", help="run what can run on CPU at tiny shapes")
     ap.add_argument("--only", help="comma-separated checks (default: all): " + ", ".join(CHECKS))
     ap.add_argument("--in-process", action="store_true", help="run checks in this process (default on CPU)")
-    ap.add_argument("--isolate", action="store_true", help="one child process per check (default on CUDA)")
+    ap.add_argument("--isolate", action="store_true", help="one forked child per check (default on CUDA)")
     ap.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="seconds for the whole run")
     ap.add_argument("--plan", action="store_true", help="print the checks with their budgets as JSON and exit")
     ap.add_argument("--cache-dir", help="Inductor cache shared by the checks (default: a fresh one for this run)")
@@ -995,42 +1188,58 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         print(json.dumps(plan()))
         return 0
+    if args.summarize:
+        summary = summarize(read_lines(Path(args.summarize)))
+        print(json.dumps(summary, indent=2))
+        return 0 if summary["ok"] else 1
     names = [n.strip() for n in args.only.split(",")] if args.only else list(CHECKS)
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
         print(f"gpu_check: unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECKS)}", file=sys.stderr)
         return 2
-    import torch
-
-    if not args.cpu_smoke and not torch.cuda.is_available():
-        print("gpu_check: skipped: no CUDA device here (run it on the GPU box; --cpu-smoke checks the script)")
-        return 0
-    device = "cpu" if args.cpu_smoke else "cuda:0"
-    isolate = not args.in_process and (args.isolate or not args.cpu_smoke)
-    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
     start = time.monotonic()
-    report: dict = {"device": torch.cuda.get_device_name(0) if device != "cpu" else "cpu", "torch": torch.__version__,
-                    "mode": "cpu-smoke" if args.cpu_smoke else "cuda", "checks": {}}
     with tempfile.TemporaryDirectory(prefix="gpu-check-runs-") as tmp:
-        ctx = Ctx(device=device, smoke=args.cpu_smoke, tmp=Path(tmp))
         share_inductor_cache(Path(args.cache_dir) if args.cache_dir else Path(tmp) / "inductor")
+        # torch.cuda.is_available() through NVML: the runtime's answer would initialise CUDA in this
+        # process, and the children forked after it could not use the GPU
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        import torch
+        import transformers
+
+        if not args.cpu_smoke and not torch.cuda.is_available():
+            print("gpu_check: skipped: no CUDA device here (run it on the GPU box; --cpu-smoke checks the "
+                  "script)")
+            return 0
+        device = "cpu" if args.cpu_smoke else "cuda:0"
+        isolate = not args.in_process and (args.isolate or not args.cpu_smoke)
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+        warm = warm_up() if isolate else {}
+        lines = Lines(Path(args.jsonl) if args.jsonl else None)
+        lines.write("run", device=gpu_name() if device != "cpu" else "cpu", torch=torch.__version__,
+                    transformers=transformers.__version__, python=sys.version.split()[0],
+                    mode="cpu-smoke" if args.cpu_smoke else "cuda", isolate=isolate, budget_s=args.budget,
+                    checks=names, threads_at_fork=threading.active_count() if isolate else None, **warm)
+        ctx = Ctx(device=device, smoke=args.cpu_smoke, tmp=Path(tmp))
         for name in names:
             left = args.budget - (time.monotonic() - start)
             if left < 5:
-                report["checks"][name] = {"status": "timeout", "seconds": 0.0, "reason": "total budget spent"}
+                lines.write("check", name=name, status="timeout", seconds=0.0, reason="total budget spent")
                 continue
-            budget = min(CHECKS[name][1] * (SMOKE_SLACK if args.cpu_smoke else 1), left)
-            res = run_isolated(name, args.cpu_smoke, budget) if isolate else run_in_process(name, ctx)
-            report["checks"][name] = res
-            if not (args.in_process and args.json and len(names) == 1):  # (a child: the parent prints)
-                print(f"{name:<17} {res['status']:<7} {res['seconds']:>7.1f}s  "
-                      + json.dumps({k: v for k, v in res.items() if k not in ("status", "seconds", "traceback")})[:300],
-                      flush=True)
-    report["wall_s"] = round(time.monotonic() - start, 1)
-    report["ok"] = all(r["status"] in ("pass", "skip") for r in report["checks"].values())
+            limit = min(CHECKS[name][1] * (SMOKE_SLACK if args.cpu_smoke else 1) + START_ALLOWANCE_S, left)
+            lines.write("begin", name=name, limit_s=round(limit, 1))
+            res = run_forked(name, ctx, limit) if isolate else run_in_process(name, ctx)
+            lines.write("check", name=name, **res)
+            shown = {k: v for k, v in res.items() if k not in ("status", "seconds", "traceback", "log_tail")}
+            line = f"{name:<17} {res['status']:<7} {res['seconds']:>7.1f}s  "
+            print(line + json.dumps(shown, default=str)[:300], flush=True)
+        lines.write("end", wall_s=round(time.monotonic() - start, 1))
+    summary = summarize(lines.close())
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if report["ok"] else 1
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    counts = ", ".join(f"{n} {status}" for status, n in summary["counts"].items())
+    again = f"; again: {summary['rerun']}" if summary["rerun"] else ""
+    print(f"gpu_check: {counts} in {summary['wall_s']:.0f} s{again}")
+    return 0 if summary["ok"] else 1
 
 
 if __name__ == "__main__":

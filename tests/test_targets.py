@@ -161,3 +161,28 @@ def test_a_target_that_cannot_decode_refuses_in_training_evaluation_unless_eval_
     assert "\n" not in str(e.value)
     # An in-process target is its own verifier.
     assert build(cfg, Dist(), hf, samples=samples, log=lines.append).verifier is hf
+
+
+def test_the_last_tap_is_the_last_layers_own_output_where_transformers_ties_it_to_the_final_norm() -> None:
+    """transformers 5.17 (the lent GPU machine's) puts the final-normed states last whatever the config
+    says, and the target's load-time probe puts the last layer's own output back; a transformers that
+    honours the flag ties again when it is switched back on, and the probe must notice that too."""
+    target = load_target("tiny")
+    last = target.num_layers - 1
+    target._decoder.config.tie_last_hidden_states = True
+    ids = torch.tensor([[4, 5, 6, 7, 8, 9]])
+    layer_out: dict = {}
+    hook = target._decoder.layers[last].register_forward_hook(
+        lambda m, a, o: layer_out.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    try:
+        tied = target._decoder(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states[-1]
+        if not torch.equal(tied, layer_out["h"]):  # (else the flag is ignored and the load already untied it)
+            assert not torch.allclose(tied, layer_out["h"])  # the normed states: what a tap must not be
+            target._untie_last_hidden_state()
+        untied = target._decoder(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states[-1]
+        torch.testing.assert_close(untied, layer_out["h"], rtol=0, atol=0)
+        # the whole model too (the verifier's and eval's path)
+        whole = target.model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        torch.testing.assert_close(whole, layer_out["h"], rtol=0, atol=0)
+    finally:
+        hook.remove()

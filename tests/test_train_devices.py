@@ -174,9 +174,20 @@ def test_an_older_torch_is_refused_at_start_in_one_line(monkeypatch, tmp_path, c
     cfg = updated(TrainConfig(), run_dir=str(tmp_path / "run"), max_steps=1)
     assert train(cfg) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("dflash train: error: torch 2.4.1+cu121 is too old: dflash trains with torch>=2.13,<2.14 "
-                   "(pip install 'torch>=2.13,<2.14')")
+    assert err == ("dflash train: error: torch 2.4.1+cu121 is too old: dflash trains with torch>=2.11,<2.14 "
+                   "(pip install 'torch>=2.11,<2.14')")
     assert not (tmp_path / "run").exists()  # nothing started, nothing left behind
+
+
+def test_the_lent_gpu_machines_torch_is_accepted_and_the_release_before_it_refused() -> None:
+    """The GPU machine's vendor build (2.11.0+cu130) trains; 2.10 has never run the suite."""
+    from dflash.train.config import ConfigError
+    from dflash.train.versions import check_torch
+
+    for accepted in ("2.11.0+cu130", "2.11.1", "2.13.0+cpu", "2.14.0.dev20261101"):
+        check_torch(accepted)
+    with pytest.raises(ConfigError, match=r"torch 2\.10\.1 is too old"):
+        check_torch("2.10.1")
 
 
 def test_the_checkpoint_writer_binds_the_trainers_gpu(monkeypatch, tmp_path) -> None:

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.targets.hf import cache_kwarg
+
 ROLLBACKS = ("record", "mixers", "rerun", "reprefill")
 
 
@@ -200,7 +202,8 @@ class CachedVerifier:
                 layer.crop(-(block.shape[0] if i in self.mixers else drop))
             self._restore()
             for i, mixer in self.mixers.items():
-                mixer(hidden_states=self._mixer_inputs[i][:, :n], cache=self.cache, attention_mask=None)
+                mixer(hidden_states=self._mixer_inputs[i][:, :n], attention_mask=None,
+                      **{cache_kwarg(mixer): self.cache})
             self._mixer_inputs = {}
             self._crop(0)
         else:  # reprefill

@@ -11,6 +11,7 @@ import copy
 import importlib.util
 import inspect
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -62,6 +63,13 @@ def slow_kernel_note(config) -> str | None:
     return None
 
 
+def cache_kwarg(module: nn.Module) -> str:
+    """The name ``module``'s forward takes the cache by: transformers 5 renamed ``past_key_values``
+    (models) and ``cache_params`` (Gated DeltaNet mixers, through 5.17 at least) to ``cache``."""
+    params = inspect.signature(module.forward).parameters
+    return next((name for name in ("cache", "cache_params") if name in params), "past_key_values")
+
+
 class HFTarget(Target):
     """A frozen transformers causal LM run in-process: it computes hidden states and, being the whole
     model, is its own verifier. Build with ``load_hf_target``."""
@@ -75,9 +83,8 @@ class HFTarget(Target):
         # transformers 5 puts the *final-normed* states last in output_hidden_states; a tap is every
         # layer's own output, the last one included (its input to the final norm), in every family.
         self._decoder.config.tie_last_hidden_states = False
-        # transformers 5 renamed the cache argument `past_key_values` -> `cache`.
-        params = inspect.signature(model.forward).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._untie_last_hidden_state()
+        self.cache_kwarg = cache_kwarg(model)
         self._causal_only = self._probe_causal_only()
 
     @property
@@ -143,6 +150,38 @@ class HFTarget(Target):
                             use_cache=False)
         taps = self.taps(out.hidden_states)
         return torch.cat([taps, out.last_hidden_state], dim=-1) if final else taps
+
+    @torch.no_grad()
+    def _untie_last_hidden_state(self) -> None:
+        """Where transformers ignores ``tie_last_hidden_states`` (5.17 does: the lent GPU machine's), put
+        the last layer's own output (the final norm's input) back in place of the normed states, for
+        every reader of ``output_hidden_states`` (taps, verifier, eval): the final norm's pre-hook keeps
+        its input for this thread, the decoder's hook swaps it in. A 4-token forward at load tells."""
+        norm = getattr(self._decoder, "norm", None)
+        if not isinstance(norm, nn.Module):
+            return
+        kept = threading.local()  # (one target serves several threads: target workers, eval)
+
+        def keep_input(module: nn.Module, args: tuple) -> None:
+            kept.pre_norm = args[0] if args else None
+
+        def put_back(module: nn.Module, args: tuple, output):  # noqa: ANN202 - the model's own output type
+            pre_norm, kept.pre_norm = getattr(kept, "pre_norm", None), None
+            states = getattr(output, "hidden_states", None)
+            if pre_norm is not None and states:
+                output["hidden_states"] = (*states[:-1], pre_norm)
+
+        probe = norm.register_forward_pre_hook(keep_input)
+        try:
+            ids = torch.arange(4, device=self.device)[None] % self.vocab_size
+            states = self._decoder(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        finally:
+            probe.remove()
+        pre_norm = getattr(kept, "pre_norm", None)
+        if pre_norm is None or torch.equal(states[-1], pre_norm):
+            return  # honoured (or no final norm seen): nothing to put back
+        norm.register_forward_pre_hook(keep_input)
+        self._decoder.register_forward_hook(put_back)
 
     @torch.no_grad()
     def _probe_causal_only(self) -> dict[str, None] | None:
