@@ -33,8 +33,13 @@ from dflash.telemetry.wire.protocol import Bottleneck, CategoryStats
 from dflash.telemetry.wire.table import busy_share
 from dflash.telemetry.wire.vocab import (
     DRAFTER_BUSY,
+    GIL_BOUND_MAX_CPU,
+    GIL_BOUND_MIN_CPU,
     HOLD_WINDOWS,
     MIN_TRACKED,
+    STARVED_IDLE_CORES,
+    STARVED_OTHERS_CORES,
+    STARVED_RATIO,
     TARGET_BUSY,
     THRESHOLD,
     Role,
@@ -44,19 +49,6 @@ from dflash.telemetry.wire.vocab import (
 #: GIL contention (share of a probe thread's time spent waiting for the GIL, dflash/telemetry/gil.py)
 #: from which the interpreter lock, not compute, limits the stage that bounds throughput
 GIL_BOUND = 0.5
-#: ... provided the process runs on no more than this many cores (CPU percent): threads limited by the
-#: GIL run one at a time, so a process using more is computing in parallel, whatever the probe says
-#: (a sleep probe on an oversubscribed machine also counts waiting for a core)
-GIL_BOUND_MAX_CPU = 150.0
-#: ... and on at least this much of one: one thread holds the GIL and runs, so a process far below one
-#: core while its threads "wait" was waiting for a CPU, not for the lock (the probe cannot tell them apart)
-GIL_BOUND_MIN_CPU = 70.0
-#: workers that ran on a CPU less than this fraction of the time they were busy were kept off the cores
-STARVED_RATIO = 0.5
-#: ... while busy at least THRESHOLD of their time (workers that mostly wait are not limited by a CPU) ...
-#: ... by other processes using at least this many cores, with fewer than this many left idle
-STARVED_OTHERS_CORES = 0.5
-STARVED_IDLE_CORES = 0.5
 
 
 @dataclass(frozen=True)

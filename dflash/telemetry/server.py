@@ -29,7 +29,6 @@ from dflash.telemetry.peers import MAX_REQUEST_BYTES, Client, Peers
 from dflash.telemetry.recorder import Recorder
 from dflash.telemetry.stats import ProfileStats
 from dflash.telemetry.summary import Summary, to_snapshot
-from dflash.telemetry.system import SystemSampler
 from dflash.telemetry.wire.protocol import (
     PROTO,
     Bye,
@@ -52,6 +51,7 @@ from dflash.telemetry.wire.sockets import (
     probe,
     socket_filename,
 )
+from dflash.telemetry.wire.system import SystemSampler
 from dflash.telemetry.wire.vocab import PUBLISHER_THREAD
 
 log = logging.getLogger("dflash.telemetry")

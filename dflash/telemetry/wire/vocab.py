@@ -19,6 +19,10 @@ CATEGORIES = ("batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put
 #: a hidden-states cache's: read in place of target_forward (cache_read), waited for when following a
 #: directory still being written (cache_wait), written by `dflash data cache` (cache_write)
 CACHE_CATEGORIES = ("cache_wait", "cache_read", "cache_write")
+#: what only a sampled view (`dflash-top --pid`, stacks read from outside) tells apart: a thread in a
+#: collective (torch.distributed, waiting for the other ranks), one waiting for the device on the host
+#: (a stream/event synchronize, `.item()`: seen with native frames), one with nothing to do
+SAMPLED_CATEGORIES = ("collective_wait", "host_sync", "idle_wait")
 #: categories that are not training: time spent in them pauses the pipeline
 PAUSE_CATEGORIES = ("eval",)
 #: a category named with one of these waits (on a queue, for a file not yet written): time a worker is
@@ -69,6 +73,19 @@ THRESHOLD = 0.20
 MIN_TRACKED = 0.05
 #: the published verdict judges this many seconds of recent windows merged, not one window
 VERDICT_SPAN_S = 10.0
+#: a GIL-bound verdict needs the process to run on no more than this many cores (CPU percent): threads
+#: limited by the GIL run one at a time, so a process using more is computing in parallel, whatever the
+#: probe says (a sleep probe on an oversubscribed machine also counts waiting for a core)
+GIL_BOUND_MAX_CPU = 150.0
+#: ... and on at least this much of one: one thread holds the GIL and runs, so a process far below one
+#: core while its threads "wait" was waiting for a CPU, not for the lock (the probe cannot tell them apart)
+GIL_BOUND_MIN_CPU = 70.0
+#: workers that ran on a CPU less than this fraction of the time they were busy were kept off the cores
+STARVED_RATIO = 0.5
+#: ... while busy at least THRESHOLD of their time (workers that mostly wait are not limited by a CPU) ...
+#: ... by other processes using at least this many cores, with fewer than this many left idle
+STARVED_OTHERS_CORES = 0.5
+STARVED_IDLE_CORES = 0.5
 #: a new verdict shows once it has won this many judgements (one per window) in a row
 HOLD_WINDOWS = 3
 
@@ -101,7 +118,8 @@ CPU_STARVED = Verdict("CPU-starved", "the workers are busy far longer than they 
                       "machine, not the pipeline, limits throughput.")
 INPUT_BOUND = Verdict("input-bound", f"the hidden-states reader waits >= {_T} for files not yet written "
                       "(cache_wait, --follow), at least as much as it blocks on puts: the engine or `dflash data "
-                      "cache` writing the cache limits throughput (waiting for hidden states).")
+                      "cache` writing the cache limits throughput (waiting for hidden states). Sampled "
+                      f"(dflash-top --pid): the training thread waits >= {_T} of its samples on its data loader.")
 BALANCED = Verdict("balanced", f"no stage waits {_T} or more of its time.")
 UNKNOWN = Verdict("unknown", f"less than {_M} timed work per pipeline worker (start-up, a pause) or no "
                   "pipeline workers.")
