@@ -236,8 +236,10 @@ def run_once(target: str | None, as_json: bool, timeout: float = 10.0, out: Text
     return summarize_source(open_source(path, speed=math.inf), str(path), as_json, timeout, out)
 
 
-def summarize_source(source: FrameSource, label: str, as_json: bool, timeout: float, out: TextIO = sys.stdout) -> int:
-    """Read `source` as `--once` does and print its summary: 0 on a summary, 1 without one."""
+def summarize_source(source: FrameSource, label: str, as_json: bool, timeout: float, out: TextIO | None = None) -> int:
+    """Read `source` as `--once` does and print its summary (to `out`, default stdout): 0 on a summary, 1
+    without one."""
+    out = out if out is not None else sys.stdout
     state = collect(source, timeout)
     if state.connection in (Connection.INCOMPATIBLE, Connection.UNTRUSTED):
         print(f"dflash-top: {state.connection_detail}", file=sys.stderr)

@@ -47,7 +47,9 @@ def command_line(proc: psutil.Process, width: int = 80) -> str:
         return "?"
     if not argv:
         return proc.name() if proc.is_running() else "?"
-    text = " ".join([Path(argv[0]).name, *(shlex.quote(a) if " " in a else a for a in argv[1:])])
+    # an argument on several lines (`python -c '...'`) is folded onto one
+    args = [" ".join(a.split()) for a in argv[1:]]
+    text = " ".join([Path(argv[0]).name, *(shlex.quote(a) if " " in a else a for a in args)])
     return text if len(text) <= width else text[: width - 1] + "…"
 
 

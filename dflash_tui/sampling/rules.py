@@ -91,6 +91,7 @@ RULES: tuple[Rule, ...] = (
     Rule("pack_hidden", function=r"TargetStage\.__call__", file=_STAGES),
     # --- any trainer: its data, forward, backward, optimizer -----------------------------------------
     Rule("batch_build", function=r"BatchSource\.__call__", file=_STAGES, why="dflash's batch producer"),
+    Rule("batch_build", function=r"_pin_memory_loop", file=r"torch/utils/data/", why="a DataLoader's pinning thread"),
     Rule("batch_queue_wait", file=r"torch/utils/data/", why="a torch DataLoader: waiting for (or building) a batch"),
     Rule("drafter_backward", function=r"backward|_engine_run_backward|Tensor\.backward",
          file=r"torch/autograd/|torch/_tensor\.py", why="loss.backward()"),

@@ -23,6 +23,7 @@ from dflash.telemetry.wire.protocol import (
     Snapshot,
     SystemSample,
 )
+from dflash.telemetry.wire.system import SystemSampler
 from dflash.telemetry.wire.table import clock
 from dflash.telemetry.wire.vocab import TELEMETRY_THREADS, VERDICT_SPAN_S
 from dflash_tui.sampling.samples import ThreadSamples, Window
@@ -47,8 +48,10 @@ class SampledSession:
     """The frames of one sampled process, window by window."""
 
     def __init__(self, pid: int, *, command: str, started: float, rate_hz: float, window_s: float,
-                 native: bool = False, host: str | None = None) -> None:
+                 native: bool = False, host: str | None = None, system: SystemSampler | None = None) -> None:
+        """`system`: the process's CPU and GPU sampler, read once per window (None: no system samples)."""
         self.pid, self.command, self.started = pid, command, started
+        self.system = system
         self.rate_hz, self.window_s, self.native = rate_hz, window_s, native
         self.host = host or socket.gethostname()
         self._labels: dict[tuple[int | None, str], str | None] = {}
@@ -95,9 +98,8 @@ class SampledSession:
                 self._labels[key] = label if label not in taken else f"{label}-{t.tid}"
         return self._labels[key]
 
-    def add(self, window: Window, system: SystemSample | None, t: float | None = None,
-            sampler_cpu: float | None = None) -> Snapshot:
-        """The snapshot of one more window."""
+    def add(self, window: Window, t: float | None = None, sampler_cpu: float | None = None) -> Snapshot:
+        """The snapshot of one more window (with the system sample taken now, its threads named)."""
         t = time.time() if t is None else t
         tallies: dict[str, Tally] = {}
         for th in window.threads:
@@ -113,6 +115,7 @@ class SampledSession:
             tail = next((i for i, c in enumerate(reversed(cats)) if c != cats[-1]), len(cats))
             # a window spent wholly in the stage its predecessor ended in continues that run
             self._open[label] = (cats[-1], run + tail if tail == len(cats) and last == cats[-1] else tail)
+        system = self.system.sample(self.thread_names) if self.system is not None else None
         self.samples += window.samples
         this = _Judged(t, tallies, system, window.gil_held, window.samples)
         self._recent.append(this)

@@ -50,9 +50,10 @@ TARGET = ("target_forward", "cache_read", "pack_hidden", "cache_wait")
 
 
 def role_of(t: Tally) -> Role | None:
-    """What a sampled thread does, from where its samples fall (the role with the most samples)."""
-    by_role = {Role.DRAFTER: sum(t.counts[c] for c in TRAINING), Role.TARGET: sum(t.counts[c] for c in TARGET),
-               Role.DATA: sum(t.counts[c] for c in DATA)}
+    """What a sampled thread does, from where its samples fall (the role with the most samples). A thread
+    waiting on a data loader is the loop that consumes it: the training thread, when nothing says more."""
+    by_role = {Role.DRAFTER: sum(t.counts[c] for c in (*TRAINING, "batch_queue_wait")),
+               Role.TARGET: sum(t.counts[c] for c in TARGET), Role.DATA: sum(t.counts[c] for c in DATA)}
     role, n = max(by_role.items(), key=lambda kv: kv[1])
     return role if n > 0 else None
 
@@ -83,9 +84,9 @@ def judge(o: Observed) -> Bottleneck:
         return Bottleneck(verdict=v.name, reason=reason, evidence=evidence, scope=o.scope)
 
     if not training:
-        return verdict(vocab.UNKNOWN, "cannot judge: no thread ran a forward, backward or optimizer step in these "
-                       "samples (no training thread)")
-    main = max(training, key=lambda w: sum(o.tallies[w].counts[c] for c in TRAINING))
+        return verdict(vocab.UNKNOWN, "cannot judge: no thread ran a forward, backward or optimizer step, or waited "
+                       "on a data loader, in these samples (no training thread)")
+    main = max(training, key=lambda w: sum(o.tallies[w].counts[c] for c in (*TRAINING, "batch_queue_wait")))
     t = o.tallies[main]
     stats = t.stats(o.interval_s)
     busy = busy_share(stats)

@@ -119,12 +119,12 @@ class SampledSource:
             return f"no process {self.pid} on this machine (or not ours to see)"
         if self.exe is None:
             return "py-spy is not installed: pip install py-spy (it ships with dflash-trainer's test extra)"
-        session = SampledSession(self.pid, command=proc.command, started=proc.started, rate_hz=self.rate_hz,
-                                 window_s=self.window_s, native=self.native)
         try:
             system = SystemSampler(self.pid)
         except Exception as e:  # noqa: BLE001 - psutil's NoSuchProcess, AccessDenied: the process is gone or not ours
             return f"cannot read pid {self.pid}: {e}"
+        session = SampledSession(self.pid, command=proc.command, started=proc.started, rate_hz=self.rate_hz,
+                                 window_s=self.window_s, native=self.native, system=system)
         mode = "--native (stops the process at each sample)" if self.native else "--nonblocking"
         send(SourceUpdate(frames=[session.hello()], state=Connection.SAMPLING,
                           detail=f"sampling pid {self.pid} ({proc.command}) with py-spy {mode} at {self.rate_hz} Hz"))
@@ -144,7 +144,7 @@ class SampledSource:
                 if isinstance(window, str):
                     return window
                 cost = _child_cpu_since(used) / max(1e-6, time.monotonic() - t0) * 100
-                snap = session.add(window, system.sample(session.thread_names), sampler_cpu=cost)
+                snap = session.add(window, sampler_cpu=cost)
                 self.windows += 1
                 self.connected = True
                 frames: list[Frame] = []

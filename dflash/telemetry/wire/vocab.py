@@ -118,8 +118,7 @@ CPU_STARVED = Verdict("CPU-starved", "the workers are busy far longer than they 
                       "machine, not the pipeline, limits throughput.")
 INPUT_BOUND = Verdict("input-bound", f"the hidden-states reader waits >= {_T} for files not yet written "
                       "(cache_wait, --follow), at least as much as it blocks on puts: the engine or `dflash data "
-                      "cache` writing the cache limits throughput (waiting for hidden states). Sampled "
-                      f"(dflash-top --pid): the training thread waits >= {_T} of its samples on its data loader.")
+                      "cache` writing the cache limits throughput (waiting for hidden states).")
 BALANCED = Verdict("balanced", f"no stage waits {_T} or more of its time.")
 UNKNOWN = Verdict("unknown", f"less than {_M} timed work per pipeline worker (start-up, a pause) or no "
                   "pipeline workers.")
