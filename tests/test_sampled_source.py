@@ -18,15 +18,18 @@ from pathlib import Path
 import pytest
 from conftest import screen_text, wait_until
 from test_tui_live import until
+from textual.widgets import OptionList
 
 from dflash.telemetry.wire import vocab
 from dflash.telemetry.wire.protocol import Snapshot
 from dflash_tui import cli
 from dflash_tui.app import DFlashTop
 from dflash_tui.headless import summarize_source
-from dflash_tui.pyspy import StackReport, find_pyspy
+from dflash_tui.jobs import RecordSettings, take_record
+from dflash_tui.pyspy import RecordReport, StackReport, find_pyspy
 from dflash_tui.sampling.processes import torch_processes
 from dflash_tui.sources import Connection, ReplaySource, SampledSource, SourceUpdate
+from dflash_tui.widgets.picker import ChoiceScreen
 from dflash_tui.widgets.stacks import StacksScreen
 
 pytestmark = pytest.mark.skipif(find_pyspy() is None, reason="py-spy is not installed")
@@ -135,3 +138,24 @@ async def test_dashboard_marks_sampled_figures_and_s_dumps_the_process(trainer: 
         assert report.pid == trainer.pid and any(t.name == "MainThread" for t in report.threads)
         assert "hot-thread snapshot (py-spy" in screen_text(app)
 
+
+
+async def test_with_no_trainer_the_picker_offers_torch_processes(trainer: subprocess.Popen, tmp_path: Path) -> None:
+    app = DFlashTop(None, socket_directory=tmp_path / "no-sockets")
+    async with app.run_test(size=(120, 30)) as pilot:
+        title = "no dflash trainer answers: sample a Python process using torch"
+        await until(pilot, lambda: isinstance(app.screen, ChoiceScreen) and title in screen_text(app),
+                    "the process picker", timeout=30)
+        options = app.screen.query_one(OptionList)
+        options.highlighted = [pid for _, pid in app.screen.choices].index(trainer.pid)  # scrolled into view
+        await until(pilot, lambda: str(trainer.pid) in screen_text(app), "our trainer in the list")
+        await pilot.press("enter")
+        await until(pilot, lambda: "SAMPLED  py-spy" in screen_text(app), "the sampled dashboard", timeout=60)
+        assert app.source is not None and app.source.watched is not None and app.source.watched.pid == trainer.pid
+
+
+def test_r_records_a_watched_process_without_a_trainer_to_ask(trainer: subprocess.Popen) -> None:
+    report = take_record(None, trainer.pid, RecordSettings(seconds=1, gil=False, native=False), exe=find_pyspy(),
+                         run_dir=None, request_timeout=1)
+    assert isinstance(report, RecordReport), getattr(report, "reason", report)
+    assert report.samples > 0 and any("MainThread" in name for name in report.threads), report.threads
