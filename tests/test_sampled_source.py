@@ -128,7 +128,7 @@ async def test_dashboard_marks_sampled_figures_and_s_dumps_the_process(trainer: 
                     "the sampled bars and verdict", timeout=90)
         screen = screen_text(app)
         assert "SAMPLING" in screen and "SAMPLED  py-spy --nonblocking 100 Hz" in screen
-        assert "samples/thread ±" in screen and "never paused" in screen
+        assert "samples/thread ±" in screen and "never pauses it" in screen
         assert "sampled: share of" in screen and "MainThread" in screen
         await pilot.press("s")
         await until(pilot, lambda: isinstance(app.screen, StacksScreen), "the stacks screen", timeout=60)

@@ -50,17 +50,17 @@ def header_text(state: RunState, width: int = 200) -> Text:
 
 
 def sampling_text(sm: Sampling, width: int = 200) -> Text:
-    """`SAMPLED py-spy --nonblocking 100 Hz  200 samples/thread ±6.9%  py-spy 4% of a core; never paused`:
+    """`SAMPLED py-spy --nonblocking 100 Hz  200 samples/thread ±6.9%  py-spy 4% of a core, never pauses it`:
     the figures are samples, how many, how sure, and what taking them costs the process."""
     t = Text()
     t.append(" SAMPLED ", style="bold white on magenta").append(f" {sm.tool} {sm.rate_hz:g} Hz", style="bold")
     t.append(f"  {sm.samples:,} samples/thread ±{sm.margin:.1%}", style="bold")
-    if sm.total_samples > sm.samples:
-        t.append(f" ({sm.total_samples:,} in all ±{sm.total_margin:.1%})", style="dim")
+    if sm.total_samples > sm.samples and width >= 140:  # the whole sampling's count: where there is room
+        t.append(f" ({sm.total_samples:,} ±{sm.total_margin:.1%})", style="dim")
     if sm.sampler_cpu_percent is not None:
         t.append(f"  py-spy {sm.sampler_cpu_percent:.0f}% of a core", style="dim")
-    t.append("; stops the process at each sample" if sm.native else "; the process is never paused (--native "
-             "pauses it)", style="bold yellow" if sm.native else "dim")
+    t.append(", pauses the process at each sample" if sm.native else ", never pauses it (--native would)",
+             style="bold yellow" if sm.native else "dim")
     return t
 
 
