@@ -23,7 +23,6 @@ import os
 import queue
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,8 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil  # noqa: E402
 from _bench import ForeignLoad, bench_args, print_report  # noqa: E402
+from record_stacks import snapshots as frames_of  # noqa: E402
+from record_stacks import stop  # noqa: E402
 
-from dflash.telemetry.wire.protocol import Snapshot, decode  # noqa: E402
+from dflash.telemetry.wire.protocol import Snapshot  # noqa: E402
 from dflash_tui.sampling.agreement import compare, measured_shares, worst_gap  # noqa: E402
 from dflash_tui.sources import Connection, SampledSource, SourceUpdate  # noqa: E402
 
@@ -45,15 +46,7 @@ OPTIONS = {"phase-s": (30.0, "seconds of each phase"), "rounds": (2, "rounds of 
 
 
 def snapshots(path: Path) -> list[Snapshot]:
-    out = []
-    for line in path.read_bytes().splitlines() if path.exists() else []:
-        try:
-            f = decode(line)
-        except ValueError:
-            continue
-        if isinstance(f, Snapshot):
-            out.append(f)
-    return out
+    return [f for f in frames_of(path) if isinstance(f, Snapshot)]
 
 
 def steps_per_s(snaps: list[Snapshot], t0: float, t1: float) -> float | None:
@@ -127,9 +120,7 @@ def main() -> None:
             while not any(s.t > end + 1 for s in snapshots(telemetry)) and proc.poll() is None:
                 time.sleep(0.5)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+        stop(proc)
     snaps = snapshots(telemetry)
     def rate(kind: str) -> float | None:
         rates = [r for a, b in phases[kind] if (r := steps_per_s(snaps, a, b)) is not None]

@@ -65,6 +65,7 @@ def record(pid: int, seconds: int, rate: int, out: Path) -> tuple[float, float]:
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """A trainer asked to stop as a user would (SIGTERM: it checkpoints and exits), killed if it will not."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -75,6 +76,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def snapshots(path: Path) -> list:
+    """The frames of a recording still being written (a line cut short is skipped)."""
     frames = []
     if path.exists():
         for line in path.read_bytes().splitlines():

@@ -27,7 +27,8 @@ class Row:
 
 def measured_shares(frames: Iterable[Frame], t0: float, t1: float) -> Shares:
     """Each worker's share of wall time per category over the trainer's snapshot windows that lie in
-    [t0, t1]: the spans' total time over the windows' length."""
+    [t0, t1]: the spans' total time over the windows' length. A span is booked in the window it ends in,
+    so over a few seconds a long span can push a share past 1; over tens of seconds the edges wash out."""
     totals: dict[str, dict[str, float]] = {}
     wall: dict[str, float] = {}
     for f in frames:
