@@ -9,6 +9,7 @@ attach; without py-spy the tests are skipped, not faked.
 from __future__ import annotations
 
 import io
+import json
 import queue
 import subprocess
 import sys
@@ -136,7 +137,7 @@ async def test_dashboard_marks_sampled_figures_and_s_dumps_the_process(trainer: 
         report = app.screen.result
         assert isinstance(report, StackReport), getattr(report, "reason", report)
         assert report.pid == trainer.pid and any(t.name == "MainThread" for t in report.threads)
-        assert "hot-thread snapshot (py-spy" in screen_text(app)
+        await until(pilot, lambda: "hot-thread snapshot (py-spy" in screen_text(app), "the dump on screen")
 
 
 
@@ -159,3 +160,11 @@ def test_r_records_a_watched_process_without_a_trainer_to_ask(trainer: subproces
                          run_dir=None, request_timeout=1)
     assert isinstance(report, RecordReport), getattr(report, "reason", report)
     assert report.samples > 0 and any("MainThread" in name for name in report.threads), report.threads
+
+
+def test_native_sampling_says_it_pauses_the_process(trainer: subprocess.Popen, capsys) -> None:
+    assert cli.main(["--once", "--json", "--pid", str(trainer.pid), "--duration", "1", "--native"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    sm = summary["sampling"]
+    assert sm["native"] is True and sm["tool"] == "py-spy --native" and "stops the process" in sm["cost"]
+    assert summary["pid"] == trainer.pid and "MainThread" in summary["workers"]

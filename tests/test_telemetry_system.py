@@ -123,6 +123,15 @@ class _FakeNvml:
             ]
         return []
 
+    def nvmlDeviceGetProcessUtilization(self, h: int, since: int) -> list:
+        """Per-process samples newer than `since` (us): our pid twice and another's on GPU 0."""
+        if h == 1:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        samples = [types.SimpleNamespace(pid=self.pid, timeStamp=100, smUtil=40),
+                   types.SimpleNamespace(pid=self.pid, timeStamp=200, smUtil=60),
+                   types.SimpleNamespace(pid=1, timeStamp=300, smUtil=99)]
+        return [x for x in samples if x.timeStamp > since]
+
 
 def test_simulated_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
@@ -147,6 +156,8 @@ def test_simulated_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     assert g1.name == "NVIDIA H100 80GB HBM3"  # bytes decoded
     assert g1.power_w is None and g1.sm_clock_mhz is None and g1.process_mem is None
     assert g1.util_percent == 3.0
+    assert g0.process_util == 50.0 and g1.process_util is None  # the mean of our own samples; none on GPU 1
+    assert sampler.sample({}).gpus[0].process_util is None  # only samples newer than the last read count
     wire = P.decode(P.encode(P.Snapshot(seq=1, t=0.0, interval_s=1.0, system=sample)))
     assert wire.system.gpus[1].power_w is None
     sampler.close()
