@@ -245,7 +245,8 @@ def summarize_source(source: FrameSource, label: str, as_json: bool, timeout: fl
         print(f"dflash-top: {state.connection_detail}", file=sys.stderr)
         return 1
     if state.snapshot is None:
-        print(f"dflash-top: no snapshot from {label} within {timeout:g} s"
+        print(f"dflash-top: {label}: {state.connection_detail}" if state.connection == Connection.ENDED
+              else f"dflash-top: no snapshot from {label} within {timeout:g} s"
               + (f" ({state.connection_detail})" if state.connection_detail else ""), file=sys.stderr)
         if not as_json:
             return 1
