@@ -11,7 +11,9 @@ unwind C/CUDA frames (a host sync is only visible so), and the header says which
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
+import signal
 import tempfile
 import threading
 import time
@@ -71,10 +73,10 @@ class SampledSource:
 
     def stop(self) -> None:
         self._stop.set()
-        with self._lock:
+        with self._lock:  # the sampling thread, waiting on them, reaps them and sees the stop
             for p in self._procs:
-                with contextlib.suppress(OSError):
-                    kill_pyspy(p)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
 
