@@ -33,7 +33,8 @@ from dflash_tui.jobs import RecordSettings, take_record, take_snapshot
 from dflash_tui.messages import ProfileDone, SourceUpdated, TrainersFound
 from dflash_tui.pyspy import RecordReport, StackReport, find_pyspy, pid_is_local
 from dflash_tui.ranks import RankFollower
-from dflash_tui.sources import Connection, FrameSource, LiveLink, Playback, SourceUpdate
+from dflash_tui.sampling.processes import torch_processes
+from dflash_tui.sources import Connection, FrameSource, LiveLink, Playback, SampledSource, SourceUpdate
 from dflash_tui.state import RunState
 from dflash_tui.widgets.alerts import AlertBanner
 from dflash_tui.widgets.base import Panel
@@ -128,6 +129,7 @@ class DFlashTop(App[None]):
         self._last_slow = 0.0
         self._slow_empty = True
         self._waiting: WaitingScreen | None = None
+        self._offered_processes = False
 
     # ------------------------------------------------------------------ layout
 
@@ -287,12 +289,19 @@ class DFlashTop(App[None]):
         found = [i for i in discover(self.socket_directory) if i.alive]
         if self.wait_for is not None:
             found = [i for i in found if sources.serves(i, self.wait_for)]
-        self.post_message(TrainersFound(found))
+        offer = not found and self.wait_for is None and not self._offered_processes
+        self.post_message(TrainersFound(found, torch_processes() if offer else None))
 
     def on_trainers_found(self, message: TrainersFound) -> None:
         if self.source is not None:
             return
         found: list[SocketInfo] = message.sockets
+        if not found and message.processes and not self._offered_processes:
+            self._offered_processes = True  # offered once; escape keeps waiting for a trainer
+            self.push_screen(ChoiceScreen("no dflash trainer answers: sample a Python process using torch (escape: "
+                                          "wait for a trainer)", [(p.label, p.pid) for p in message.processes]),
+                             self.watch_process)
+            return
         if not found:
             if self._waiting is None:
                 self._waiting = WaitingScreen(self.socket_directory, self.wait_for)
@@ -307,6 +316,17 @@ class DFlashTop(App[None]):
             self.attach(jobs[0][0].path)
         else:
             self.push_screen(PickerScreen(jobs), self._picked)
+
+    def watch_process(self, pid: int | None) -> None:
+        """Sample `pid` from outside (the picker's choice); None: go on waiting for a trainer."""
+        if pid is None:
+            self.discover_trainers()
+            return
+        if self._waiting is not None:
+            self._waiting.dismiss([])
+            self._waiting = None
+        self.source = SampledSource(pid)
+        self._start(self.source)
 
     def _picked(self, path: Path | None) -> None:
         if path is None:
@@ -329,7 +349,9 @@ class DFlashTop(App[None]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in ("pause", "step", "faster", "slower", "seek", "jump"):
             return self.playback is not None
-        if action in ("snapshot", "record", "trainer_stacks"):
+        if action in ("snapshot", "record"):  # py-spy: a live trainer, or a process sampled from outside
+            return self.live is not None or (self.source is not None and self.source.watched is not None)
+        if action == "trainer_stacks":
             return self.live is not None
         if action == "next_worker":
             return self.source is not None
@@ -452,15 +474,19 @@ class DFlashTop(App[None]):
 
     # ------------------------------------------------------------------ py-spy
 
-    def _live_trainer(self, what: str) -> tuple[LiveLink, int, str, str | None] | None:
-        src = self.live
-        hello = self.state.hello
-        if src is None or hello is None or not src.connected:
+    def _live_trainer(self, what: str) -> tuple[LiveLink | None, int, str, str | None] | None:
+        """(the trainer's link, None for a process sampled from outside; its pid; host; run directory)."""
+        src, hello = self.live, self.state.hello
+        watched = self.source.watched if self.source is not None else None
+        connected = watched.connected if watched is not None else src is not None and src.connected
+        if hello is None or not connected:
             self.notify(f"{what} needs a live trainer (this is {self.state.connection})", severity="warning")
             return None
         if self.job is not None:
             self.notify(f"{self.job} is still running", severity="warning")
             return None
+        if watched is not None:
+            return None, watched.pid, hello.host, None
         return src, hello.pid, hello.host, hello.run_dir
 
     def action_snapshot(self, force_trainer: bool = False) -> None:
@@ -471,8 +497,8 @@ class DFlashTop(App[None]):
         local = pid_is_local(pid, host)
         what = "trainer stacks" if force_trainer or not local else "py-spy dump"
         self._start_job(f"{what} of pid {pid}", self.pyspy_timeout * 2 + self.request_timeout)
-        job = partial(take_snapshot, pid, local=local, ask=partial(self._ask, src), cpu=self.state.thread_cpu(),
-                      names=self.state.thread_names(), exe=self.pyspy_exe, timeout=self.pyspy_timeout,
+        job = partial(take_snapshot, pid, local=local, ask=partial(self._ask, src) if src else None,
+                      cpu=self.state.thread_cpu(), names=self.state.thread_names(), exe=self.pyspy_exe, timeout=self.pyspy_timeout,
                       force_trainer=force_trainer, run_dir=run_dir)
         self.run_worker(partial(self._post_result, job), thread=True, group="profile", name="snapshot")
 

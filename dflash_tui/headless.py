@@ -20,6 +20,7 @@ from dflash.telemetry.wire.sockets import default_socket_dir, discover, group_jo
 from dflash.telemetry.wire.table import category_table, evidence_text
 from dflash.telemetry.wire.vocab import TELEMETRY_THREADS
 from dflash_tui import fmt
+from dflash_tui.sampling.processes import torch_processes
 from dflash_tui.sources import AttachError, Connection, FrameSource, SourceUpdate, open_source, resolve
 from dflash_tui.state import RunState
 from dflash_tui.widgets.alerts import stall_line
@@ -85,6 +86,9 @@ def summarize(state: RunState) -> dict[str, Any]:
         "errors": list(state.errors),
         #: rank 0's cross-rank view (protocol.Cluster as JSON) in multi-rank runs, else None
         "cluster": msgspec.to_builtins(state.cluster) if state.cluster is not None else None,
+        #: how the figures were sampled (protocol.Sampling as JSON) when the process was watched from outside
+        #: (`--pid`): shares are then fractions of samples; None for a trainer's own telemetry
+        "sampling": msgspec.to_builtins(snap.sampling) if snap is not None and snap.sampling is not None else None,
         #: worker -> its innermost open span {category, start, elapsed, depth}
         "inflight": {w: msgspec.to_builtins(op) for w, op in state.inflight.items()},
         #: stalled workers now (protocol.Stall as JSON); empty when none
@@ -106,6 +110,8 @@ def render_text(s: dict[str, Any]) -> str:
                  f"  step {s['step'] if s['step'] is not None else fmt.NA}")
     lines.append(f"tokens/s {fmt.count(s['tokens_per_s'])}  loss {fmt.number(s['loss'])}"
                  f"  sim tau {fmt.number(s['tau'])}  [{s['connection']}]")
+    if s.get("sampling"):
+        lines.append(sampling_line(s["sampling"]))
     if s["scope"] == "whole run":
         lines.append("whole run" + (f"; evaluation {fmt.clock(s['evaluation_s'], short=True)} (training paused, "
                                     "not in the shares)" if s["evaluation_s"] else ""))
@@ -151,6 +157,14 @@ def render_text(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def sampling_line(sm: dict[str, Any]) -> str:
+    """`sampled: py-spy --nonblocking at 100 Hz, 2,000 samples per thread (shares +/-2.2%); <its cost>`."""
+    n, m = (sm["total_samples"], sm.get("total_margin", 0.0)) if sm.get("total_samples") else (sm["samples"],
+                                                                                               sm.get("margin", 0.0))
+    return (f"sampled: {sm['tool']} at {sm['rate_hz']:g} Hz, {n:,} samples per thread (shares ±{m * 100:.1f}%); "
+            f"{sm.get('cost', '')}")
+
+
 def gpu_line(g: dict[str, Any]) -> str:
     mem = (f"{fmt.nbytes(g.get('mem_used'))}/{fmt.nbytes(g.get('mem_total'))}"
            if g.get("mem_used") is not None else fmt.NA)
@@ -158,8 +172,18 @@ def gpu_line(g: dict[str, Any]) -> str:
     temp = f"{g['temp_c']:.0f}C" if g.get("temp_c") is not None else fmt.NA
     clock = f"{g['sm_clock_mhz']:.0f}MHz" if g.get("sm_clock_mhz") is not None else fmt.NA
     util = fmt.percent(g.get("util_percent"), scale=1)
+    own = f" {fmt.percent(g['process_util'], scale=1)}" if g.get("process_util") is not None else ""
     return (f"GPU{g['index']} {g['name'][:18]}  util {util}  mem {mem}  {power}  {temp}  SM {clock}"
-            f"  trainer {fmt.nbytes(g.get('process_mem'))}")
+            f"  trainer {fmt.nbytes(g.get('process_mem'))}{own}")
+
+
+def torch_hint() -> str:
+    """Where no trainer answers: the Python processes using torch that `--pid` could sample instead."""
+    found = torch_processes()
+    if not found:
+        return ""
+    return ("\nPython processes using torch here (sample one with --pid PID):\n  "
+            + "\n  ".join(p.label for p in found[:10]))
 
 
 def collect(source: FrameSource, timeout: float) -> RunState:
@@ -201,7 +225,7 @@ def run_once(target: str | None, as_json: bool, timeout: float = 10.0, out: Text
         if not alive:
             where = directory or default_socket_dir()
             print(f"dflash-top: no running trainer found in {where}; start one with `dflash train`, or pass "
-                  "a run directory or telemetry.jsonl to summarize a recording", file=sys.stderr)
+                  "a run directory or telemetry.jsonl to summarize a recording" + torch_hint(), file=sys.stderr)
             return 1
         jobs = group_jobs(alive)  # a multi-rank job is one trainer, summarized from rank 0
         if len(jobs) > 1:
@@ -209,18 +233,25 @@ def run_once(target: str | None, as_json: bool, timeout: float = 10.0, out: Text
             print(f"dflash-top: several trainers are running; pass one of:\n  {names}", file=sys.stderr)
             return 2
         path = jobs[0][0].path
-    source = open_source(path, speed=math.inf)
+    return summarize_source(open_source(path, speed=math.inf), str(path), as_json, timeout, out)
+
+
+def summarize_source(source: FrameSource, label: str, as_json: bool, timeout: float, out: TextIO | None = None) -> int:
+    """Read `source` as `--once` does and print its summary (to `out`, default stdout): 0 on a summary, 1
+    without one."""
+    out = out if out is not None else sys.stdout
     state = collect(source, timeout)
     if state.connection in (Connection.INCOMPATIBLE, Connection.UNTRUSTED):
         print(f"dflash-top: {state.connection_detail}", file=sys.stderr)
         return 1
     if state.snapshot is None:
-        print(f"dflash-top: no snapshot from {path} within {timeout:g} s"
+        print(f"dflash-top: {label}: {state.connection_detail}" if state.connection == Connection.ENDED
+              else f"dflash-top: no snapshot from {label} within {timeout:g} s"
               + (f" ({state.connection_detail})" if state.connection_detail else ""), file=sys.stderr)
         if not as_json:
             return 1
     summary = summarize(state)
-    summary["source"] = str(path)
+    summary["source"] = label
     if as_json:
         out.write(json.dumps(summary, indent=2, default=str) + "\n")
     else:

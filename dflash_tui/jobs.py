@@ -32,7 +32,7 @@ class RecordSettings:
     native: bool
 
 
-def take_snapshot(pid: int, *, local: bool, ask: Ask, cpu: dict[int, float], names: dict[int, str],
+def take_snapshot(pid: int, *, local: bool, ask: Ask | None, cpu: dict[int, float], names: dict[int, str],
                   exe: str | None, timeout: float, force_trainer: bool,
                   run_dir: str | None) -> StackReport | ProfileFailure:
     """A hot-thread snapshot (py-spy, or the trainer's own stacks: see `hot_thread_snapshot`), saved next
@@ -51,12 +51,14 @@ def take_snapshot(pid: int, *, local: bool, ask: Ask, cpu: dict[int, float], nam
         return ProfileFailure(what="snapshot", reason=f"unexpected error: {e!r}")
 
 
-def take_record(link: LiveLink, pid: int, settings: RecordSettings, *, exe: str | None, run_dir: str | None,
+def take_record(link: LiveLink | None, pid: int, settings: RecordSettings, *, exe: str | None, run_dir: str | None,
                 request_timeout: float) -> RecordReport | ProfileFailure:
-    """py-spy record of `pid`, after asking the trainer to let this process trace it (Yama ptrace scope 1)."""
+    """py-spy record of `pid`, after asking the trainer (when there is one: `link`; a process sampled from
+    outside has none) to let this process trace it (Yama ptrace scope 1)."""
     try:
         try:
-            link.request("ptrace_allow", {"pid": os.getpid()}, timeout=request_timeout)
+            if link is not None:
+                link.request("ptrace_allow", {"pid": os.getpid()}, timeout=request_timeout)
         except Exception:  # noqa: BLE001 - best effort, py-spy may be allowed anyway
             pass
         return record(pid, settings.seconds, gil=settings.gil, native=settings.native, exe=exe, run_dir=run_dir)

@@ -11,6 +11,7 @@ from typing import Any
 from textual.message import Message
 
 from dflash.telemetry.wire.sockets import SocketInfo
+from dflash_tui.sampling.processes import TorchProcess
 from dflash_tui.sources import SourceUpdate
 
 
@@ -37,8 +38,10 @@ class ProfileDone(Message):
 
 
 class TrainersFound(Message):
-    """A discovery pass (waiting screen) finished; `sockets` are the live ones."""
+    """A discovery pass (waiting screen) finished; `sockets` are the live ones, and where there are none,
+    `processes` the Python processes using torch that could be sampled instead (`--pid`)."""
 
-    def __init__(self, sockets: list[SocketInfo]) -> None:
+    def __init__(self, sockets: list[SocketInfo], processes: list[TorchProcess] | None = None) -> None:
         super().__init__()
         self.sockets = sockets
+        self.processes = processes or []

@@ -151,19 +151,43 @@ def permission_fix(pid: int) -> list[str]:
 # --------------------------------------------------------------------------- running py-spy
 
 
-def run_pyspy(exe: str, args: list[str], timeout: float) -> tuple[int, str, str]:
-    """Run py-spy in its own process group; on timeout kill the group and raise TimeoutError."""
-    proc = subprocess.Popen([exe, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+def start_pyspy(exe: str, args: list[str]) -> subprocess.Popen:
+    """py-spy started in its own process group (so that killing it kills all of it)."""
+    return subprocess.Popen([exe, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def kill_pyspy(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()
+    proc.communicate()
+
+
+def wait_pyspy(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a started py-spy; past `timeout` kill its group, raise TimeoutError."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.kill()
-        proc.communicate()
+        kill_pyspy(proc)
         raise TimeoutError(f"py-spy did not finish within {timeout:g} s and was killed") from None
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+def run_pyspy(exe: str, args: list[str], timeout: float) -> tuple[int, str, str]:
+    """Run py-spy in its own process group; on timeout kill the group and raise TimeoutError."""
+    return wait_pyspy(start_pyspy(exe, args), timeout)
+
+
+def record_args(pid: int, seconds: float, out: Path, *, rate: int, gil: bool = False, native: bool = False,
+                idle: bool = False) -> list[str]:
+    """`py-spy record` to a speedscope file: `--gil` only the GIL holder's samples, `--idle` waiting threads
+    too. Native unwinding needs the target paused per sample; Python-only sampling need not pause it."""
+    args = ["record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(rate),
+            "--format", "speedscope", "--output", str(out)]
+    args += ["--gil"] if gil else []
+    args += ["--idle"] if idle else []
+    return [*args, "--native" if native else "--nonblocking"]
 
 
 def _first_line(text: str) -> str:
@@ -490,12 +514,7 @@ def record(pid: int, seconds: float, *, gil: bool, native: bool, exe: str | None
     notes: list[str] = []
 
     def attempt(native_: bool) -> tuple[int, str]:
-        args = ["record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(rate),
-                "--format", "speedscope", "--output", str(out)]
-        if gil:
-            args.append("--gil")
-        # native unwinding needs the target paused per sample; Python-only sampling need not pause it
-        args.append("--native" if native_ else "--nonblocking")
+        args = record_args(pid, seconds, out, rate=rate, gil=gil, native=native_)
         try:
             rc, _, err = run_pyspy(exe, args, timeout=seconds + grace_s)
         except TimeoutError as e:

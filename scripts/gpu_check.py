@@ -508,7 +508,7 @@ def check_nvml(ctx: Ctx) -> dict:
     UUID, and GPM SM-active / tensor-active where the GPU supports it."""
     import torch
 
-    from dflash.telemetry.publish.system import SystemSampler
+    from dflash.telemetry.wire.system import SystemSampler
 
     sampler = SystemSampler()
     first = sampler.sample({})
@@ -967,7 +967,7 @@ WARM_MODULES = (
     "transformers", "transformers.models.qwen3.modeling_qwen3",
     "dflash.model.objective", "dflash.targets.hf", "dflash.train.trainer", "dflash.train.run.build",
     "dflash.train.run.pipeline", "dflash.testing", "dflash.telemetry.verdict.evidence",
-    "dflash.telemetry.publish.system", "dflash.eval.speculative",
+    "dflash.telemetry.wire.system", "dflash.eval.speculative",
 )
 KILL_GRACE_S = 2.0  # between a child's stack dump at its limit and its kill
 

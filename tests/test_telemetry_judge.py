@@ -17,7 +17,6 @@ import pytest
 from conftest import wait_until
 
 from dflash.telemetry import ProfileStats, TelemetryServer
-from dflash.telemetry.publish.system import SystemSampler
 from dflash.telemetry.summary import Summary
 from dflash.telemetry.verdict.evidence import (
     CpuFigures,
@@ -29,6 +28,7 @@ from dflash.telemetry.verdict.evidence import (
 from dflash.telemetry.verdict.published import PublishedVerdict, RecentWindows
 from dflash.telemetry.wire import protocol as P
 from dflash.telemetry.wire.reader import read_frames
+from dflash.telemetry.wire.system import SystemSampler
 from dflash.telemetry.wire.vocab import Role
 from dflash_tui.headless import run_once
 

@@ -20,7 +20,7 @@ from dflash.telemetry.wire.table import merge_category_stats
 def test_import_does_not_pull_torch_or_tui(run_python) -> None:
     code = (
         "import sys, dflash.telemetry, dflash.telemetry.publish.server, dflash.telemetry.publish.recorder, "
-        "dflash.telemetry.verdict.evidence, dflash.telemetry.publish.system, dflash.commands.stats\n"
+        "dflash.telemetry.verdict.evidence, dflash.telemetry.wire.system, dflash.commands.stats\n"
         "bad = [m for m in ('torch', 'textual', 'dflash_tui') if m in sys.modules]\n"
         "assert not bad, bad\n"
         "from dflash.telemetry import TelemetryServer\n"

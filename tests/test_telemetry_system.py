@@ -10,8 +10,8 @@ import types
 import pynvml
 import pytest
 
-from dflash.telemetry.publish.system import SystemSampler
 from dflash.telemetry.wire import protocol as P
+from dflash.telemetry.wire.system import SystemSampler
 
 
 def _spin(stop: threading.Event) -> None:
@@ -123,6 +123,15 @@ class _FakeNvml:
             ]
         return []
 
+    def nvmlDeviceGetProcessUtilization(self, h: int, since: int) -> list:
+        """Per-process samples newer than `since` (us): our pid twice and another's on GPU 0."""
+        if h == 1:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        samples = [types.SimpleNamespace(pid=self.pid, timeStamp=100, smUtil=40),
+                   types.SimpleNamespace(pid=self.pid, timeStamp=200, smUtil=60),
+                   types.SimpleNamespace(pid=1, timeStamp=300, smUtil=99)]
+        return [x for x in samples if x.timeStamp > since]
+
 
 def test_simulated_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
@@ -147,6 +156,8 @@ def test_simulated_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     assert g1.name == "NVIDIA H100 80GB HBM3"  # bytes decoded
     assert g1.power_w is None and g1.sm_clock_mhz is None and g1.process_mem is None
     assert g1.util_percent == 3.0
+    assert g0.process_util == 50.0 and g1.process_util is None  # the mean of our own samples; none on GPU 1
+    assert sampler.sample({}).gpus[0].process_util is None  # only samples newer than the last read count
     wire = P.decode(P.encode(P.Snapshot(seq=1, t=0.0, interval_s=1.0, system=sample)))
     assert wire.system.gpus[1].power_w is None
     sampler.close()
@@ -313,7 +324,7 @@ def test_mig_instances_uuids_and_na_fields(monkeypatch: pytest.MonkeyPatch) -> N
 def test_torch_uuids_decide_the_mapping_when_cuda_is_up() -> None:
     """With the trainer's own CUDA UUIDs (torch spells them without the prefix) the environment is
     not consulted: CUDA's fastest-first order may differ from NVML's."""
-    from dflash.telemetry.publish.system import cuda_ordinals
+    from dflash.telemetry.wire.system import cuda_ordinals
 
     devices = [("GPU-AAAA1111-0000", False), ("GPU-bbbb2222-0000", False), ("MIG-dddd4444-0000", True)]
     assert cuda_ordinals(devices, "0,1", ["bbbb2222-0000", "aaaa1111-0000"]) == {1: 0, 0: 1}

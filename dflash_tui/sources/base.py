@@ -2,8 +2,9 @@
 
 A source fetches bytes on its own thread and hands `SourceUpdate` batches to a `Sink` (the app turns
 each into a message), so the UI thread never waits on a socket or a disk. Beyond start/stop/request
-it says what else it can do: `playback` for a recording, `live` for a trainer's socket; the app, the
-headless `--once` mode and the tests ask those instead of checking a source's type.
+it says what else it can do: `playback` for a recording, `live` for a trainer's socket, `watched` for a
+process sampled from outside; the app, the headless `--once` mode and the tests ask those instead of
+checking a source's type.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class Connection(enum.StrEnum):
     INCOMPATIBLE = "incompatible"
     #: the socket's server runs as another user (not us, not root): nothing it says is shown
     UNTRUSTED = "untrusted"
+    #: a process sampled from outside (`dflash-top --pid`): no socket, its stacks read with py-spy
+    SAMPLING = "sampling"
     REPLAY = "replay"
     PAUSED = "paused"
     ENDED = "ended"
@@ -88,12 +91,21 @@ class LiveLink(Protocol):
     def request(self, op: str, args: dict[str, Any] | None = None, timeout: float = 5.0) -> Reply: ...
 
 
+class Watched(Protocol):
+    """What a sampled process's source can do: name the process on this machine that py-spy (the `s` and
+    `r` keys) may be pointed at. There is no trainer to ask: no requests, no trainer's own stacks."""
+
+    pid: int
+    connected: bool
+
+
 class FrameSource(Protocol):
-    """What the app needs from any source; `playback` and `live` are None where the source cannot."""
+    """What the app needs from any source; `playback`, `live` and `watched` are None where it cannot."""
 
     path: Path
     playback: Playback | None
     live: LiveLink | None
+    watched: Watched | None
 
     def start(self, sink: Sink) -> None: ...
 

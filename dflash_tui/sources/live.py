@@ -15,7 +15,7 @@ from dflash.telemetry.wire.sockets import SocketInfo, discover, untrusted_server
 from dflash_tui.sources.base import Connection, RequestFailed, SourceUpdate, mismatch_message
 
 if TYPE_CHECKING:  # the interface's types, named in annotations only
-    from dflash_tui.sources.base import LiveLink, Playback, Sink
+    from dflash_tui.sources.base import LiveLink, Playback, Sink, Watched
 
 #: how long to wait before reconnecting to a trainer that refused us (wrong uid, too many clients)
 REFUSED_RETRY_S = 5.0
@@ -36,6 +36,7 @@ class LiveSource:
     """
 
     playback: Playback | None = None
+    watched: Watched | None = None
 
     def __init__(self, path: Path | str, *, reconnect: bool = True, retry_s: float = 0.5) -> None:
         self.path = Path(path)

@@ -9,7 +9,7 @@ from dflash.telemetry.wire.protocol import Frame, Reply
 from dflash_tui.sources.base import Connection, RequestFailed, SourceUpdate
 
 if TYPE_CHECKING:  # the interface's types, named in annotations only
-    from dflash_tui.sources.base import LiveLink, Playback, Sink
+    from dflash_tui.sources.base import LiveLink, Playback, Sink, Watched
 
 
 class MemorySource:
@@ -18,6 +18,7 @@ class MemorySource:
 
     playback: Playback | None = None
     live: LiveLink | None = None
+    watched: Watched | None = None
 
     def __init__(self, frames: list[Frame], path: Path | str = "memory", state: Connection = Connection.ENDED,
                  detail: str = "fixed frames") -> None:

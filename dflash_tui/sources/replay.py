@@ -15,7 +15,7 @@ from dflash.telemetry.wire.reader import FrameReader, Read, read_file
 from dflash_tui.sources.base import Connection, RequestFailed, SourceUpdate, mismatch_message
 
 if TYPE_CHECKING:  # the interface's types, named in annotations only
-    from dflash_tui.sources.base import LiveLink, Playback, Sink
+    from dflash_tui.sources.base import LiveLink, Playback, Sink, Watched
 
 #: the paces `+` and `-` step through (inf: as fast as the file reads)
 SPEEDS = [0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0, math.inf]
@@ -60,6 +60,7 @@ class ReplaySource:
     """
 
     live: LiveLink | None = None
+    watched: Watched | None = None
     #: the longest a gap in the recording is allowed to stall the replay, in wall seconds
     MAX_GAP_S = 5.0
 

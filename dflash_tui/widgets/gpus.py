@@ -61,6 +61,8 @@ def gpu_text(state: RunState, width: int) -> Text:
             t.append(fmt.sparkline(ring.values, spark_w, lo=0, hi=float(g.mem_total) if g.mem_total else None),
                      style="cyan")
         t.append("  trainer ", style="dim").append(fmt.nbytes(g.process_mem))
+        if g.process_util is not None:  # NVML's per-process samples: its own kernels' share of the time
+            t.append(f" {g.process_util:.0f}%")
         t.append("\n     ")
         t.append("power ", style="dim").append(f"{g.power_w:.0f}W" if g.power_w is not None else fmt.NA)
         t.append("  temp ", style="dim").append(f"{g.temp_c:.0f}C" if g.temp_c is not None else fmt.NA)

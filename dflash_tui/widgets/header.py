@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from dflash.telemetry.wire.protocol import Sampling
 from dflash_tui import fmt
 from dflash_tui.state import RunState
 from dflash_tui.widgets.base import TextPanel, cropped
@@ -34,6 +35,9 @@ def header_text(state: RunState, width: int = 200) -> Text:
         t.append("  waiting for the trainer's hello", style="dim")
     t.append("  up ", style="dim").append(fmt.clock(state.uptime_s))
     t.append("\n")
+    sampling = state.snapshot.sampling if state.snapshot is not None else None
+    if sampling is not None:  # a process watched from outside: no steps, tokens or loss to show
+        return t.append_text(sampling_text(sampling, width))
     # the sparkline is the first part that can go: a narrow terminal keeps every number whole instead
     # (`trained 0:57/5:00`, not `trained 0:57/5:0`)
     # and then the objective's terms beside the loss, the total staying
@@ -44,6 +48,21 @@ def header_text(state: RunState, width: int = 200) -> Text:
     t.append_text(line)
     if h is None and state.connection_detail:
         t.append("  " + state.connection_detail, style="dim")
+    return t
+
+
+def sampling_text(sm: Sampling, width: int = 200) -> Text:
+    """`SAMPLED py-spy --nonblocking 100 Hz  200 samples/thread ±6.9%  py-spy 4% of a core, never pauses it`:
+    the figures are samples, how many, how sure, and what taking them costs the process."""
+    t = Text()
+    t.append(" SAMPLED ", style="bold white on magenta").append(f" {sm.tool} {sm.rate_hz:g} Hz", style="bold")
+    t.append(f"  {sm.samples:,} samples/thread ±{sm.margin:.1%}", style="bold")
+    if sm.total_samples > sm.samples and width >= 140:  # the whole sampling's count: where there is room
+        t.append(f" ({sm.total_samples:,} ±{sm.total_margin:.1%})", style="dim")
+    if sm.sampler_cpu_percent is not None:
+        t.append(f"  py-spy {sm.sampler_cpu_percent:.0f}% of a core", style="dim")
+    t.append(", pauses the process at each sample" if sm.native else ", never pauses it (--native would)",
+             style="bold yellow" if sm.native else "dim")
     return t
 
 

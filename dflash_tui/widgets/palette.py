@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import zlib
 
-from dflash.telemetry.wire.vocab import CATEGORIES
+from dflash.telemetry.wire.vocab import CATEGORIES, SAMPLED_CATEGORIES
 from dflash_tui.sources import Connection
 
-#: the trainer's own categories first, in pipeline order (also the display order)
-KNOWN = list(CATEGORIES)
+#: the trainer's own categories first, in pipeline order (also the display order), then a sampled view's
+KNOWN = list(CATEGORIES) + list(SAMPLED_CATEGORIES)
 _COLORS = ["#e5c07b", "#61afef", "#c678dd", "#98c379", "#56b6c2", "#d19a66", "#e06c75", "#be5046",
            "#abb2bf", "#7f848e", "#4db5bd", "#ff79c6", "#8be9fd", "#50fa7b", "#ffb86c", "#bd93f9"]
 UNTRACKED = "#3e4451"
 
 STATE_STYLE = {
     Connection.LIVE: "bold green",
+    Connection.SAMPLING: "bold magenta",
     Connection.CONNECTING: "yellow",
     Connection.DISCONNECTED: "bold red",
     Connection.INCOMPATIBLE: "bold white on red",

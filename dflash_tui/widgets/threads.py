@@ -40,6 +40,10 @@ def threads_text(state: RunState, max_rows: int) -> Text:
         t.append(" " + spark, style="green")
     t.append("  rss ", style="dim").append(fmt.nbytes(sys_.rss_bytes))
     t.append("  threads ", style="dim").append(str(len(sys_.threads)))
+    sampling = state.snapshot.sampling if state.snapshot is not None else None
+    gil = sampling.gil if sampling is not None else {}
+    if sampling is not None and sampling.gil_held is not None:
+        t.append("  gil held ", style="dim").append(f"{sampling.gil_held:.0%}")
     t.append(f"\n{'TID':>8} {'CPU%':>6} {'':<{BAR_W}} NAME", style="bold dim")
     top = sorted(sys_.threads, key=lambda th: -th.cpu_percent)
     for th in top[:max_rows]:
@@ -51,6 +55,8 @@ def threads_text(state: RunState, max_rows: int) -> Text:
         t.append(" " + name)
         if name in TELEMETRY_THREADS:
             t.append(" (dflash telemetry)", style="dim")
+        if name in gil:  # sampled: the share of samples this thread held the GIL
+            t.append(f"  gil {gil[name]:.0%}", style="dim")
     if len(top) > max_rows:
         t.append(f"\n{'':>8} ... {len(top) - max_rows} more (press 4 to enlarge)", style="dim")
     return t

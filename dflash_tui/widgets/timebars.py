@@ -51,7 +51,13 @@ class TimeBars(TextPanel):
             if untracked is None:
                 untracked = max(0.0, 1.0 - covered)
             rows.append((worker, parts, max(0.0, untracked)))
-        return bars_text(rows, max(20, width), now_cells(state))
+        bars = bars_text(rows, max(20, width), now_cells(state))
+        sm = snap.sampling if snap is not None else None
+        if sm is None or not rows:
+            return bars
+        # sampled from outside: a share is a fraction of samples, known to within the margin
+        return Text(f"sampled: share of {sm.samples:,} samples per thread, ±{sm.margin:.1%} (95%); untracked: no "
+                    "rule names the stack\n", style="italic magenta", no_wrap=True, overflow="crop").append_text(bars)
 
 
 def now_cells(state: RunState) -> dict[str, NowCell]:

@@ -26,7 +26,6 @@ import msgspec
 from dflash.telemetry.publish.introspection import ptrace_allow, python_stacks, thread_map
 from dflash.telemetry.publish.peers import MAX_REQUEST_BYTES, Client, Peers
 from dflash.telemetry.publish.recorder import Recorder
-from dflash.telemetry.publish.system import SystemSampler
 from dflash.telemetry.stats import ProfileStats
 from dflash.telemetry.summary import Summary, to_snapshot
 from dflash.telemetry.verdict.published import PublishedVerdict
@@ -52,6 +51,7 @@ from dflash.telemetry.wire.sockets import (
     probe,
     socket_filename,
 )
+from dflash.telemetry.wire.system import SystemSampler
 from dflash.telemetry.wire.vocab import PUBLISHER_THREAD
 
 log = logging.getLogger("dflash.telemetry")

@@ -34,7 +34,7 @@ from dflash.telemetry.wire.vocab import DRAFTER_BUSY, TARGET_BUSY, Role, roles_o
 
 @dataclass(frozen=True)
 class CpuFigures:
-    """What the machine gave the pipeline over the judged time (dflash.telemetry.publish.system's samples)."""
+    """What the machine gave the pipeline over the judged time (dflash.telemetry.wire.system's samples)."""
 
     #: mean share of wall time a pipeline worker's thread ran on a CPU
     worker_cpu: float

@@ -82,6 +82,9 @@ class GpuSample(msgspec.Struct, omit_defaults=True):
     sm_clock_mhz: float | None = None
     #: memory used on this GPU by the trainer's process
     process_mem: int | None = None
+    #: percent of the time the trainer's process had a kernel running on this GPU (NVML's per-process
+    #: samples since the last window; None: NVML kept none for it)
+    process_util: float | None = None
     uuid: str | None = None
     #: the CUDA ordinal (``cuda:N``) of this GPU in the trainer's process; None: not visible to it
     cuda_index: int | None = None
@@ -250,6 +253,29 @@ class Hello(msgspec.Struct, tag_field="type", tag="hello", omit_defaults=True):
     run_dir: str | None = None
 
 
+class Sampling(msgspec.Struct, omit_defaults=True):
+    """How a sampled snapshot was measured: dflash-top read the process's stacks from outside (`dflash-top
+    --pid`, any PyTorch trainer) instead of the trainer timing its own spans. A share is then the fraction
+    of a thread's samples its stacks put in a category (docs/sampling.md), known within `margin`."""
+
+    #: the sampler and its mode: "py-spy --nonblocking" (the process runs on) or "py-spy --native"
+    tool: str
+    rate_hz: float
+    #: samples per thread in this window, and since sampling began (the cumulative stats')
+    samples: int
+    total_samples: int = 0
+    #: half-width of the 95% interval of a share at those counts, at its widest (a share of 50%)
+    margin: float = 0.0
+    total_margin: float = 0.0
+    native: bool = False
+    #: percent of one core the sampler (py-spy) used over the window, and what sampling costs in words
+    sampler_cpu_percent: float | None = None
+    cost: str = ""
+    #: share of samples some thread held the GIL, and each worker's own share (None: not sampled)
+    gil_held: float | None = None
+    gil: dict[str, float] = {}
+
+
 class Snapshot(msgspec.Struct, tag_field="type", tag="snapshot", omit_defaults=True):
     seq: int
     t: float
@@ -286,6 +312,8 @@ class Snapshot(msgspec.Struct, tag_field="type", tag="snapshot", omit_defaults=T
     #: worker -> its pipeline role ("target", "drafter", "data": dflash.telemetry.wire.vocab.Role); empty in
     #: recordings written before roles were on the wire
     roles: dict[str, str] = {}
+    #: set when the figures were sampled from outside (`dflash-top --pid`), not timed by a trainer
+    sampling: Sampling | None = None
 
 
 class Event(msgspec.Struct, tag_field="type", tag="event", omit_defaults=True):

@@ -24,6 +24,10 @@ CACHE_CATEGORIES = ("cache_wait", "cache_read", "cache_write")
 #: loss's forward; its backward is inside drafter_backward)
 SELECTOR = "selector"
 OBJECTIVE_CATEGORIES = ("verifier_logits", SELECTOR)
+#: what only a sampled view (`dflash-top --pid`, stacks read from outside) tells apart: a thread in a
+#: collective (torch.distributed, waiting for the other ranks), one waiting for the device on the host
+#: (a stream/event synchronize, `.item()`: seen with native frames), one with nothing to do
+SAMPLED_CATEGORIES = ("collective_wait", "host_sync", "idle_wait")
 #: categories that are not training: time spent in them pauses the pipeline
 PAUSE_CATEGORIES = ("eval",)
 #: a category named with one of these waits (on a queue, for a file not yet written): time a worker is

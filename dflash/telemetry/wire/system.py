@@ -1,8 +1,9 @@
-"""Process, per-thread and GPU sampling for the publisher (psutil + NVML via nvidia-ml-py).
+"""Process, per-thread and GPU sampling of one process (psutil + NVML via nvidia-ml-py).
 
-Every query degrades instead of raising: a field NVML cannot read is None, and a
-machine without a driver reports `gpus=[]` with the reason in `gpu_error`. The sampler runs in the
-publisher thread, never in a worker.
+Both sides use it, so it is part of the wire: the trainer's publisher samples its own process, and
+dflash-top's sampled source (`dflash-top --pid`) samples a process it does not own. Every query degrades
+instead of raising: a field NVML cannot read is None, and a machine without a driver reports `gpus=[]`
+with the reason in `gpu_error`. In the trainer the sampler runs in the publisher thread, never in a worker.
 
 NVML numbers GPUs in PCI bus order; CUDA numbers the devices a process may see, after
 ``CUDA_VISIBLE_DEVICES`` (indices, ``GPU-``/``MIG-`` UUIDs or unique UUID prefixes) and in its own
@@ -121,6 +122,7 @@ class SystemSampler:
         self._gpu_error: str | None = None if nvml else "GPU sampling disabled"
         self._comm: dict[int, str] = {}
         self._gpm: dict[int, Any] = {}  # NVML index -> last GPM sample (metrics need two)
+        self._util_seen: dict[int, int] = {}  # NVML index -> newest per-process utilisation sample read (us)
         self._proc.cpu_percent(None)  # primes psutil's delta
         self._last_t = time.monotonic()
         self._last_cpu = self._thread_times()
@@ -237,6 +239,7 @@ class SystemSampler:
                 temp_c=_float(_na(lambda h=h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))),
                 sm_clock_mhz=_float(_na(lambda h=h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))),
                 process_mem=self._process_mem(nv, h),
+                process_util=self._process_util(nv, i, h),
                 uuid=_text(_na(lambda h=h: nv.nvmlDeviceGetUUID(h))),
                 sm_active=sm_active,
                 tensor_active=tensor_active,
@@ -305,6 +308,18 @@ class SystemSampler:
         procs = _na(lambda: nv.nvmlDeviceGetComputeRunningProcesses(handle)) or []
         used = [p.usedGpuMemory for p in procs if p.pid == self._pid and p.usedGpuMemory is not None]
         return int(sum(used)) if used else None
+
+    def _process_util(self, nv: Any, index: int, handle: Any) -> float | None:
+        """Percent of the time this process had a kernel running on one GPU since the last sample (the
+        mean of NVML's per-process samples); None when NVML keeps none for it or cannot say."""
+        since = self._util_seen.get(index, 0)
+        samples = _na(lambda: nv.nvmlDeviceGetProcessUtilization(handle, since))
+        if samples is None:
+            return None
+        ours = [s for s in samples if s.pid == self._pid]
+        if samples:
+            self._util_seen[index] = max(int(s.timeStamp) for s in samples)
+        return sum(float(s.smUtil) for s in ours) / len(ours) if ours else None
 
     def close(self) -> None:
         if self._nvml:
