@@ -25,7 +25,8 @@ from dflash.telemetry.wire.protocol import (
 )
 from dflash.telemetry.wire.system import SystemSampler
 from dflash.telemetry.wire.table import clock
-from dflash.telemetry.wire.vocab import TELEMETRY_THREADS, VERDICT_SPAN_S
+from dflash.telemetry.wire.verdicts import VERDICT_SPAN_S
+from dflash.telemetry.wire.vocab import TELEMETRY_THREADS
 from dflash_tui.sampling.samples import ThreadSamples, Window
 from dflash_tui.sampling.tally import Tally, categories, margin, merged
 from dflash_tui.sampling.verdict import Observed, judge, role_of
