@@ -21,7 +21,7 @@ from conftest import screen_text, wait_until
 from test_tui_live import until
 from textual.widgets import OptionList
 
-from dflash.telemetry.wire import verdicts, vocab
+from dflash.telemetry.wire import verdicts
 from dflash.telemetry.wire.protocol import Snapshot
 from dflash_tui import cli
 from dflash_tui.app import DFlashTop
@@ -99,7 +99,7 @@ def test_a_torch_script_sampled_from_outside_is_input_bound(trainer: subprocess.
     cats = {c: st.share for c, st in last.cumulative["MainThread"].items()}
     assert cats["batch_queue_wait"] >= verdicts.THRESHOLD, cats
     assert {"drafter_forward", "drafter_backward", "optimizer_step"} & set(cats), cats
-    assert last.bottleneck is not None and last.bottleneck.verdict == vocab.INPUT_BOUND.name, last.bottleneck
+    assert last.bottleneck is not None and last.bottleneck.verdict == verdicts.INPUT_BOUND.name, last.bottleneck
     assert last.sampling is not None and last.sampling.total_samples > last.sampling.samples > 0
     assert last.system is not None and any(t.name == "MainThread" for t in last.system.threads)
     # the recording replays as the same run, still marked sampled

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.telemetry.wire import vocab
+from dflash.telemetry.wire import verdicts, vocab
 from dflash.telemetry.wire.protocol import MachineSample, Snapshot, decode
 from dflash_tui.sampling.agreement import compare, measured_shares, worst_gap
 from dflash_tui.sampling.rules import classify
@@ -72,7 +72,7 @@ def test_sampled_speculators_training_names_its_stages() -> None:
     assert cats["optimizer_step"] > 0.5 and cats["drafter_forward"] > 0 and cats["drafter_backward"] > 0
     assert cats.get("batch_queue_wait", 0) > 0, "its DataLoader"
     assert snap.untracked["MainThread"] < 0.05
-    assert snap.bottleneck is not None and snap.bottleneck.verdict == vocab.BALANCED.name
+    assert snap.bottleneck is not None and snap.bottleneck.verdict == verdicts.BALANCED.name
     assert "whole sampling" in snap.bottleneck.scope
     assert snap.sampling is not None and snap.sampling.gil_held is not None and 0 < snap.sampling.gil_held < 1
 
@@ -133,30 +133,30 @@ def test_verdict_input_bound_when_the_training_thread_waits_on_its_loader() -> N
     o = Observed({"MainThread": tally(drafter_forward=0.3, drafter_backward=0.2, batch_queue_wait=0.45)},
                  {"MainThread": 0.5}, process_cpu=50.0, machine=QUIET)
     b = judge(o)
-    assert b.verdict == vocab.INPUT_BOUND.name and "45%" in b.reason
+    assert b.verdict == verdicts.INPUT_BOUND.name and "45%" in b.reason
     assert b.evidence["training.batch_queue_wait"] == pytest.approx(0.45)
 
 
 def test_verdict_cpu_starved_and_gil_bound_need_their_evidence() -> None:
     busy = {"MainThread": tally(gil=150, drafter_forward=0.5, drafter_backward=0.3, optimizer_step=0.1)}
     starved = judge(Observed(busy, {"MainThread": 0.2}, process_cpu=20.0, machine=BUSY))
-    assert starved.verdict == vocab.CPU_STARVED.name
+    assert starved.verdict == verdicts.CPU_STARVED.name
     # the same thread off the CPU, on a machine with idle cores, while another thread holds the GIL
     gil = judge(Observed(busy, {"MainThread": 0.2}, process_cpu=100.0, machine=QUIET, gil_held=0.95))
-    assert gil.verdict == vocab.GIL_BOUND.name and gil.evidence["gil.held"] == 0.95
+    assert gil.verdict == verdicts.GIL_BOUND.name and gil.evidence["gil.held"] == 0.95
     # ... but not when it was on the CPU all along, nor without a GIL record
     assert judge(Observed(busy, {"MainThread": 0.9}, process_cpu=100.0, machine=QUIET, gil_held=0.95)).verdict \
-        == vocab.BALANCED.name
-    assert judge(Observed(busy, {"MainThread": 0.2}, process_cpu=100.0, machine=QUIET)).verdict == vocab.BALANCED.name
+        == verdicts.BALANCED.name
+    assert judge(Observed(busy, {"MainThread": 0.2}, process_cpu=100.0, machine=QUIET)).verdict == verdicts.BALANCED.name
 
 
 def test_verdict_says_when_it_cannot_judge() -> None:
     few = judge(Observed({"MainThread": tally(n=10, drafter_forward=1.0)}, {}))
-    assert few.verdict == vocab.UNKNOWN.name and "cannot judge yet" in few.reason
+    assert few.verdict == verdicts.UNKNOWN.name and "cannot judge yet" in few.reason
     nobody = judge(Observed({"writer": tally(idle_wait=0.5, checkpoint=0.5)}, {}))
-    assert nobody.verdict == vocab.UNKNOWN.name and "no training thread" in nobody.reason
+    assert nobody.verdict == verdicts.UNKNOWN.name and "no training thread" in nobody.reason
     waits = judge(Observed({"MainThread": tally(drafter_forward=0.3, collective_wait=0.5)}, {}))
-    assert waits.verdict == vocab.UNKNOWN.name and "collective_wait" in waits.reason
+    assert waits.verdict == verdicts.UNKNOWN.name and "collective_wait" in waits.reason
 
 
 def test_margin_and_run_lengths() -> None:
