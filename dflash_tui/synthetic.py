@@ -103,12 +103,14 @@ def snapshot(seq: int, *, workers: int = 4, categories: int = 12, interval_s: fl
         untracked[w] = 1.0 - covered
     steps = seq * 4
     tokens = steps * 4096.0
-    threads = [ThreadSample(tid=pid + 10 + i, name=w, cpu_percent=round((93.0 if roles[w] == vocab.Role.TARGET else 41.0)
-                                                                      * rng.uniform(0.8, 1.05), 1))
+    threads = [ThreadSample(tid=pid + 10 + i, name=w,
+                            cpu_percent=round((93.0 if roles[w] == vocab.Role.TARGET else 41.0)
+                                              * rng.uniform(0.8, 1.05), 1))
                for i, w in enumerate(worker_names(workers))]
     threads += [ThreadSample(tid=pid, name="MainThread", cpu_percent=round(rng.uniform(1, 4), 1)),
                 ThreadSample(tid=pid + 1, name="telemetry", cpu_percent=round(rng.uniform(0.5, 2), 1))]
-    gpu_list = [GpuSample(index=i, name="NVIDIA H200", util_percent=round(min(100, 78 + 15 * wave + rng.uniform(-4, 4)), 1),
+    gpu_list = [GpuSample(index=i, name="NVIDIA H200",
+                          util_percent=round(min(100, 78 + 15 * wave + rng.uniform(-4, 4)), 1),
                           mem_used=int((60 + 10 * wave) * 2**30), mem_total=int(141 * 2**30),
                           power_w=round(420 + 180 * wave, 1), temp_c=round(55 + 9 * wave, 1), sm_clock_mhz=1980.0,
                           process_mem=int((56 + 10 * wave) * 2**30)) for i in range(gpus)]
@@ -126,7 +128,8 @@ def snapshot(seq: int, *, workers: int = 4, categories: int = 12, interval_s: fl
     # what each worker is in now: targets in a forward, drafters waiting for hidden states
     inflight = {}
     for i, w in enumerate(worker_names(workers)):
-        cat = {vocab.Role.TARGET: "target_forward", vocab.Role.DRAFTER: "hs_queue_wait"}.get(roles[w], "batch_queue_put")
+        cat = {vocab.Role.TARGET: "target_forward",
+               vocab.Role.DRAFTER: "hs_queue_wait"}.get(roles[w], "batch_queue_put")
         elapsed = round(_MEAN.get(cat, 0.01) * (0.2 + 0.7 * ((seq + i) % 5) / 4), 4)
         inflight[w] = OpenSpan(category=cat, start=round(t - elapsed, 4), elapsed=elapsed)
     return Snapshot(seq=seq, t=t, interval_s=interval_s, workers=ws, untracked=untracked, inflight=inflight,

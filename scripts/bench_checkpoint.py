@@ -105,7 +105,8 @@ def measure(t, mode: str, before: int) -> dict:
 
 #: the command line: name -> (default, help)
 OPTIONS = {"rounds": (2, "sync and async saves per mode"), "before": (4, "steps measured before each save"),
-           "hidden": (2048, "the target's (and drafter's) hidden size"), "layers": (2, "target layers = drafter layers")}
+           "hidden": (2048, "the target's (and drafter's) hidden size"),
+           "layers": (2, "target layers = drafter layers")}
 
 
 def main() -> None:

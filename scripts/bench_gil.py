@@ -89,7 +89,8 @@ def _child(kind: str, threads: int, seconds: float, probe: str) -> None:
         t.join()
     if p is not None:
         p.close()
-    print(json.dumps({"ops_per_s": ops, "cpu_percent": cpu, "probe": share, "probe_wait_ms": wait * 1e3 if wait is not None else None,
+    print(json.dumps({"ops_per_s": ops, "cpu_percent": cpu, "probe": share,
+                      "probe_wait_ms": wait * 1e3 if wait is not None else None,
                       "knocker": knocker_share if knocker is not None else None}), flush=True)
 
 

@@ -1,4 +1,5 @@
-"""Benchmark: which recipe accepts most: the tiny recipe trained for the same wall time under each objective and optimizer.
+"""Benchmark: which recipe accepts most: the tiny recipe trained for the same wall time under each
+objective and optimizer.
 
 Each recipe is configs/tiny-cpu.toml (`make train`) with one combination of `--loss` (ce, kl),
 `--position-weight` (exp, dpace; D-PACE needs ce) and `--optimizer` (adamw, muon), trained by a real
@@ -77,7 +78,8 @@ def summarise(runs: list[dict]) -> dict:
 
 def table(results: dict[str, dict]) -> str:
     """The results as the README's markdown table, best tau first."""
-    lines = ["| recipe (loss-weight-optimizer) | tau (mean) | tau per seed | acceptance slot 1/2/3 | tokens/s | steps |",
+    lines = ["| recipe (loss-weight-optimizer) | tau (mean) | tau per seed | acceptance slot 1/2/3 "
+             "| tokens/s | steps |",
              "|---|---|---|---|---|---|"]
     for name, s in sorted(results.items(), key=lambda kv: -kv[1]["tau"]):
         lines.append(f"| {name} | **{s['tau']:.2f}** | {' '.join(f'{t:.2f}' for t in s['tau_per_seed'])} | "

@@ -259,7 +259,8 @@ def main() -> int:
             ns[k] for k in ("floor", "add", "add_nodrain", "span", "record_function")
         )
         snap_samples = 20  # per worker and category per window: 8 workers x 20 steps/s, 12 categories
-        snap_ms, snap_min_ms, snap_bytes = bench_snapshot(snap_samples, 10 if args.quick else 200, 5 if args.quick else 30)
+        snap_ms, snap_min_ms, snap_bytes = bench_snapshot(snap_samples, 10 if args.quick else 200,
+                                                          5 if args.quick else 30)
         pairs = 1 if args.quick else 8
         ratio, cpu_ratio, step_us = bench_throughput(0.3 if args.quick else 1.5, pairs)
     result = {

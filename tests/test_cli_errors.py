@@ -40,7 +40,8 @@ def test_config_keeps_what_is_right():
 @pytest.mark.parametrize("argv, says", [
     (["train", "--max-stesp", "5"], "dflash train: error: unknown flag --max-stesp; did you mean --max-steps?"),
     (["train", "--xyzzy"], "dflash train: error: unknown flag --xyzzy"),
-    (["export", "ckpt", "--out", "o", "--dtpye=bf16"], "dflash export: error: unknown flag --dtpye; did you mean --dtype?"),
+    (["export", "ckpt", "--out", "o", "--dtpye=bf16"],
+     "dflash export: error: unknown flag --dtpye; did you mean --dtype?"),
     (["train", "--max-steps", "abc"], "dflash train: error: argument --max-steps: invalid int value: 'abc'"),
 ])
 def test_a_bad_flag_is_one_line_with_the_closest_flag(capsys, argv, says):
@@ -88,7 +89,8 @@ def test_the_attach_hint_works_as_printed_without_the_venv_on_path():
 def test_an_unknown_setting_names_the_closest_valid_one():
     with pytest.raises(ConfigError) as e:
         make_config({"learning_rate": 1e-3, "max_steps": 1}, {})
-    assert str(e.value) == "unknown setting 'learning_rate' in config file; did you mean 'lr'?"  # another trainer's name
+    # another trainer's name
+    assert str(e.value) == "unknown setting 'learning_rate' in config file; did you mean 'lr'?"
     with pytest.raises(ConfigError) as e:
         make_config({"optim": {"learning_rate": 1e-3}, "max_steps": 1}, {})
     assert str(e.value) == "unknown setting 'learning_rate' in [optim] of config file; did you mean 'lr'?"

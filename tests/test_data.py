@@ -129,4 +129,5 @@ def test_regenerate_reports_bad_input_in_one_line(tmp_path):
                            "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o.jsonl")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].endswith("missing.jsonl: no such data file (give a .jsonl path or 'demo')")
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "missing.jsonl: no such data file (give a .jsonl path or 'demo')")

@@ -86,7 +86,8 @@ def _qwen3(rope: dict) -> object:
 
 @pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0},
                                   {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
-                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 256}])
 def test_rope_scaling_is_the_targets(rope):
     """cos/sin (YaRN's attention factor included) equal transformers' Qwen3 rotary for the target's

@@ -59,7 +59,8 @@ def exact(target) -> dict[tuple[int, ...], float]:
     return out
 
 
-def chi_square(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...], float], n: int) -> tuple[float, float]:
+def chi_square(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...], float],
+               n: int) -> tuple[float, float]:
     """(Pearson's statistic, its 0.1% critical value): cells expected fewer than 5 times pooled."""
     big = [k for k, p in expected.items() if p * n >= 5]
     rest = [k for k in expected if k not in big]

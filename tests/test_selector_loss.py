@@ -24,7 +24,8 @@ from dflash.train.device.metrics import StepMetrics
 def test_each_slot_s_predecessor_is_the_datas_token_before_its_label():
     ids = torch.arange(100, 120).view(2, 10)  # token at (row r, position p) is 100 + 10 r + p
     loss_mask = torch.ones_like(ids, dtype=torch.bool)
-    plan = plan_blocks(ids, loss_mask, 4, 2, anchors=(torch.tensor([[0, 5], [2, 6]]), torch.ones(2, 2, dtype=torch.bool)))
+    plan = plan_blocks(ids, loss_mask, 4, 2,
+                       anchors=(torch.tensor([[0, 5], [2, 6]]), torch.ones(2, 2, dtype=torch.bool)))
     before = predecessors(ids, plan.anchors, plan.sel, plan.slot, 4)
     # labels x[a+1..a+3]; predecessors x[a..a+2] (the anchor's own token for slot 1)
     assert plan.labels.tolist() == [101, 102, 103, 106, 107, 108, 113, 114, 115, 117, 118, 119]

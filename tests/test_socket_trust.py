@@ -77,7 +77,8 @@ def _stop(pid: int) -> None:
 
 def _top(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", "import sys; from dflash_tui.cli import main; sys.exit(main())",
-                           *args], capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @root_only

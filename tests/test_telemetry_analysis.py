@@ -11,7 +11,8 @@ from dflash.telemetry.wire.vocab import roles_of
 
 def cs(share: float, wall: float = 1.0) -> CategoryStats:
     total = share * wall
-    return CategoryStats(n=10, total=total, mean=total / 10, p50=total / 10, p95=total / 10, max=total / 10, share=share)
+    return CategoryStats(n=10, total=total, mean=total / 10, p50=total / 10, p95=total / 10, max=total / 10,
+                         share=share)
 
 
 def pipeline(

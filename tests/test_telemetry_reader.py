@@ -22,7 +22,8 @@ def stream(oversized: int = 0) -> bytes:
     """A hello, snapshots, and between them a line that is not JSON, one nested too deep and (when
     asked) one longer than the frame limit."""
     snaps = [P.encode(synthetic.snapshot(i)) for i in range(1, 5)]
-    bad = [b"not json at all\n", NESTED] + ([b'{"type":"event","x":"' + b"y" * oversized + b'"}\n'] if oversized else [])
+    bad = [b"not json at all\n", NESTED] + (
+        [b'{"type":"event","x":"' + b"y" * oversized + b'"}\n'] if oversized else [])
     return b"".join([P.encode(synthetic.hello()), snaps[0], *bad, *snaps[1:]])
 
 
@@ -40,7 +41,8 @@ def test_any_split_of_the_bytes_gives_the_same_reads() -> None:
     rng = random.Random(7)
     for _ in range(5):
         cuts = sorted(rng.sample(range(1, len(data)), 40))
-        assert outcomes(FrameReader(limit=65536), [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]) == whole
+        pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+        assert outcomes(FrameReader(limit=65536), pieces) == whole
 
     used = [f["seq"] for _, f, *_ in whole if f and f["type"] == "snapshot"]
     assert used == [1, 2, 3, 4, 6]  # the v9 segment's snapshot 50 is skipped, and nothing else

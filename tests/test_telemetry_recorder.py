@@ -22,14 +22,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _snap(seq: int, fwd: float, wait: float, tokens: float, window: float = 1.0) -> P.Snapshot:
     def cs(total: float, n: int = 10) -> P.CategoryStats:
-        return P.CategoryStats(n=n, total=total, mean=total / n, p50=total / n, p95=total / n * 2, max=total / n * 3, share=total / window)
+        return P.CategoryStats(n=n, total=total, mean=total / n, p50=total / n, p95=total / n * 2, max=total / n * 3,
+                               share=total / window)
 
-    workers = {"target-0": {"target_forward": cs(fwd)}, "drafter-0": {"hs_queue_wait": cs(wait), "drafter_forward": cs(1 - wait)}}
+    workers = {"target-0": {"target_forward": cs(fwd)},
+               "drafter-0": {"hs_queue_wait": cs(wait), "drafter_forward": cs(1 - wait)}}
     cumulative = {
-        w: {c: P.CategoryStats(n=s.n * seq, total=s.total * seq, mean=s.mean, p50=s.p50, p95=s.p95, max=s.max, share=s.share) for c, s in cats.items()}
+        w: {c: P.CategoryStats(n=s.n * seq, total=s.total * seq, mean=s.mean, p50=s.p50, p95=s.p95, max=s.max,
+                               share=s.share)
+            for c, s in cats.items()}
         for w, cats in workers.items()
     }
-    summ = Summary(t=1000.0 + seq * window, window_s=window, workers=workers, cumulative=cumulative, counters={"tokens": tokens})
+    summ = Summary(t=1000.0 + seq * window, window_s=window, workers=workers, cumulative=cumulative,
+                   counters={"tokens": tokens})
     return to_snapshot(summ, seq, 1.0)
 
 
@@ -155,7 +160,8 @@ def test_stats_on_a_live_server_recording_with_resume(tmp_path: Path, sock_dir: 
     """Two real server runs append to one recording (crash-free resume); stats sums the segments."""
     for _ in range(2):
         stats = ProfileStats()
-        srv = TelemetryServer("live", stats, interval_s=0.05, run_dir=tmp_path, socket_dir=sock_dir, system=False).start()
+        srv = TelemetryServer("live", stats, interval_s=0.05, run_dir=tmp_path, socket_dir=sock_dir,
+                              system=False).start()
         w = stats.worker("target-0")
         for _ in range(5):
             w.add("target_forward", 0.01)

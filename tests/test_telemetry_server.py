@@ -158,7 +158,8 @@ def test_hello_snapshots_events_bye_and_recording(server: TelemetryServer, conne
     # a lone target: nothing waits on it (CPU-starved where other processes hold the cores)
     assert last.bottleneck is not None and last.bottleneck.verdict in {"unknown", "balanced", "data-bound",
                                                                        "CPU-starved"}
-    assert last.untracked["target-0"] == pytest.approx(max(0.0, 1 - sum(v.share for v in last.workers["target-0"].values())))
+    assert last.untracked["target-0"] == pytest.approx(
+        max(0.0, 1 - sum(v.share for v in last.workers["target-0"].values())))
 
     server.publish_event("checkpoint", "saved step 100", step=100, path=Path("/x"))
     ev = c.frame(P.Event)

@@ -397,7 +397,8 @@ def test_unfinished_cuda_events_stay_bounded(monkeypatch: pytest.MonkeyPatch) ->
     import dflash.telemetry.stats as st
 
     fake = types.SimpleNamespace(
-        cuda=types.SimpleNamespace(is_initialized=lambda: True, is_current_stream_capturing=lambda: False, Event=_FakeEvent)
+        cuda=types.SimpleNamespace(is_initialized=lambda: True, is_current_stream_capturing=lambda: False,
+                                   Event=_FakeEvent)
     )
     monkeypatch.setitem(sys.modules, "torch", fake)
     monkeypatch.setattr(st, "CUDA_BACKLOG", 50)

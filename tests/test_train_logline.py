@@ -59,7 +59,8 @@ def shares(put: float) -> dict:
 def test_a_line_per_interval_only_when_steps_were_made() -> None:
     now, out = [0.0], []
     state, metrics, stats = TrainCounters(), StepMetrics(), _Stats()
-    lines = LogLines(updated(TrainConfig(), log_every=10.0, telemetry_interval=1.0), state, stats, metrics, _Pipeline(now),
+    lines = LogLines(updated(TrainConfig(), log_every=10.0, telemetry_interval=1.0), state, stats, metrics,
+                     _Pipeline(now),
                      latest=lambda: None, verdict=lambda whole_run=None: None, report=Reporter(out.append),
                      devices=[torch.device("cpu")], clock=lambda: now[0])
     now[0] = 10.0
@@ -82,7 +83,8 @@ def test_a_line_per_interval_only_when_steps_were_made() -> None:
 
 
 def test_the_last_line_judges_the_whole_run_not_its_wind_down_window() -> None:
-    """(With --log-table, so that every line has its verdict and evidence.) Between intervals the line shows the verdict dflash-top shows (the window's); the last line of
+    """(With --log-table, so that every line has its verdict and evidence.) Between intervals the line
+    shows the verdict dflash-top shows (the window's); the last line of
     the run judges the cumulative shares: the last window is the wind-down, where a stage that waits
     on a stopped one looks blocked (84% there against 25% over the run, in a real `make train`)."""
     run, wind_down = shares(0.25), analyze(shares(0.84))

@@ -98,8 +98,9 @@ def test_the_counter_sees_each_kind_of_read() -> None:
                      "__getitem__": 1, "cpu": 1, "to": 1}, counts
 
 
-@pytest.mark.parametrize("layers", [{}, {"drafter_layers": 2, "drafter_layer_types": ["sliding_attention", "full_attention"],
-                                     "drafter_sliding_window": 5},
+@pytest.mark.parametrize("layers", [{}, {"drafter_layers": 2,
+                                         "drafter_layer_types": ["sliding_attention", "full_attention"],
+                                         "drafter_sliding_window": 5},
                                     {"loss": "kl", "optimizer": "muon"}, {"position_weight": "dpace"}],
                          ids=["full", "sliding", "kl-muon", "dpace"])
 def test_steady_state_steps_make_no_syncing_call(setup, tmp_path, monkeypatch, layers) -> None:

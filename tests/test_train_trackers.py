@@ -31,7 +31,8 @@ def run(tmp_path_factory) -> tuple[Path, str]:
            "MLFLOW_TRACKING_URI": ""}
     proc = subprocess.run(_cli(target, data, run_dir, "--max-steps", "6", "--log-every", "0.2", "--eval-prompts", "1",
                                "--report-to", "tensorboard,wandb,mlflow",
-                               "--telemetry-interval", "0.1", "--socket-dir", str(Path("/tmp") / f"dft-trk-{os.getpid()}")),
+                               "--telemetry-interval", "0.1",
+                               "--socket-dir", str(Path("/tmp") / f"dft-trk-{os.getpid()}")),
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "trackers:  tensorboard, wandb, mlflow" in proc.stdout

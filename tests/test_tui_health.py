@@ -25,7 +25,8 @@ def _frames(gpus: int, troubled_from: int = 70) -> list:
                               stack_file="runs/demo/stalls/20260101-000000-drafter-0-python.txt")]
             f.anomalies = [Anomaly(worker="target-0", category="target_forward", stat="p95", value=0.041,
                                    baseline=0.012, ratio=3.4, since=f.t - 20,
-                                   message="target-0/target_forward p95 3.4x its baseline (41ms vs 12ms) since 00:00:52")]
+                                   message="target-0/target_forward p95 3.4x its baseline (41ms vs 12ms) "
+                                           "since 00:00:52")]
     return frames
 
 

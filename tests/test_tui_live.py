@@ -207,12 +207,14 @@ async def test_disconnect_keeps_data_and_reattaches(short_dir: Path, workloads) 
         wl.close()
         await until(pilot, lambda: app.disconnected, "disconnected")
         await until(pilot, lambda: "DISCONNECTED" in text_of(app, "#header"), "the header to say so")
-        assert app.state.connection == Connection.DISCONNECTED and "trainer exited (shutdown)" in app.state.connection_detail
+        assert (app.state.connection == Connection.DISCONNECTED
+                and "trainer exited (shutdown)" in app.state.connection_detail)
         assert app.screen.has_class("-disconnected")
         assert app.state.workers and app.query_one(CategoryTable).row_count > 0, "last data kept"
         seen = app.state.snapshots
         workloads("flaky", short_dir / "s", short_dir / "run")
-        await until(pilot, lambda: app.state.connection == Connection.LIVE and app.state.snapshots > seen + 1, "reattached")
+        await until(pilot, lambda: app.state.connection == Connection.LIVE and app.state.snapshots > seen + 1,
+                    "reattached")
         assert not app.disconnected
 
 
@@ -447,7 +449,8 @@ async def test_cluster_panel_and_rank_keys_follow_each_rank(short_dir: Path, wor
         await until(pilot, lambda: app.state.workers, "rank 1's timings")
         assert app.cluster_source is not None and app.cluster_source.path == job.r0.server.path
         seen = job.views
-        await until(pilot, lambda: app.state.cluster_connection == Connection.LIVE and app.state.cluster.ranks[0].step > seen,
+        await until(pilot, lambda: (app.state.cluster_connection == Connection.LIVE
+                                    and app.state.cluster.ranks[0].step > seen),
                     "fresh cluster views through the second connection")
         assert "▶ r1" in panel.content.plain and "view from" not in app.query_one("#p-cluster").border_title
 

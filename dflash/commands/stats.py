@@ -154,7 +154,9 @@ def run(args: argparse.Namespace) -> int:
     if data["counters"]:
         print(
             "counters: "
-            + ", ".join(f"{k} {v:,.0f} ({data['rates'].get(k, 0.0):,.1f}/s)" for k, v in sorted(data["counters"].items()))
+            + ", ".join(
+                f"{k} {v:,.0f} ({data['rates'].get(k, 0.0):,.1f}/s)" for k, v in sorted(data["counters"].items())
+            )
         )
     if data["gauges"]:
         print("gauges (last): " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(data["gauges"].items())))

@@ -314,7 +314,9 @@ def read_rows(root: Path) -> list[Sample]:
     try:
         ds = load_from_disk(str(root))
     except Exception as e:  # datasets raises many types; the user needs the one line
-        raise CacheError(f"--hidden-states {root}: the data set does not load ({str(e).splitlines()[0][:200]})") from None
+        raise CacheError(
+            f"--hidden-states {root}: the data set does not load ({str(e).splitlines()[0][:200]})"
+        ) from None
     missing = {"input_ids", "loss_mask"} - set(getattr(ds, "column_names", []))
     if missing:
         raise CacheError(f"--hidden-states {root}: the data set lacks columns {sorted(missing)} "

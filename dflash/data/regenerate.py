@@ -52,7 +52,8 @@ def regenerate_rows(target, rows: Iterable[tuple[str, dict]], max_new_tokens: in
         for (_, row), resp in zip(batch, responses, strict=True):
             text = target.tokenizer.decode(resp, skip_special_tokens=True)
             if "messages" in row:
-                first = next((i for i, m in enumerate(row["messages"]) if m.get("role") == "assistant"), len(row["messages"]))
+                first = next((i for i, m in enumerate(row["messages"]) if m.get("role") == "assistant"),
+                             len(row["messages"]))
                 out.append({"messages": row["messages"][:first] + [{"role": "assistant", "content": text}]})
             else:
                 out.append({"prompt": row["prompt"], "response": text})

@@ -147,7 +147,8 @@ class DrafterConfig:
     # None: every layer full attention; else one of LAYER_TYPES per layer
     layer_types: list[str] | None = None
     sliding_window: int | None = None  # W of the sliding layers: the positions a query sees, its own included
-    rope_scaling: dict | None = None  # None: plain RoPE; else transformers' rope parameters, e.g. {"rope_type": "yarn", ...}
+    # None: plain RoPE; else transformers' rope parameters, e.g. {"rope_type": "yarn", ...}
+    rope_scaling: dict | None = None
 
     #: which drafter this config builds (``build_drafter``); a checkpoint stores it beside the fields
     drafter_type: ClassVar[str] = "dflash"
@@ -161,13 +162,15 @@ class DrafterConfig:
         if bad_type:
             raise ValueError(f"layer type {bad_type[0]!r} is not one of {', '.join(LAYER_TYPES)}")
         if SLIDING in self.layer_types and (self.sliding_window is None or int(self.sliding_window) < 1):
-            raise ValueError(f"sliding_attention layers need a sliding_window of at least 1 (got {self.sliding_window})")
+            raise ValueError(
+                f"sliding_attention layers need a sliding_window of at least 1 (got {self.sliding_window})")
         if self.sliding_window is not None:
             self.sliding_window = int(self.sliding_window)
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ROPE_TYPES:
-                raise ValueError(f"RoPE scaling {kind!r} is not supported by the drafter (supported: {', '.join(ROPE_TYPES)})")
+                raise ValueError(f"RoPE scaling {kind!r} is not supported by the drafter "
+                                 f"(supported: {', '.join(ROPE_TYPES)})")
             rest = {k: v for k, v in self.rope_scaling.items() if k != "type"}  # transformers 4.x's key
             self.rope_scaling = None if kind == "default" else {**rest, "rope_type": kind}
         if self.gamma is None:

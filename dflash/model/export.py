@@ -265,7 +265,8 @@ def check_shapes(cfg: DrafterConfig, shapes: dict[str, tuple[int, ...]], where: 
         raise DrafterLoadError(f"{where}: the config's sizes are invalid ({str(e).splitlines()[0][:120]})") from None
     missing, extra = sorted(expected.keys() - shapes.keys()), sorted(shapes.keys() - expected.keys())
     if missing or extra:
-        raise DrafterLoadError(f"{where}: weights do not match the config (missing {missing[:3]}, unexpected {extra[:3]})")
+        raise DrafterLoadError(
+            f"{where}: weights do not match the config (missing {missing[:3]}, unexpected {extra[:3]})")
     wrong = [k for k in expected if expected[k] != tuple(shapes[k])]
     if wrong:
         k = wrong[0]

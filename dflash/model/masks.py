@@ -32,8 +32,9 @@ for the CPU path, where sequences are tiny and SDPA is the fast kernel.
 Compilation: ``flex_attention`` is compiled with dynamic shapes (``compiled_flex``), q/k/v padded to
 whole tiles, and the ``mask_mod`` captures only tensors and the block size (no sequence length or
 anchor count as a Python int), so new lengths and anchor counts reuse the graph: measured on CPU, at
-most one recompilation (when a tile count that happened to equal another dimension stops doing so). If compilation fails, attention
-falls back to SDPA with a dense mask evaluated from the same ``mask_mod``, with one warning.
+most one recompilation (when a tile count that happened to equal another dimension stops doing so).
+If compilation fails, attention falls back to SDPA with a dense mask evaluated from the same
+``mask_mod``, with one warning.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def block_mask_mod(
         return mask_mod
     key_pos = torch.zeros((bsz, kv_pad), dtype=torch.long, device=dev)
     key_pos[:, :ctx_len] = torch.arange(ctx_len, device=dev)
-    key_pos[:, ctx_len:kv_len] = anchors.repeat_interleave(block_size, dim=1) + torch.arange(block_size, device=dev).repeat(n)
+    key_pos[:, ctx_len:kv_len] = (anchors.repeat_interleave(block_size, dim=1)
+                                  + torch.arange(block_size, device=dev).repeat(n))
 
     def window_mod(b, h, q_idx, kv_idx):
         blk = q_idx // block_size

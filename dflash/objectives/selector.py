@@ -86,7 +86,8 @@ def _chunk_terms(selector: nn.Module, lm_head: nn.Module, h: torch.Tensor, label
 
 
 def selector_terms(selector: nn.Module, lm_head: nn.Module, h: torch.Tensor, labels: torch.Tensor,
-                   before: torch.Tensor, weights: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                   before: torch.Tensor, weights: torch.Tensor,
+                   chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum over the covered slots of weight x the selector's cross-entropy, differentiable; float32
     [covered, correct] counts) for the supervised slots' drafter states ``h`` [S, H], their ``labels``,
     the tokens ``before`` them and their position ``weights``. ``selector`` is a CandidateSelector,

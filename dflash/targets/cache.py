@@ -213,7 +213,9 @@ def load_cache_target(root: Path, spec: str, layer_ids: list[int] | None, num_dr
         config = getattr(config, "text_config", None) or config
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types; the user needs the one line
-        raise TargetError(f"target {spec!r}: config or tokenizer does not load ({str(e).splitlines()[0][:200]})") from None
+        raise TargetError(
+            f"target {spec!r}: config or tokenizer does not load ({str(e).splitlines()[0][:200]})"
+        ) from None
     n_layers = int(config.num_hidden_layers)
     info = _Info(tokenizer, config, n_layers, int(config.hidden_size), path)
     defaults = default_target_layer_ids(n_layers, num_draft_layers or 5)

@@ -4,8 +4,9 @@ config classes: the test matrix (tests/test_families.py) and scripts/bench_rollb
 Each family is one entry: its transformers config class and the few settings that make it tiny while
 keeping what makes the family different — Gated DeltaNet layers beside full attention (Qwen3.5,
 Qwen3-Next), sliding windows short enough to be passed in a test (gpt-oss, Gemma 4), per-layer head
-sizes, layers sharing another layer's keys/values and the embedding scale / logit soft-cap (Gemma 4), multi-head latent attention (DeepSeek-V3, the
-architecture of Kimi K2.5), mixtures of experts (Qwen3.5-MoE, Qwen3-Next, gpt-oss, DeepSeek-V3,
+sizes, layers sharing another layer's keys/values and the embedding scale / logit soft-cap (Gemma 4),
+multi-head latent attention (DeepSeek-V3, the architecture of Kimi K2.5), mixtures of experts
+(Qwen3.5-MoE, Qwen3-Next, gpt-oss, DeepSeek-V3,
 GLM-4-MoE). Nothing here is downloaded: a config class builds a model with random weights.
 """
 

@@ -183,7 +183,8 @@ def heldout_loss(model, held_ids, seq_len: int, max_windows: int | None = None) 
     with torch.no_grad():
         for i in range(0, n, 16):
             logits = model(input_ids=x[i : i + 16]).logits
-            total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y[i : i + 16].flatten(), reduction="sum"))
+            total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y[i : i + 16].flatten(),
+                                                             reduction="sum"))
     model.train()
     return total / (n * seq_len)
 
@@ -308,7 +309,8 @@ def build_tiny(out_dir: Path, recipe: TinyRecipe, log: Callable[[str], None] = p
         if step < recipe.warmup_steps:
             lr = recipe.lr * (step + 1) / recipe.warmup_steps
         else:
-            lr = recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+            lr = recipe.lr * (recipe.min_lr_ratio
+                              + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
         for g in opt.param_groups:
             g["lr"] = lr
         # fp32: on these CPUs bf16 autocast measured slower than plain fp32 for a model this small.

@@ -14,7 +14,8 @@ from textual.widgets import RichLog
 
 from dflash_tui.state import MAX_EVENTS, LoggedEvent, RunState
 
-KIND_STYLE = {"checkpoint": "green", "eval": "cyan", "phase": "bold cyan", "warning": "yellow", "error": "bold red", "info": "dim"}
+KIND_STYLE = {"checkpoint": "green", "eval": "cyan", "phase": "bold cyan", "warning": "yellow", "error": "bold red",
+              "info": "dim"}
 
 
 class EventsLog(RichLog):

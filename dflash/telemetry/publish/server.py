@@ -453,7 +453,8 @@ class TelemetryServer:
 
     def _on_line(self, c: Client, line: bytes | None) -> None:
         if line is None:  # said once; the rest of that line is discarded as it arrives
-            self._peers.reply(c, 0, "", False, error=f"request line exceeds the {MAX_REQUEST_BYTES}-byte limit; discarded")
+            self._peers.reply(c, 0, "", False,
+                              error=f"request line exceeds the {MAX_REQUEST_BYTES}-byte limit; discarded")
         else:
             self._handle_line(c, line)
 
@@ -474,10 +475,12 @@ class TelemetryServer:
             if op == "stacks":
                 now = time.monotonic()
                 if now - c.last_stacks < 1.0 / STACKS_PER_S:
-                    self._peers.reply(c, frame.id, op, False, error=f"stacks requested too often (at most {STACKS_PER_S:g}/s)")
+                    self._peers.reply(c, frame.id, op, False,
+                                      error=f"stacks requested too often (at most {STACKS_PER_S:g}/s)")
                     return
                 c.last_stacks = now
-                self._peers.reply(c, frame.id, op, True, data=Stacks(pid=self._pid, t=time.time(), threads=python_stacks()))
+                self._peers.reply(c, frame.id, op, True,
+                                  data=Stacks(pid=self._pid, t=time.time(), threads=python_stacks()))
             elif op == "ptrace_allow":
                 ok, data, err = ptrace_allow(c.pid, c.uid)
                 self._peers.reply(c, frame.id, op, ok, data=data, error=err)

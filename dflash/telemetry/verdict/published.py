@@ -70,7 +70,8 @@ def _span_stats(parts: list[tuple[float, CategoryStats]], total_s: float) -> Cat
     dev_parts = [(s, st.device) for s, st in parts if st.device is not None]
     dev = None
     if dev_parts:
-        dev = msgspec.structs.replace(dev_parts[-1][1], n=sum(d.n for _, d in dev_parts), total=sum(d.total for _, d in dev_parts),
+        dev = msgspec.structs.replace(dev_parts[-1][1], n=sum(d.n for _, d in dev_parts),
+                                      total=sum(d.total for _, d in dev_parts),
                                       share=sum(s * d.share for s, d in dev_parts) / total_s)
     return msgspec.structs.replace(last, n=sum(st.n for _, st in parts), total=sum(st.total for _, st in parts),
                                    share=sum(s * st.share for s, st in parts) / total_s, device=dev)
@@ -100,7 +101,8 @@ class RecentWindows:
             thread_cpu={w: threads[w] for w in summary.workers if w in threads},
             machine=system.machine if system is not None else None))
         # keep the newest windows that cover the span (the oldest one may start before it)
-        while len(self._windows) > 1 and sum(w.seconds for w in self._windows) - self._windows[0].seconds >= self.span_s:
+        while (len(self._windows) > 1
+               and sum(w.seconds for w in self._windows) - self._windows[0].seconds >= self.span_s):
             self._windows.popleft()
 
     def merged(self) -> WorkerStats:
@@ -236,8 +238,9 @@ class RunCpu:
         s, m = self.seconds, self.last
         if s <= 0 or m is None:
             return None, None, None
-        cpu = CpuFigures(worker_cpu=self.cpu / s, worker_busy=self.busy / s, cores=m.cores, others_cores=self.others / s,
-                         idle_cores=self.idle / s, load1=m.load1, steal_cores=None if self.steal is None else self.steal / s)
+        cpu = CpuFigures(worker_cpu=self.cpu / s, worker_busy=self.busy / s, cores=m.cores,
+                         others_cores=self.others / s, idle_cores=self.idle / s, load1=m.load1,
+                         steal_cores=None if self.steal is None else self.steal / s)
         seen, total = self.contention
         return cpu, total / seen if seen > 0 else None, self.process / s
 

@@ -267,13 +267,15 @@ def ensure_socket_dir(requested: Path) -> Path:
     if path != requested:
         st = os.stat(requested)
         if not stat.S_ISDIR(st.st_mode):
-            raise RuntimeError(f"telemetry socket directory {requested} is not a directory; remove it or pass socket_dir")
+            raise RuntimeError(
+                f"telemetry socket directory {requested} is not a directory; remove it or pass socket_dir")
         if st.st_uid not in (uid, 0):
             raise RuntimeError(f"telemetry socket directory {requested} belongs to uid {st.st_uid}, not to you "
                                f"({uid}); remove it or pass another socket_dir")
         if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
             raise RuntimeError(f"telemetry socket directory {requested} is writable by others without the sticky "
-                               "bit, so anyone could replace dflash's directory in it; chmod +t or 700 it, or pass another socket_dir")
+                               "bit, so anyone could replace dflash's directory in it; chmod +t or 700 it, "
+                               "or pass another socket_dir")
     try:
         path.mkdir(mode=0o700, parents=True)
         os.chmod(path, 0o700)  # ours: the umask may have taken bits mkdir asked for

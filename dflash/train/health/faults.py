@@ -11,8 +11,9 @@ A spec is `kind:stage[:key=value...]`; several are separated by `;` or `,`. Stag
 `target` (every target worker) or `target-N`. Keys: `step=N` (that step only) or `from_step=N` (from N
 on, default 0), `count=K` (at most K steps), `rank=R` (only on that rank), `seconds=S` (hang, required),
 `factor=F` (slow, > 1, required), `after_s=S` (only once S seconds have passed since the first step
-reached an injection point: a drill that starts after the run has settled, whatever its speed). Step N is the step that trains batch N (0-based; without --resume,
-the step counter before that step). A bad spec stops `dflash train` at start with one line.
+reached an injection point: a drill that starts after the run has settled, whatever its speed).
+Step N is the step that trains batch N (0-based; without --resume, the step counter before that
+step). A bad spec stops `dflash train` at start with one line.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def parse(text: str | None) -> list[Fault]:
 def _parse_one(spec: str) -> Fault:
     parts = spec.split(":")
     if len(parts) < 2:
-        raise FaultSpecError(f"DFLASH_FAULT {spec!r}: expected kind:stage[:key=value...], e.g. hang:drafter:step=20:seconds=15")
+        raise FaultSpecError(f"DFLASH_FAULT {spec!r}: expected kind:stage[:key=value...], "
+                             "e.g. hang:drafter:step=20:seconds=15")
     kind, stage = parts[0].strip(), parts[1].strip()
     if kind not in KINDS:
         raise FaultSpecError(f"DFLASH_FAULT {spec!r}: unknown kind {kind!r} (known: {', '.join(KINDS)})")

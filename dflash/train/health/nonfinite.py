@@ -4,8 +4,9 @@ and reported; too many in a row stop the run with the last good state checkpoint
 Why it is shaped like this: the trainer must not synchronise with the GPU in a step, so on CUDA the
 decision never reaches the host. The fused AdamW kernel takes a `found_inf` tensor (the hook AMP's
 grad scaler uses) and, when it is 1, leaves parameters, both moments and the step count untouched, all
-on the device; dflash's Muon (dflash/objectives/optim.py) honours the same tensor. A plain "zero the gradients" would not do: AdamW would still decay the moments and
-apply weight decay. The counters (skipped steps, the current run of them, the last bad step and
+on the device; dflash's Muon (dflash/objectives/optim.py) honours the same tensor. A plain "zero the
+gradients" would not do: AdamW would still decay the moments and apply weight decay. The counters
+(skipped steps, the current run of them, the last bad step and
 batch) are device tensors too, updated with `torch.where`, and read on the host once per log interval
 (`read`). Where the optimizer is not fused (the CPU default), the check is a host branch: on the CPU
 reading a tensor is not a device synchronisation, and then every bad step is reported at once.

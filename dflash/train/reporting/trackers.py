@@ -45,7 +45,8 @@ def check_available(names: list[str]) -> None:
             found = False
         if not found:
             raise TrackerError(f"--report-to {name} needs the {module} package: pip install "
-                               f"'dflash-trainer[{extra}]' (or pip install {module if name != 'mlflow' else 'mlflow-skinny'})")
+                               f"'dflash-trainer[{extra}]' "
+                               f"(or pip install {module if name != 'mlflow' else 'mlflow-skinny'})")
 
 
 def flatten(config: Mapping[str, Any]) -> dict[str, Any]:

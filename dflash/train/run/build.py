@@ -227,7 +227,8 @@ def evaluator(cfg: TrainConfig, target: Target, device: torch.device, log: Calla
 
     if cfg.eval.eval_target is None:
         if target.verifier is None and cfg.eval.eval_prompts > 0:
-            source = f"--hidden-states {cfg.run.hidden_states}" if cfg.run.hidden_states else f"target {cfg.run.target!r}"
+            source = (f"--hidden-states {cfg.run.hidden_states}" if cfg.run.hidden_states
+                      else f"target {cfg.run.target!r}")
             fix = f"--eval-target MODEL_DIR (e.g. --eval-target {cfg.run.target})"
             if cfg.eval.eval_every > 0:
                 raise TrainError(f"--eval-every: {source} supplies hidden states only and cannot decode; give {fix} "
