@@ -83,7 +83,8 @@ class DFlashTop(App[None]):
         Binding("plus,equals_sign", "faster", "faster", tooltip="replay faster"),
         Binding("minus", "slower", "slower", tooltip="replay slower"),
         Binding("less_than_sign,comma", "seek(-10)", "-10s", key_display="<", tooltip="back 10 s of the run's time"),
-        Binding("greater_than_sign,full_stop", "seek(10)", "+10s", key_display=">", tooltip="forward 10 s of the run's time"),
+        Binding("greater_than_sign,full_stop", "seek(10)", "+10s", key_display=">",
+                tooltip="forward 10 s of the run's time"),
         Binding("j", "jump", "jump", show=False, tooltip="jump to a time of the run (m:ss, or a percentage)"),
         Binding("w", "next_worker", "worker", tooltip="the table shows one worker, the next, ... all"),
         Binding("o", "sort", "sort", show=False, tooltip="sort the table: pipeline order, share, p95, name"),
@@ -232,7 +233,8 @@ class DFlashTop(App[None]):
         self._last_refresh = now
         if slow is None:
             # the first data is drawn at once everywhere; after that the slow panels keep their pace
-            slow = now - self._last_slow >= self.SLOW_INTERVAL_S or (self._slow_empty and self.state.snapshot is not None)
+            slow = (now - self._last_slow >= self.SLOW_INTERVAL_S
+                    or (self._slow_empty and self.state.snapshot is not None))
         if slow:
             self._last_slow = now
             self._slow_empty = self.state.snapshot is None
@@ -498,7 +500,8 @@ class DFlashTop(App[None]):
         what = "trainer stacks" if force_trainer or not local else "py-spy dump"
         self._start_job(f"{what} of pid {pid}", self.pyspy_timeout * 2 + self.request_timeout)
         job = partial(take_snapshot, pid, local=local, ask=partial(self._ask, src) if src else None,
-                      cpu=self.state.thread_cpu(), names=self.state.thread_names(), exe=self.pyspy_exe, timeout=self.pyspy_timeout,
+                      cpu=self.state.thread_cpu(), names=self.state.thread_names(), exe=self.pyspy_exe,
+                      timeout=self.pyspy_timeout,
                       force_trainer=force_trainer, run_dir=run_dir)
         self.run_worker(partial(self._post_result, job), thread=True, group="profile", name="snapshot")
 

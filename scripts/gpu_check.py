@@ -278,7 +278,8 @@ def _flex_against_sdpa(ctx: Ctx, target, dstage, seq: int, n: int, pad: int, see
     if pad:
         attn[1, -pad:] = 0  # a padded tail in row 1
     bs = dstage.drafter.config.block_size
-    labels = torch.gather(ids, 1, (anchors[:, :, None] + torch.arange(1, bs, device=dev)).view(2, -1)).view(2, n, bs - 1)
+    slots = (anchors[:, :, None] + torch.arange(1, bs, device=dev)).view(2, -1)
+    labels = torch.gather(ids, 1, slots).view(2, n, bs - 1)
     out = {}
     for backend in ("sdpa", "flex"):
         dstage.drafter.zero_grad(set_to_none=True)
@@ -627,7 +628,8 @@ def check_ddp_resume(ctx: Ctx) -> dict:
     scale = max(float(v.abs().max()) for v in a.values())
     bitwise = all(torch.equal(a[k], b[k]) for k in a)
     return {"ok": diff <= 1e-6 * scale, "bitwise": bitwise, "max_abs_diff": diff,
-            "stopped_at": first.state.step, "backend": "nccl" if ctx.cuda else "gloo", "ddp": type(second.drafter.forward_module).__name__}
+            "stopped_at": first.state.step, "backend": "nccl" if ctx.cuda else "gloo",
+            "ddp": type(second.drafter.forward_module).__name__}
 
 
 @check(budget_s=8)
@@ -723,8 +725,8 @@ def check_prewarm(ctx: Ctx) -> dict:
     big = make_target(ctx, TINY if ctx.smoke else {**QWEN3_8B, "vocab_size": 32768}, layers=2)
     tiny = load_target("tiny", device=ctx.device, dtype=torch.bfloat16 if ctx.cuda else torch.float32)
     seconds = {}
-    for name, target, layers, (seq, n) in (("qwen3_8b_shape", big, 1 if ctx.smoke else 2, (96, 6) if ctx.smoke else (1000, 37)),
-                                           ("tiny", tiny, 1, (96, 6))):
+    big_shape = (1, (96, 6)) if ctx.smoke else (2, (1000, 37))
+    for name, target, layers, (seq, n) in (("qwen3_8b_shape", big, *big_shape), ("tiny", tiny, 1, (96, 6))):
         _, _, dstage, _, _ = make_parts(ctx, target, layers, seq, n, 1, samples=1)
         ids = torch.randint(0, target.vocab_size - 1, (1, seq)).to(dev)
         with torch.no_grad():

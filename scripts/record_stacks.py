@@ -104,7 +104,8 @@ def record_dflash(out: Path, seconds: int, rate: int) -> dict:
                  "the telemetry past the recording", proc)
     finally:
         stop(proc)
-    kept = [f for f in snapshots(telemetry) if isinstance(f, Hello) or (isinstance(f, Snapshot) and t0 - 2 <= f.t <= t1 + 2)]
+    kept = [f for f in snapshots(telemetry)
+            if isinstance(f, Hello) or (isinstance(f, Snapshot) and t0 - 2 <= f.t <= t1 + 2)]
     (out / "telemetry.jsonl.gz").write_bytes(gzip.compress(b"".join(encode(f) for f in kept), mtime=0))
     shutil.rmtree(run, ignore_errors=True)
     return {"trainer": "dflash train --config configs/tiny-cpu.toml (checkpoints and evaluation off)", "t0": t0,

@@ -147,7 +147,8 @@ def test_verdict_cpu_starved_and_gil_bound_need_their_evidence() -> None:
     # ... but not when it was on the CPU all along, nor without a GIL record
     assert judge(Observed(busy, {"MainThread": 0.9}, process_cpu=100.0, machine=QUIET, gil_held=0.95)).verdict \
         == verdicts.BALANCED.name
-    assert judge(Observed(busy, {"MainThread": 0.2}, process_cpu=100.0, machine=QUIET)).verdict == verdicts.BALANCED.name
+    calm = Observed(busy, {"MainThread": 0.2}, process_cpu=100.0, machine=QUIET)
+    assert judge(calm).verdict == verdicts.BALANCED.name
 
 
 def test_verdict_says_when_it_cannot_judge() -> None:

@@ -122,7 +122,8 @@ def test_pipelined_run_streams_telemetry_and_checkpoints(setup, tmp_path):
     assert not any(socks.glob("*.sock")), "the socket must be removed at exit"
 
 
-@pytest.mark.parametrize("recipe", [{}, {"optimizer": "muon", "loss": "kl"}, {"optimizer": "muon", "position_weight": "dpace"}],
+@pytest.mark.parametrize("recipe", [{}, {"optimizer": "muon", "loss": "kl"},
+                                    {"optimizer": "muon", "position_weight": "dpace"}],
                          ids=["adamw-ce-exp", "muon-kl-exp", "muon-ce-dpace"])
 def test_resume_is_exact(setup, tmp_path, recipe):
     """6 steps straight == 3 steps, stop (as on SIGTERM), resume, 3 more: same weights, bit for bit,
@@ -278,7 +279,8 @@ def test_config_file_and_overrides(tmp_path):
     from dflash.train.config.schema import load_toml
 
     cfg = make_config(load_toml(cfg_file), {"batch_size": 3})
-    assert (cfg.optim.lr, cfg.data.batch_size, cfg.run.max_steps, cfg.pipeline.target_devices) == (1e-3, 3, 5, ["cpu", "cpu"])
+    got = (cfg.optim.lr, cfg.data.batch_size, cfg.run.max_steps, cfg.pipeline.target_devices)
+    assert got == (1e-3, 3, 5, ["cpu", "cpu"])
     bad = tmp_path / "bad.toml"
     bad.write_text("lr = [\n")
     with pytest.raises(ConfigError, match="invalid TOML"):
@@ -367,7 +369,8 @@ def test_the_final_evaluation_reaches_prometheus(setup, tmp_path):
 
     target, data = setup
     run_dir = tmp_path / "m"
-    proc = subprocess.Popen(_cli(target, data, run_dir, "--max-steps", "3", "--metrics-port", "0", "--eval-prompts", "1",
+    proc = subprocess.Popen(_cli(target, data, run_dir, "--max-steps", "3", "--metrics-port", "0",
+                                 "--eval-prompts", "1",
                                  "--telemetry-interval", "0.1", "--metrics-linger", "120",
                                  "--socket-dir", str(Path("/tmp") / f"dft-linger-{os.getpid()}")),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())

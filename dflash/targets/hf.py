@@ -228,7 +228,8 @@ def load_hf_target(
     except (OSError, ValueError) as e:
         raise TargetError(f"target {str(spec)!r}: unreadable config.json ({_one_line(e)})") from e
     if not any(any(path.glob(p)) for p in _WEIGHT_PATTERNS):
-        raise TargetError(f"target {str(spec)!r}: config.json but no weights (*.safetensors or *.bin; found {_listing(path)})")
+        raise TargetError(f"target {str(spec)!r}: config.json but no weights (*.safetensors or *.bin; "
+                          f"found {_listing(path)})")
 
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer

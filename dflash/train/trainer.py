@@ -133,7 +133,8 @@ class Trainer:
                                    cfg.eval.eval_every,
                                    is_main=d.is_main, agreement=agreement, trained=self.state.train_time)
         self.pipeline = Pipeline(parts.source, parts.targets, parts.drafter, cfg.pipeline, cfg.run, parts.stats,
-                                 self.state, self.on_step, clock=self.control.agreed_clock if agreement is not None else None)
+                                 self.state, self.on_step,
+                                 clock=self.control.agreed_clock if agreement is not None else None)
         self.checkpoints = Checkpointer(cfg, d, parts, self.state, self.pipeline.clock, self.control.checkpoints,
                                         report)
         self.evaluations = Evaluations(cfg, parts, report)

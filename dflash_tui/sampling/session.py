@@ -169,7 +169,8 @@ class SampledSession:
                               total_margin=round(margin(self.samples), 4), native=self.native,
                               sampler_cpu_percent=None if sampler_cpu is None else round(sampler_cpu, 1),
                               cost=cost_text(self.native, self.rate_hz, sampler_cpu),
-                              gil_held=None if window.gil_held is None or not n else round(min(1.0, window.gil_held / n), 4),
+                              gil_held=(None if window.gil_held is None or not n
+                                        else round(min(1.0, window.gil_held / n), 4)),
                               gil=held if window.gil_held is not None else {}),
         )
 

@@ -171,7 +171,8 @@ class ReplaySource:
 
     def _announce(self) -> None:
         if self._sink is not None and not self.finished.is_set():
-            self._sink(SourceUpdate(state=Connection.PAUSED if self._paused else Connection.REPLAY, detail=self.describe()))
+            self._sink(SourceUpdate(state=Connection.PAUSED if self._paused else Connection.REPLAY,
+                                    detail=self.describe()))
 
     # -- lifecycle
 

@@ -131,5 +131,5 @@ STALL_DUMP_THREAD = "dflash-stall-dump"
 TELEMETRY_THREADS = (PUBLISHER_THREAD, GIL_PROBE_THREAD, CLUSTER_THREAD, STALL_DUMP_THREAD)
 #: the modules whose loops those threads run: a sampled stack through one of them is the monitor's own
 #: (workers never call into them; their spans live in stats.py)
-TELEMETRY_LOOPS = ("dflash/telemetry/publish/server.py", "dflash/telemetry/verdict/gil.py", "dflash/telemetry/export/cluster.py",
-                   "dflash/telemetry/verdict/watchdog.py")
+TELEMETRY_LOOPS = ("dflash/telemetry/publish/server.py", "dflash/telemetry/verdict/gil.py",
+                   "dflash/telemetry/export/cluster.py", "dflash/telemetry/verdict/watchdog.py")
