@@ -42,21 +42,9 @@ def _forward(target: HFTarget, ids: torch.Tensor, cache, start: int):
 def greedy_generate(
     target: HFTarget, prompt_ids: list[int], max_new_tokens: int, stop_token_ids: list[int] | None = None
 ) -> list[int]:
-    """The target's own greedy continuation (KV-cached, one token per forward): the lossless reference."""
-    stops = set(stop_token_ids or [])
-    cache = new_cache(target.model)
-    ids = torch.tensor([prompt_ids], device=target.device)
-    out: list[int] = []
-    pos = 0
-    while len(out) < max_new_tokens:
-        logits = _forward(target, ids, cache, pos).logits
-        pos += ids.shape[1]
-        tok = int(logits[0, -1].argmax())
-        out.append(tok)
-        if tok in stops:
-            break
-        ids = torch.tensor([[tok]], device=target.device)
-    return out
+    """The target's own greedy continuation (KV-cached, one token per forward): the lossless reference.
+    Its argmax is its own, not the speculative loop's `_pick`, so a broken verifier cannot agree with it."""
+    return _plain_generate(target, prompt_ids, max_new_tokens, lambda logits: int(logits.argmax()), stop_token_ids)
 
 
 def _pick(logits: torch.Tensor) -> torch.Tensor:
@@ -94,6 +82,13 @@ def sample_generate(target: HFTarget, prompt_ids: list[int], max_new_tokens: int
                     stop_token_ids: list[int] | None = None) -> list[int]:
     """The target's own sampled continuation, one token per forward: what speculative sampling must
     be distributed as."""
+    return _plain_generate(target, prompt_ids, max_new_tokens, lambda logits: int(sampling.choose(logits)),
+                           stop_token_ids)
+
+
+def _plain_generate(target: HFTarget, prompt_ids: list[int], max_new_tokens: int,
+                    choose: Callable[[torch.Tensor], int], stop_token_ids: list[int] | None) -> list[int]:
+    """Plain decoding, KV-cached: one target forward per token, ``choose`` picking it from the logits."""
     stops = set(stop_token_ids or [])
     cache = new_cache(target.model)
     ids = torch.tensor([prompt_ids], device=target.device)
@@ -102,7 +97,7 @@ def sample_generate(target: HFTarget, prompt_ids: list[int], max_new_tokens: int
     while len(out) < max_new_tokens:
         logits = _forward(target, ids, cache, pos).logits
         pos += ids.shape[1]
-        tok = int(sampling.choose(logits[0, -1]))
+        tok = choose(logits[0, -1])
         out.append(tok)
         if tok in stops:
             break
