@@ -12,7 +12,7 @@ from dflash.telemetry.summary import to_snapshot
 from dflash.telemetry.verdict.evidence import analyze
 from dflash.telemetry.wire import protocol as P
 from dflash.telemetry.wire.verdicts import VERDICTS
-from dflash.telemetry.wire.vocab import CATEGORIES, Role
+from dflash.telemetry.wire.vocab import CATEGORIES, SAMPLED_CATEGORIES, Role
 from dflash.train.reporting.trackers import interval_scalars
 from dflash_tui.widgets import palette
 from dflash_tui.widgets.help import verdicts as help_verdicts
@@ -46,7 +46,8 @@ def test_every_verdict_has_help_text_a_tracker_key_and_a_prometheus_value() -> N
 
 
 def test_the_tui_colours_the_trainers_categories_in_pipeline_order() -> None:
-    assert palette.KNOWN == list(CATEGORIES)
+    # the trainer's own categories first, in pipeline order, then the ones only a sampled view tells apart
+    assert palette.KNOWN == [*CATEGORIES, *SAMPLED_CATEGORIES]
     assert [palette.category_order(c)[0] for c in CATEGORIES] == list(range(len(CATEGORIES)))
 
 
