@@ -16,7 +16,7 @@ except ImportError as e:  # one line: why the cross-tests do not run here
     pytest.skip(f"speculators not importable ({e}); `make speculators` installs it", allow_module_level=True)
 
 from dflash.cli import main
-from dflash.data.cache_format import CacheMeta, read_rows, read_sample, sample_path
+from dflash.data.cache_format import SIDECAR, CacheMeta, read_rows, read_sample, sample_path
 
 torch.set_num_threads(1)
 ROWS = 6
@@ -70,3 +70,23 @@ def test_speculators_loader_reads_our_cache(cache_dir):
             assert batch["error_records"] == 0  # no sample dropped as unreadable or mismatched
             seen += int(batch["document_ids"].max()) + 1
         assert seen == len(split)
+
+
+def test_dflash_trains_from_a_cache_in_speculators_layout(cache_dir, tmp_path):
+    """Their rows as their preprocessing builds and saves them, the engine's files, no sidecar of ours."""
+    import shutil
+
+    from datasets import Dataset
+    from speculators.data_generation.preprocessing import build_speculator_training_dataset
+
+    meta, rows = CacheMeta.read(cache_dir), read_rows(cache_dir)
+    theirs = tmp_path / "theirs"
+    shutil.copytree(sample_path(cache_dir, 0).parent, sample_path(theirs, 0).parent)
+    raw = Dataset.from_dict({"input_ids": [r.input_ids for r in rows], "loss_mask": [r.loss_mask for r in rows]})
+    built = build_speculator_training_dataset(raw, None, max_length=4096, num_proc=1)
+    built.save_to_disk(str(theirs))
+    assert read_rows(theirs) == rows and not (theirs / SIDECAR).exists()
+    taps = ",".join(str(i) for i in meta.target_layer_ids)
+    assert main(["train", "--target", "tiny", "--hidden-states", str(theirs), "--run-dir", str(tmp_path / "run"),
+                 "--max-steps", "2", "--batch-size", "4", "--num-anchors", "8", "--eval-prompts", "0",
+                 "--no-telemetry", "--target-layer-ids", taps]) == 0
