@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv train demo test compat device-bundle device-dryrun bench lint clean
+.PHONY: venv train demo test compat device-bundle device-dryrun bench speculators lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -53,6 +53,12 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_masks.py
 	$(BIN)/python scripts/bench_rollback.py
 	$(BIN)/python scripts/bench_cache.py
+
+# speculators' own code for tests/test_speculators_interop.py, beside this venv's torch and without vLLM:
+# --no-deps, since its pins would replace this venv's datasets/transformers; the few imports it needs follow.
+speculators: $(STAMP)
+	$(BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(BIN)/pip install -q openai loguru pydantic-settings
 
 lint: $(STAMP)
 	$(BIN)/ruff check dflash dflash_tui tests scripts

@@ -290,6 +290,9 @@ def write_rows(root: Path, samples: list[Sample]) -> None:
                          "seq_len": Value("int64")})
     ds = Dataset.from_dict({"input_ids": [s.input_ids for s in samples], "loss_mask": [s.loss_mask for s in samples],
                             "seq_len": [len(s.input_ids) for s in samples]}, features=features)
+    # speculators' preprocessing saves its rows in torch format (state.json ``_format_type: torch``), and
+    # its loader compares them with torch.equal: rows saved as plain lists crash it.
+    ds.set_format(type="torch")
     tmp = root / f".rows.{os.getpid()}.tmp"
     ds.save_to_disk(str(tmp))
     for f in sorted(tmp.iterdir(), key=lambda p: p.name == "state.json"):  # state.json last: it names the rest
@@ -321,7 +324,8 @@ def read_rows(root: Path) -> list[Sample]:
     if missing:
         raise CacheError(f"--hidden-states {root}: the data set lacks columns {sorted(missing)} "
                          f"(has {getattr(ds, 'column_names', '?')})")
-    ids, masks = ds["input_ids"], ds["loss_mask"]
+    plain = ds.with_format(None)  # plain lists whichever format the writer saved (ours and speculators': torch)
+    ids, masks = plain["input_ids"], plain["loss_mask"]
     samples = []
     for i, (a, m) in enumerate(zip(ids, masks, strict=True)):
         if len(a) != len(m):
