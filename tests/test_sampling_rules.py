@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dflash.telemetry.wire import verdicts, vocab
-from dflash.telemetry.wire.protocol import MachineSample, Snapshot, decode
+from dflash.telemetry.wire.protocol import CategoryStats, MachineSample, OpenSpan, Snapshot, decode
 from dflash_tui.sampling.agreement import compare, measured_shares, worst_gap
 from dflash_tui.sampling.rules import classify
 from dflash_tui.sampling.samples import SamplesError, load_json, read_window
@@ -77,6 +77,20 @@ def test_sampled_speculators_training_names_its_stages() -> None:
     assert snap.sampling is not None and snap.sampling.gil_held is not None and 0 < snap.sampling.gil_held < 1
 
 
+
+def test_measured_shares_cut_the_spans_open_at_the_edges() -> None:
+    """A producer blocked 1.5 s on each put, snapshots every second: a put books in the window it ends in,
+    so over four windows the spans alone give 3/4 or 1/2; cut at the edges, the share is the truth (1)."""
+    def snap(t: float, ended: float, open_for: float) -> Snapshot:
+        stats = {"put": CategoryStats(n=1, total=ended, mean=ended, p50=ended, p95=ended, max=ended)} if ended else {}
+        return Snapshot(seq=int(t), t=t, interval_s=1.0, window_s=1.0, workers={"producer": stats},
+                        inflight={"producer": OpenSpan(category="put", start=t - open_for, elapsed=open_for)})
+    # puts over [-0.5, 1), [1, 2.5), [2.5, 4), [4, 5.5): each ends inside a window, one is open at each edge
+    frames = [snap(0, 0, 0.5), snap(1, 1.5, 0.0), snap(2, 0, 1.0), snap(3, 1.5, 0.5), snap(4, 1.5, 0.0),
+              snap(5, 0, 1.0)]
+    assert measured_shares(frames, 1.0, 5.0)["producer"]["put"] == pytest.approx(1.0)
+    assert measured_shares(frames, 0.0, 4.0)["producer"]["put"] == pytest.approx(1.0)
+
 # --------------------------------------------------------------------------- single rules
 
 PIPE = "/x/site-packages/dflash/train/run/pipeline.py"
@@ -108,6 +122,20 @@ def test_host_syncs_and_collectives_win_inside_a_forward() -> None:
     assert classify([("train", "/a/train.py"), ("AdamW.step", "/x/site-packages/torch/optim/adamw.py")]) \
         == "optimizer_step"
     assert classify([("train", "/a/train.py")]) is None  # untracked
+
+
+def test_the_heads_gradient_inside_the_forward_is_forward() -> None:
+    """dflash's chunked LM head takes each chunk's gradient inside its forward span: the trainer times it as
+    drafter_forward, so the sampler must too; the real backward through the same file stays backward."""
+    head = "/x/site-packages/dflash/objectives/head.py"
+    autograd = "/x/site-packages/torch/autograd/__init__.py"
+    graph = "/x/site-packages/torch/autograd/graph.py"
+    loss = [("DrafterStage.step", "/x/site-packages/dflash/train/run/stages.py"), ("head_rows", head)]
+    assert classify([*loss, ("grad", autograd), ("_engine_run_backward", graph)]) == "drafter_forward"
+    back = [("DrafterStage.step", "/x/site-packages/dflash/train/run/stages.py"),
+            ("Tensor.backward", "/x/site-packages/torch/_tensor.py"), ("backward", autograd),
+            ("_engine_run_backward", graph), ("_RowGradients.backward", head)]
+    assert classify(back) == "drafter_backward"
 
 
 # --------------------------------------------------------------------------- the verdict

@@ -93,12 +93,15 @@ RULES: tuple[Rule, ...] = (
     Rule("batch_build", function=r"BatchSource\.__call__", file=_STAGES, why="dflash's batch producer"),
     Rule("batch_build", function=r"_pin_memory_loop", file=r"torch/utils/data/", why="a DataLoader's pinning thread"),
     Rule("batch_queue_wait", file=r"torch/utils/data/", why="a torch DataLoader: waiting for (or building) a batch"),
+    Rule("drafter_forward", function=r"grad|_engine_run_backward", file=r"torch/autograd/", inside=r"head_rows",
+         why="dflash's chunked LM head: each chunk's gradient is taken inside the forward, timed as forward"),
     Rule("drafter_backward", function=r"backward|_engine_run_backward|Tensor\.backward",
          file=r"torch/autograd/|torch/_tensor\.py", why="loss.backward()"),
     Rule("optimizer_step", file=r"torch/optim/|torch/nn/utils/clip_grad\.py|torch/amp/grad_scaler\.py"
          r"|dflash/train/run/guard\.py", why="optimizer.step, clip_grad_norm_, GradScaler, dflash's step guard"),
     Rule("optimizer_step", function=r"Module\.zero_grad", file=r"torch/nn/modules/module\.py"),
-    Rule("drafter_forward", function=r"dflash_loss", file=r"dflash/model/objective\.py", why="dflash's drafter loss"),
+    Rule("drafter_forward", file=r"dflash/objectives/|dflash/model/", why="dflash's objective terms and drafter: "
+         "the loss computed in the forward span"),
     Rule("drafter_forward", function=r"Module\._(wrapped_)?call_impl", file=r"torch/nn/modules/module\.py",
          why="a module's forward: the model being trained"),
     Rule("drafter_forward", file=r"torch/nn/functional\.py|(^|/)loss(es)?(/|\.py)", why="functional ops, losses"),
