@@ -33,7 +33,7 @@ from dflash_tui.jobs import RecordSettings, take_record, take_snapshot
 from dflash_tui.messages import ProfileDone, SourceUpdated, TrainersFound
 from dflash_tui.pyspy import RecordReport, StackReport, find_pyspy, pid_is_local
 from dflash_tui.ranks import RankFollower
-from dflash_tui.sampling.processes import torch_processes
+from dflash_tui.sampling.processes import TorchProcess, torch_processes
 from dflash_tui.sources import Connection, FrameSource, LiveLink, Playback, SampledSource, SourceUpdate
 from dflash_tui.state import RunState
 from dflash_tui.widgets.alerts import AlertBanner
@@ -101,8 +101,12 @@ class DFlashTop(App[None]):
     def __init__(self, target: Path | None = None, *, socket_directory: Path | None = None, speed: float = 1.0,
                  paused: bool = False, pyspy_exe: str | None = None, pyspy_timeout: float = 10.0,
                  record_seconds: float = 10.0, request_timeout: float = 5.0,
-                 source: FrameSource | None = None, wait_for: Path | str | None = None) -> None:
+                 source: FrameSource | None = None, wait_for: Path | str | None = None,
+                 processes: Callable[[], list[TorchProcess]] = torch_processes) -> None:
         super().__init__()
+        #: what the picker offers to sample when no trainer answers (the machine's torch processes; a
+        #: test that waits for a trainer passes none, whatever else runs on its machine)
+        self.processes = processes
         self.target = target
         #: with no target: attach only to this run (a run directory or a run name), once it appears
         self.wait_for = wait_for
@@ -292,7 +296,7 @@ class DFlashTop(App[None]):
         if self.wait_for is not None:
             found = [i for i in found if sources.serves(i, self.wait_for)]
         offer = not found and self.wait_for is None and not self._offered_processes
-        self.post_message(TrainersFound(found, torch_processes() if offer else None))
+        self.post_message(TrainersFound(found, self.processes() if offer else None))
 
     def on_trainers_found(self, message: TrainersFound) -> None:
         if self.source is not None:

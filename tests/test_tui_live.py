@@ -220,7 +220,9 @@ async def test_disconnect_keeps_data_and_reattaches(short_dir: Path, workloads) 
 
 async def test_waits_for_a_trainer_then_attaches(short_dir: Path, workloads) -> None:
     sock_dir = short_dir / "s"
-    app = DFlashTop(None, socket_directory=sock_dir)
+    # no torch process to offer instead, whatever else runs on the machine (tests/test_sampled_source.py
+    # has the offer)
+    app = DFlashTop(None, socket_directory=sock_dir, processes=list)
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: isinstance(app.screen, WaitingScreen), "the waiting screen")
         workloads("late", sock_dir, short_dir / "run")

@@ -1,5 +1,6 @@
 """TextPanel: a panel drawn from one Rich Text that is rebuilt from the state, and redrawn only when
-that text actually changed (and laid out again only when its height did).
+that text actually changed (laid out again only when its height did, and otherwise only its changed lines
+redrawn).
 
 The text is rendered to Strips once per change and served line by line (Textual's Line API), which
 costs a fraction of converting a Text through Textual's content pipeline on every redraw. At 2 Hz
@@ -12,6 +13,7 @@ from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual.containers import Vertical
+from textual.geometry import Region
 from textual.strip import Strip
 from textual.widget import Widget
 
@@ -83,10 +85,17 @@ class TextPanel(Widget):
                 # lay out again rather than show stale blank rows until the text next changes
                 self.refresh(layout=True)
             return
-        old_height = len(self._strips)
+        old, old_width = self._strips, self._width
         self._text, self._width = text, width
         self._strips = self._render_strips(text, width)
-        self.refresh(layout=len(self._strips) != old_height)
+        if force or width != old_width or len(self._strips) != len(old):
+            self.refresh(layout=len(self._strips) != len(old))
+            return
+        # Only the lines that changed are marked dirty: Textual keeps the others' rendered lines, and
+        # re-rendering unchanged lines was most of dflash-top's CPU (a snapshot changes a few numbers).
+        changed = [Region(0, y, width, 1) for y, (a, b) in enumerate(zip(old, self._strips, strict=True)) if a != b]
+        if changed:
+            self.refresh(*changed)
 
     def _render_strips(self, text: Text, width: int) -> list[Strip]:
         console = self.app.console
