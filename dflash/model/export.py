@@ -21,6 +21,9 @@ only the readers' default expresses), ``dflash_config`` keys ``conv_kernel_size`
 ``.kernel_projection.weight`` and ``candidate_selector.{predecessor,successor}_codebook`` (no
 ``.weight``: the reference's loader maps them) / ``.hidden_projection.weight``.
 
+A speculators DFlash checkpoint (what `speculators train` saves) is read wherever an export is
+(``load_exported``, ``load_drafter``); its format and what is refused are speculators_format.py's.
+
 Training checkpoints (written by dflash/checkpoint_files.py) are ``torch.save``d dicts holding
 ``drafter_config`` (``dataclasses.asdict`` of the config, with its ``drafter_type``) and ``drafter``
 (the state_dict).
