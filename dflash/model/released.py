@@ -1,9 +1,9 @@
 """Starting a run from a released drafter (``--init-from DIR``): the reference format or a speculators
 DFlash checkpoint (speculators_format.py), checked against the target before any training step.
 
-A released drafter (z-lab's, speculators', another trainer's, or our own ``dflash export``) only makes sense on the
-target it was trained for: its ``fc`` reads that target's tap layers, its output feeds that target's LM
-head, its masked slots hold that target's mask-token embedding. A mismatch would train without an
+A released drafter (z-lab's, speculators', another trainer's, or our own ``dflash export``) only makes
+sense on the target it was trained for: its ``fc`` reads that target's tap layers, its output feeds that
+target's LM head, its masked slots hold that target's mask-token embedding. A mismatch would train without an
 error and produce nonsense, so each of these is compared first and the first disagreement is refused
 in one line. Which of the release's shape a run takes (all of it, unless the user set some) is the
 run's config's to decide (dflash/train/config/released.py); here the layer types, window and block
