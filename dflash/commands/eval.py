@@ -12,9 +12,11 @@ from dflash.commands import CliError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", required=True, help="checkpoint file, run directory, or export directory")
+    p.add_argument("--drafter", required=True, help="checkpoint file, run directory, export directory, or a "
+                   "speculators DFlash checkpoint (or `speculators train` save path)")
     p.add_argument("--target", default=None, help="local Hugging Face model directory, or 'tiny' (default: the "
-                   "target the drafter's run trained against, from its config.json; else 'tiny')")
+                   "target the drafter's run trained against, from its config.json, or the verifier a speculators "
+                   "checkpoint names; else 'tiny')")
     p.add_argument("--data", default="demo", help="prompts: a JSONL file, or 'demo' (default)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=16)
@@ -82,6 +84,7 @@ def _load(args: argparse.Namespace) -> tuple:
     import torch
 
     from dflash.model.export import DrafterLoadError, load_drafter
+    from dflash.model.speculators_format import speculators_dir, with_target
     from dflash.targets import TargetError, load_target
     from dflash.targets.hf import slow_kernel_note
     from dflash.train.config import ConfigError, check_device
@@ -102,8 +105,9 @@ def _load(args: argparse.Namespace) -> tuple:
     except DrafterLoadError as e:
         raise CliError(str(e)) from e
     run_cfg = _run_config(args.drafter)
+    speculators = speculators_dir(drafter.loaded_from)
     if args.target is None:
-        args.target = _trained_against(run_cfg)
+        args.target = _verifier_of(speculators) if speculators and run_cfg is None else _trained_against(run_cfg)
     args.block_size = args.block_size or drafter.config.block_size
     if not 2 <= args.block_size <= drafter.config.block_size:
         raise CliError(f"--block-size must be between 2 and the drafter's {drafter.config.block_size}")
@@ -111,6 +115,11 @@ def _load(args: argparse.Namespace) -> tuple:
         target = load_target(args.target, device=device, layer_ids=drafter.config.target_layer_ids)
     except TargetError as e:
         raise CliError(str(e)) from e
+    if speculators is not None:  # it names its verifier, not the verifier's layer count: the target's it is
+        try:
+            drafter.config = with_target(drafter.config, target.num_layers)
+        except DrafterLoadError as e:
+            raise CliError(f"{speculators}: {e}") from None
     if note := slow_kernel_note(target.config):
         print(f"dflash eval: target {args.target}: {note}", file=sys.stderr)
     if target.tokenizer is None:
@@ -136,6 +145,18 @@ def _run_config(drafter: str):
         return config_beside(drafter)
     except ConfigError as e:
         raise CliError(f"{e}; give --target to say which target the drafter is for") from None
+
+
+def _verifier_of(checkpoint) -> str:
+    """The verifier a speculators checkpoint names (said on stderr), or the built-in target."""
+    from dflash.model.speculators_format import verifier_named
+
+    name = verifier_named(checkpoint)
+    if name is None:
+        return "tiny"
+    print(f"dflash eval: target {name} (the verifier its speculators config names; --target to change)",
+          file=sys.stderr)
+    return name
 
 
 def _trained_against(cfg) -> str:

@@ -22,8 +22,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from dflash.model.export import DrafterLoadError, export_drafter, load_drafter
+    from dflash.model.speculators_format import speculators_dir
 
     _check_out(Path(args.out).expanduser(), args.force)
+    if speculators_dir(args.checkpoint) is not None:
+        raise CliError(f"{args.checkpoint} is a speculators checkpoint, which names its verifier but not the "
+                       "verifier's layer count (the reference format states it): start a run from it with "
+                       "`dflash train --init-from` and export that run")
     try:
         drafter = load_drafter(args.checkpoint)
     except DrafterLoadError as e:

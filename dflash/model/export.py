@@ -21,6 +21,9 @@ only the readers' default expresses), ``dflash_config`` keys ``conv_kernel_size`
 ``.kernel_projection.weight`` and ``candidate_selector.{predecessor,successor}_codebook`` (no
 ``.weight``: the reference's loader maps them) / ``.hidden_projection.weight``.
 
+A speculators DFlash checkpoint (what `speculators train` saves) is read wherever an export is
+(``load_exported``, ``load_drafter``); its format and what is refused are speculators_format.py's.
+
 Training checkpoints (written by dflash/checkpoint_files.py) are ``torch.save``d dicts holding
 ``drafter_config`` (``dataclasses.asdict`` of the config, with its ``drafter_type``) and ``drafter``
 (the state_dict).
@@ -209,26 +212,62 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dty
     return out
 
 
-def load_exported(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
-    """Load an export directory (ours or a z-lab DFlash/DFlash2 drafter) back into its drafter."""
-    from safetensors.torch import load_file
+#: a drafter's config.json is a few KB; a far larger one is not a drafter's, and is not decoded
+MAX_CONFIG_BYTES = 1 << 20
 
-    path = Path(path)
+
+def read_config_json(path: Path) -> dict:
+    """The config.json of a drafter directory as a dict, bounded in size before it is decoded."""
+    f = Path(path) / CONFIG_NAME
     try:
-        d = json.loads((path / CONFIG_NAME).read_text())
+        size = f.stat().st_size
+        if size <= MAX_CONFIG_BYTES:
+            d = json.loads(f.read_text())
     except (OSError, ValueError) as e:
         raise DrafterLoadError(f"{path}: unreadable {CONFIG_NAME} ({e})") from e
+    if size > MAX_CONFIG_BYTES:
+        raise DrafterLoadError(f"{path}: {CONFIG_NAME} is {size:,} bytes, far more than a drafter's config")
     if not isinstance(d, dict):
         raise DrafterLoadError(f"{path}: {CONFIG_NAME} is not a JSON object")
-    arch = (d.get("architectures") or [DFLASH])[0]
-    if arch not in (DFLASH, DFLASH2):
-        raise DrafterLoadError(f"{path}: architecture {arch!r} is neither a {DFLASH} nor a {DFLASH2}")
+    return d
+
+
+def config_of_export(d: dict, where: str) -> DrafterConfig:
+    """The DrafterConfig of an export directory's config.json: the reference format (ours, z-lab's), or
+    a speculators DFlash checkpoint (speculators_format.py); anything else refused in one line."""
+    # imported here: the speculators reader builds on this module's config reading
+    from dflash.model import speculators_format
+
     try:
-        cfg = config_from_hf(d)
+        if speculators_format.is_speculators_config(d):
+            return speculators_format.drafter_config(d)
+        arch = (d.get("architectures") or [DFLASH])[0]
+        if arch not in (DFLASH, DFLASH2):
+            raise DrafterLoadError(f"architecture {arch!r} is neither a {DFLASH} nor a {DFLASH2}")
+        return config_from_hf(d)
+    except DrafterLoadError as e:
+        raise type(e)(f"{where}: {e}") from None
     except (KeyError, TypeError, ValueError) as e:
-        raise DrafterLoadError(f"{path}: {CONFIG_NAME} is not a drafter config ({type(e).__name__}: {e})") from None
-    check_shapes(cfg, _safetensors_shapes(path / WEIGHTS_NAME), str(path))
+        raise DrafterLoadError(f"{where}: {CONFIG_NAME} is not a drafter config ({type(e).__name__}: {e})") from None
+
+
+def load_exported(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """Load an export directory (ours, a z-lab DFlash/DFlash2 drafter, or a speculators DFlash
+    checkpoint) back into its drafter."""
+    from safetensors.torch import load_file
+
+    from dflash.model import speculators_format
+
+    path = Path(path)
+    d = read_config_json(path)
+    cfg = config_of_export(d, str(path))
+    # a speculators checkpoint may hold the target's tensors too (embedding, heads): the drafter's are kept
+    own = speculators_format.drafter_tensors if speculators_format.is_speculators_config(d) else None
+    shapes = _safetensors_shapes(path / WEIGHTS_NAME)
+    shapes = own(shapes, str(path)) if own else shapes
+    check_shapes(cfg, shapes, str(path))
     state = load_file(str(path / WEIGHTS_NAME))
+    state = own(state, str(path)) if own else state
     return _build(cfg, state, str(path), dtype)
 
 
@@ -355,6 +394,11 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDr
         return load_checkpoint_drafter(p, dtype)
     if (p / CONFIG_NAME).is_file() and (p / WEIGHTS_NAME).is_file():
         return load_exported(p, dtype)
+    from dflash.model.speculators_format import speculators_dir
+
+    saved = speculators_dir(p)  # a `speculators train` save path: its best (else last) epoch
+    if saved is not None:
+        return load_exported(saved, dtype)
     drafter = _newest_verified_drafter(p, dtype)
     if drafter is not None:
         return drafter

@@ -1,9 +1,9 @@
-"""Starting a run from a released drafter (``--init-from DIR``): the reference format, checked against
-the target before any training step.
+"""Starting a run from a released drafter (``--init-from DIR``): the reference format or a speculators
+DFlash checkpoint (speculators_format.py), checked against the target before any training step.
 
-A released drafter (z-lab's, another trainer's, or our own ``dflash export``) only makes sense on the
-target it was trained for: its ``fc`` reads that target's tap layers, its output feeds that target's LM
-head, its masked slots hold that target's mask-token embedding. A mismatch would train without an
+A released drafter (z-lab's, speculators', another trainer's, or our own ``dflash export``) only makes
+sense on the target it was trained for: its ``fc`` reads that target's tap layers, its output feeds that
+target's LM head, its masked slots hold that target's mask-token embedding. A mismatch would train without an
 error and produce nonsense, so each of these is compared first and the first disagreement is refused
 in one line. Which of the release's shape a run takes (all of it, unless the user set some) is the
 run's config's to decide (dflash/train/config/released.py); here the layer types, window and block
@@ -19,25 +19,41 @@ from typing import Any
 
 from dflash.model.dflash2 import DFlash2Config
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, mask_token_embedding_ok
-from dflash.model.export import CONFIG_NAME, WEIGHTS_NAME, DrafterLoadError, config_from_hf, load_exported
+from dflash.model.export import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    DrafterLoadError,
+    config_of_export,
+    load_exported,
+    read_config_json,
+)
 
 
 class ReleaseMismatch(DrafterLoadError):
     """The released drafter was made for another target; the message names the first difference."""
 
 
-def release_config(path: str | Path) -> DrafterConfig:
-    """The DrafterConfig of a reference-format directory, read from its config.json alone (no weights)."""
-    import json
+def release_dir(path: str | Path) -> Path:
+    """The directory holding the release ``path`` names: ``path`` itself, or for a `speculators train`
+    save path its best (else last) epoch."""
+    from dflash.model.speculators_format import speculators_dir
 
     p = Path(path).expanduser()
+    if (p / CONFIG_NAME).is_file():
+        return p
+    return speculators_dir(p) or p
+
+
+def release_config(path: str | Path) -> DrafterConfig:
+    """The DrafterConfig of a release directory, read from its config.json alone (no weights): the
+    reference format, or a speculators DFlash checkpoint (whose target layer count is the least its
+    taps need: ``start_from_release`` takes the target's)."""
+    p = release_dir(path)
     if not (p / CONFIG_NAME).is_file() or not (p / WEIGHTS_NAME).is_file():
-        raise DrafterLoadError(f"--init-from {str(path)!r}: not a drafter in the reference format (needs "
-                               f"{CONFIG_NAME} and {WEIGHTS_NAME}; `dflash export` writes one from a run)")
-    try:
-        return config_from_hf(json.loads((p / CONFIG_NAME).read_text()))
-    except (OSError, KeyError, TypeError, ValueError) as e:
-        raise DrafterLoadError(f"--init-from {str(path)!r}: {CONFIG_NAME} is not a drafter config ({e})") from None
+        raise DrafterLoadError(f"--init-from {str(path)!r}: not a drafter in the reference format nor a speculators "
+                               f"checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME}; `dflash export` writes one from "
+                               "a run)")
+    return config_of_export(read_config_json(p), f"--init-from {str(path)!r}")
 
 
 def check_against_target(cfg: DrafterConfig, target: Any, where: str) -> None:
@@ -101,8 +117,15 @@ def start_from_release(
     DFlash2 (its convolutions and selector would start from nothing). A DFlash2 release's own
     convolution and selector settings are kept (the weights are shaped by them).
     """
+    from dflash.model import speculators_format
+
     where = f"--init-from {str(path)!r}"
     cfg = release_config(path)
+    if speculators_format.speculators_dir(release_dir(path)) is not None:
+        try:  # it states no target layer count of its own
+            cfg = speculators_format.with_target(cfg, target.num_layers)
+        except DrafterLoadError as e:
+            raise ReleaseMismatch(f"{where}: {e}") from None
     if drafter_type == DFlash2Config.drafter_type and not isinstance(cfg, DFlash2Config):
         raise ReleaseMismatch(f"{where}: a DFlash drafter, not a DFlash2 one: drop --drafter-type dflash2 to "
                               "train it as it is")
@@ -115,5 +138,5 @@ def start_from_release(
                       sliding_window=sliding_window if sliding_window is not None else cfg.sliding_window)
     except ValueError as e:
         raise DrafterLoadError(f"{where}: {e}") from None
-    drafter: DFlashDrafter = load_exported(path)
+    drafter: DFlashDrafter = load_exported(release_dir(path))
     return cfg, drafter.state_dict()  # load_state_dict casts to the run's dtype
