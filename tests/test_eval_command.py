@@ -150,3 +150,7 @@ def test_a_run_is_evaluated_against_the_target_it_trained_against(setup, capsys,
     assert main(["eval", "--drafter", str(run), *args]) == 2
     err = capsys.readouterr().err
     assert "unknown setting 'model_type'" in err and "give --target" in err and len(err.strip().splitlines()) == 1
+    # ... and with --target given, the run's config only lends threads: it is passed over with a note
+    assert main(["eval", "--drafter", str(run), "--target", str(target_dir), *args]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["lossless"] is True and "the drafter's run config is not read" in err

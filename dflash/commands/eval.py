@@ -104,7 +104,7 @@ def _load(args: argparse.Namespace) -> tuple:
         drafter = load_drafter(args.drafter)
     except DrafterLoadError as e:
         raise CliError(str(e)) from e
-    run_cfg = _run_config(args.drafter)
+    run_cfg = _run_config(args.drafter, target_given=args.target is not None)
     speculators = speculators_dir(drafter.loaded_from)
     if args.target is None:
         args.target = _verifier_of(speculators) if speculators and run_cfg is None else _trained_against(run_cfg)
@@ -135,15 +135,19 @@ def _load(args: argparse.Namespace) -> tuple:
     return drafter.to(device=target.device, dtype=target.dtype), target, prompts, run_cfg
 
 
-def _run_config(drafter: str):
+def _run_config(drafter: str, target_given: bool):
     """The training config of the run the drafter comes from (its target and threads), None where
-    there is no run around it."""
+    there is no run around it. With --target given it only lends the threads, so one that does not
+    parse is passed over with a note instead of ending the evaluation."""
     from dflash.train.config import ConfigError
     from dflash.train.config.schema import config_beside
 
     try:
         return config_beside(drafter)
     except ConfigError as e:
+        if target_given:
+            print(f"dflash eval: the drafter's run config is not read ({e}); threads as set here", file=sys.stderr)
+            return None
         raise CliError(f"{e}; give --target to say which target the drafter is for") from None
 
 
