@@ -122,10 +122,10 @@ def render_text(s: dict[str, Any]) -> str:
         ev = b.get("evidence") or {}
         if ev:
             lines.append("  evidence: " + evidence_text(ev))
-    if s.get("machine"):
-        lines.append(s["machine"])
     else:
         lines.append("bottleneck: unknown (no verdict yet)")
+    if s.get("machine"):
+        lines.append(s["machine"])
     for st in s.get("stalls", []):
         lines.append("STALLED: " + stall_line(st))
     for a in s.get("anomalies", []):

@@ -96,6 +96,9 @@ def test_once_summary_has_the_documented_keys() -> None:
     assert s["gpus"][0]["name"] == "NVIDIA H200"
     text = render_text(s)
     assert "target_forward" in text and "bottleneck: target-bound" in text and "GPU0" in text
+    # a verdict is said once: no "unknown" line beside it, whether or not a machine line came with it
+    assert "no verdict yet" not in text and "no verdict yet" not in render_text({**s, "machine": None})
+    assert "bottleneck: unknown (no verdict yet)" in render_text({**s, "bottleneck": None})
 
 
 def test_once_text_says_no_driver() -> None:
