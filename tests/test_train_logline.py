@@ -126,12 +126,36 @@ def test_the_default_log_is_one_line_per_interval_and_a_table_every_few_minutes(
         per_write.append(len(out) - before)
     progress = [line for line in out if line.startswith("step ")]
     assert len(progress) == 360 and all(line.endswith("| drafter-bound") for line in progress), progress[:2]
-    tables = [i for i, n in enumerate(per_write) if n > 1]
+    tables = [i for i, n in enumerate(per_write) if n > 1][1:]
     assert tables == list(range(29, 359, 30)) + [359], tables  # every 300 s of the clock, and the last line
-    assert all(n == 1 for i, n in enumerate(per_write) if i not in tables)
+    assert per_write[0] == 3, out[:3]  # the first verdict is said with its reason and evidence when it appears
+    assert all(n == 1 for i, n in enumerate(per_write) if i not in tables and i > 0)
     table = per_write[29] - 1  # the table, the verdict line and its evidence
-    assert table >= 3 and len(out) == 360 + table * len(tables)
-    assert sum(line.startswith("bottleneck") for line in out) == len(tables)
+    assert table >= 3 and len(out) == 360 + 2 + table * len(tables)
+    assert sum(line.startswith("bottleneck") for line in out) == 1 + len(tables)
+
+
+def test_a_verdict_that_changes_is_said_with_its_reason_at_once() -> None:
+    """Between tables, a line names the verdict; when it changes, its reason and evidence follow that
+    line at once (not minutes later with the next table), and only once."""
+    drafter_bound, target_bound = shares(0.25), {"target-0": {"target_forward": cs(1.0)},
+                                                 "drafter-0": {"hs_queue_wait": cs(0.5), "drafter_forward": cs(0.5)}}
+    now, out, run = [0.0], [], [drafter_bound]
+    state, metrics = TrainCounters(), StepMetrics()
+    lines = LogLines(updated(TrainConfig(), log_every=10.0, telemetry_interval=1.0), state, _Stats(), metrics,
+                     _Pipeline(now), latest=lambda: Snapshot(seq=1, t=0.0, interval_s=1.0, cumulative=run[0]),
+                     verdict=lambda whole_run=None: analyze(run[0]), report=Reporter(out.append), devices=[],
+                     clock=lambda: now[0])
+    for i in range(10):
+        run[0] = target_bound if i >= 5 else drafter_bound
+        _step(state, metrics, loss=2.0, tokens=100)
+        now[0] += 10.0
+        lines.write()
+    said = [line for line in out if line.startswith("bottleneck")]
+    assert [line.split(" - ")[0] for line in said] == ["bottleneck: drafter-bound", "bottleneck: target-bound"], said
+    changed = out.index(said[1])
+    assert out[changed - 1].endswith("| target-bound") and out[changed + 1].startswith("  evidence: ")
+    assert len([line for line in out if line.startswith("step ")]) == 10
 
 
 def test_a_step_budget_says_up_front_how_long_it_takes_here() -> None:
@@ -166,7 +190,8 @@ def test_the_run_ends_with_its_table_even_when_the_last_line_came_before() -> No
     _step(state, metrics, loss=2.0, tokens=100)
     now[0] = 10.0
     lines.write()
-    assert len(out) == 1 and out[0].startswith("step ")
+    assert out[0].startswith("step ") and out[1].startswith("bottleneck")  # the first verdict, with its reason
+    out.clear()
     lines.write(final=True)
-    assert [line.startswith("step ") for line in out].count(True) == 1
-    assert any(line.startswith("bottleneck") for line in out[1:]), out
+    assert [line.startswith("step ") for line in out].count(True) == 0
+    assert any(line.startswith("bottleneck") for line in out), out

@@ -41,6 +41,7 @@ class LogLines:
         self._totals = Totals()  # harvested since the last log line
         self._tokens_at_log = state.tokens
         self._logged_step = -1
+        self._said_verdict: str | None = None  # the last verdict said with its reason
         self._start = (state.step, pipeline.clock())  # where this process began, for the rate and ETA
         self._first: tuple[int, float] | None = None
 
@@ -144,6 +145,8 @@ class LogLines:
         if summary is not None and (final or self.cfg.run.log_table or self.tables.due()):
             self.tables.restart()
             self.table(summary, b)
+        elif b is not None and b.verdict != self._said_verdict:
+            self.say_verdict(b)  # a new verdict is said with its reason at once, not at the next table
 
     def line(self, tps: float, b: Any, summary: Any) -> None:
         """The one line of an interval (the means over its steps), and the trackers' scalars."""
@@ -171,9 +174,15 @@ class LogLines:
         log), the verdict with its scope and reason, and its evidence from that same span, so the
         lines never pair a verdict with other numbers."""
         from dflash.telemetry import format_profile_stats
-        from dflash.telemetry.wire.table import evidence_text
 
         self.report.log(format_profile_stats(summary, limit=12, cumulative=True))
+        self.say_verdict(b)
+
+    def say_verdict(self, b: Any) -> None:
+        """The verdict with its scope and reason, and its evidence."""
+        from dflash.telemetry.wire.table import evidence_text
+
+        self._said_verdict = b.verdict
         scope = f" ({b.scope})" if b.scope else ""
         self.report.log(f"bottleneck{scope}: {b.verdict}" + (f" - {b.reason}" if b.reason else ""))
         if b.evidence:
