@@ -95,7 +95,7 @@ class Trainer:
             report.say(f"fault injection (DFLASH_FAULT): {faults.describe()}")
         ckpt = checkpoint_to_resume(Path(cfg.run.run_dir), d, self.resume, report)
         target = run_target(cfg, report.log, resuming=ckpt is not None)
-        self.parts = parts = build(cfg, d, target, ckpt, faults, log=report.log)
+        self.parts = parts = build(cfg, d, target, ckpt, faults, log=report.log, event=report.event)
         if ckpt is not None:
             self.state = restore(ckpt, parts, d, report.log)
         if d.is_main:
@@ -224,7 +224,10 @@ class Trainer:
                                   linger=supervised and not self.stop_requested.is_set())
             if report.trackers is not None:
                 report.trackers.close()
-        report.log(f"done: {plural(self.state.step, 'step')}, {self.state.tokens:,} tokens, run dir {cfg.run.run_dir}")
+        bad = self.parts.bad_samples
+        skipped = f", {plural(len(bad), 'bad sample')} skipped (each named above)" if bad else ""
+        report.log(f"done: {plural(self.state.step, 'step')}, {self.state.tokens:,} tokens{skipped}, run dir "
+                   f"{cfg.run.run_dir}")
         if self.stop_requested.is_set() and code == 0:  # stopped early (Ctrl-C, SIGTERM): say how to go on
             report.log(f"to continue: dflash train --resume --run-dir {cfg.run.run_dir}")
         if stalled and self.dist.enabled:
