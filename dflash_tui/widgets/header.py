@@ -1,7 +1,7 @@
 """The two header lines: who we are watching (run, host, pid, rank, uptime, connection; the bad samples a
-cache reader skipped, when there are any) and how it goes
-(step, tokens/s, loss with the objective's terms, simulated tau, labelled `sim tau`: the real one comes
-from evaluations). The connection state comes first so it survives an 80-column crop.
+cache reader skipped, when there are any) and how it goes (step, tokens/s, loss with the objective's
+terms, simulated tau, labelled `sim tau`: the real one comes from evaluations). The connection state
+comes first so it survives an 80-column crop.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The three stages of a training step, each usable alone (sync mode) or in its own thread (pipeline).
 
 * BatchSource: deterministic batch ``i`` of the dataset (so a resumed run sees the same data).
-* TargetStage: the target's hidden states at the tap layers (computed, or read), moved toward the drafter's device.
+* TargetStage: the target's hidden states at the tap layers (computed, or read), moved toward the drafter's device;
+  rows whose states could not be read (a cache's bad samples) masked out of the batch (mask_rows).
 * DrafterStage: anchors/blocks, drafter forward, backward, optimizer step.
 
 Every stage times itself into a telemetry worker handle; which thread runs it is the pipeline's business.
