@@ -34,8 +34,6 @@ from dflash.targets.heads import ScaledEmbedding
 
 #: batches whose files are read ahead of the one being assembled
 READ_AHEAD = 4
-#: bad sample files skipped before a run stops, unless --max-bad-samples says otherwise
-DEFAULT_MAX_BAD = 100
 #: files tried before "more bad than good" says the cache itself is broken (a batch or two of them: a few bad
 #: files that happen to share the first batch are not the cache's fault)
 SHARE_AFTER = 16
@@ -48,7 +46,7 @@ class BadSamples:
     well (once SHARE_AFTER were tried): then the cache itself is wrong or broken (a failed copy, another
     target's files), and skipping would train on a few leftovers."""
 
-    def __init__(self, root: Path, limit: int = DEFAULT_MAX_BAD):
+    def __init__(self, root: Path, limit: int):
         self.root, self.limit = root, limit
         self.lines: dict[int, str] = {}  # data-set row -> why its file was skipped
         self.good = 0  # files read well
@@ -96,7 +94,7 @@ class CacheTarget(Target):
     span_category = "cache_read"
 
     def __init__(self, layout: CacheLayout, tokenizer: Any, config: Any, embed_tokens: nn.Embedding,
-                 lm_head: nn.Linear, path: Path | None, reader: CacheReader, max_bad: int = DEFAULT_MAX_BAD):
+                 lm_head: nn.Linear, path: Path | None, reader: CacheReader, max_bad: int = 0):
         super().__init__(tokenizer, config, layout.layer_ids, embed_tokens, lm_head, path=path)
         self.layout, self.reader = layout, reader
         self.bad = BadSamples(layout.root, max_bad)
@@ -293,9 +291,10 @@ def _head_tensors(path: Path, config: Any, dtype: torch.dtype) -> tuple[torch.Te
 
 def load_cache_target(root: Path, spec: str, layer_ids: list[int] | None, num_draft_layers: int | None,
                       device: torch.device, follow: bool = False, threads: int = 2,
-                      log: Callable[[str], None] = print, max_bad_samples: int = DEFAULT_MAX_BAD) -> CacheTarget:
+                      log: Callable[[str], None] = print, max_bad_samples: int = 0) -> CacheTarget:
     """The cache at ``root`` checked against target ``spec`` (its tokenizer, config, embedding, head);
-    ``max_bad_samples``: sample files that do not read skipped before the run stops (BadSamples)."""
+    ``max_bad_samples``: sample files that do not read skipped before a read raises (BadSamples; a run
+    passes its --max-bad-samples, 0 here: the first bad file raises)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash.model.drafter import default_target_layer_ids

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from dflash.data.cache_format import CacheError
+from dflash.telemetry.wire.vocab import Counter
 from dflash.train import distributed
 from dflash.train.checkpoint.checkpointer import (
     Checkpointer,
@@ -162,8 +163,8 @@ class Trainer:
         st.tokens += r.tokens
         st.samples += r.samples
         st.last = r
-        s.count("steps", 1)
-        s.count("tokens", r.tokens)
+        s.count(Counter.STEPS, 1)
+        s.count(Counter.TOKENS, r.tokens)
         s.count("samples", r.samples)
         s.count("supervised_tokens", r.out.num_tokens)
         s.gauge("lr", r.lr)
