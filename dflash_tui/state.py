@@ -28,7 +28,7 @@ from dflash.telemetry.wire.protocol import (
     Stall,
     SystemSample,
 )
-from dflash.telemetry.wire.vocab import Gauge, loss_terms
+from dflash.telemetry.wire.vocab import Counter, Gauge, loss_terms
 from dflash_tui.sources import Connection, SourceUpdate
 
 #: points kept per series (at 2 Hz: 2.5 minutes; sparklines show the newest that fit)
@@ -286,8 +286,16 @@ class RunState:
             return None
         v = self.snapshot.gauges.get(Gauge.STEP)
         if v is None:
-            v = self.snapshot.counters.get("steps")
+            v = self.snapshot.counters.get(Counter.STEPS)
         return int(v) if v is not None else None
+
+    @property
+    def bad_samples(self) -> int:
+        """Sample files of a hidden-states cache the trainer skipped because they did not read (0: none,
+        or a trainer that reads no cache)."""
+        if self.snapshot is None:
+            return 0
+        return int(self.snapshot.counters.get(Counter.BAD_SAMPLES, 0))
 
     def nonfinite(self, name: str) -> str | None:
         """"nan"/"inf" when the trainer reported `name` (e.g. "gauges.loss") as not finite."""
@@ -314,7 +322,7 @@ class RunState:
     def _count_tokens(self, snap: Snapshot) -> None:
         """Keep the tokens each training window added; evaluation windows (training paused) are left
         out, so the rate is over training time, as `dflash stats` gives it."""
-        tokens = snap.counters.get("tokens")
+        tokens = snap.counters.get(Counter.TOKENS)
         before, self._tokens_seen = self._tokens_seen, tokens
         if tokens is None or before is None or tokens < before or self.evaluating is not None:
             return  # the first window, a restarted trainer, or an evaluation

@@ -49,6 +49,7 @@ def make_target(cfg: TrainConfig, device: str | torch.device) -> Target:
         from dflash.targets.cache import load_cache_target
 
         return load_cache_target(Path(cfg.run.hidden_states), cfg.run.target, cfg.model.target_layer_ids, n_taps,
-                                 torch.device(device), follow=cfg.run.follow)
+                                 torch.device(device), follow=cfg.run.follow,
+                                 max_bad_samples=cfg.health.max_bad_samples)
     return load_target(cfg.run.target, device=device, layer_ids=cfg.model.target_layer_ids,
                        **({"num_draft_layers": n_taps} if n_taps else {}))

@@ -122,6 +122,14 @@ class Target(ABC):
         """Told the batch order (``rows_of(batch_index)`` -> sample positions) by whoever builds the batch
         source; a target that reads from disk starts early, one that computes ignores it."""
 
+    def skipped_rows(self, batch: TokenBatch) -> list[int]:
+        """Rows of ``batch`` whose states this target could not supply (a cache's sample files that do not
+        read): ``hidden_states`` leaves them zeros, and the pipeline's stage masks them out of training."""
+        return []
+
+    def on_bad_sample(self, report: Any) -> None:  # noqa: B027 - optional: only a target that reads skips
+        """Told whom to tell, in one line each, about the samples it skips (``report(line)``)."""
+
     def wait_ready(self, batch: TokenBatch) -> None:  # noqa: B027 - optional, see waits_for_inputs
         """Block until ``batch``'s inputs exist (only called when ``waits_for_inputs``)."""
 

@@ -6,11 +6,19 @@ frozen embedding and LM head. Only those two tensors are read from its safetenso
 is never loaded to train from its cache). The states are read ahead, a few batches in advance, on the
 reader's own threads (dflash/data/cache_reader.py) into page-locked buffers when CUDA is in use; this
 stage's time is ``cache_read``, and, when ``--follow`` waits for files not yet written, ``cache_wait``.
+
+A sample file that does not read (truncated, a garbled header, another shape than the cache's, token ids
+of another row, NaN/inf) is a bad sample, not the end of a run hours in: its row is skipped (zeros here,
+masked out of the batch by the stage: ``skipped_rows``), said once in one line, counted, and the run
+stops only past ``--max-bad-samples`` of them (BadSamples). What is wrong with the cache as a whole (another
+target, tokenizer or hidden size, missing taps, rows without files) is found when it is opened and stops
+the run before it starts.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash.data.cache_format import CacheError, rows_ready
+from dflash.data.cache_format import REWRITE, CacheError, rows_ready, sample_path
 from dflash.data.cache_reader import CacheLayout, CacheReader, open_cache
 from dflash.data.formats import Sample
 from dflash.targets.base import Target, TargetError, TokenBatch
@@ -26,6 +34,58 @@ from dflash.targets.heads import ScaledEmbedding
 
 #: batches whose files are read ahead of the one being assembled
 READ_AHEAD = 4
+#: files tried before "more bad than good" says the cache itself is broken (a batch or two of them: a few bad
+#: files that happen to share the first batch are not the cache's fault)
+SHARE_AFTER = 16
+
+
+class BadSamples:
+    """The cache's sample files that did not read, each counted once (a row met again in a later epoch is
+    skipped without reading it again) and told in one line to ``report`` (the run's warning event and
+    counter). Past ``limit`` of them the run stops; it stops too when they outnumber the files that read
+    well (once SHARE_AFTER were tried): then the cache itself is wrong or broken (a failed copy, another
+    target's files), and skipping would train on a few leftovers."""
+
+    def __init__(self, root: Path, limit: int):
+        self.root, self.limit = root, limit
+        self.lines: dict[int, str] = {}  # data-set row -> why its file was skipped
+        self.good = 0  # files read well
+        self.report: Callable[[str], None] = lambda line: None
+        self._lock = threading.Lock()  # target workers share one cache
+
+    def __contains__(self, row: int) -> bool:
+        return row in self.lines
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def read_well(self) -> None:
+        with self._lock:
+            self.good += 1
+
+    def found(self, row: int, why: str) -> None:
+        """Row ``row``'s file did not read (``why``: one line naming the file): skip it, or stop the run with
+        a CacheError once there are more than ``limit``."""
+        with self._lock:
+            if row in self.lines:  # two workers read the same row
+                return
+            self.lines[row] = why
+            n = len(self.lines)
+        if n > self.limit:
+            if self.limit == 0:
+                raise CacheError(f"{why}; or let --max-bad-samples N skip up to N such files")
+            raise CacheError(f"--hidden-states {self.root}: {n} bad sample files, more than --max-bad-samples "
+                             f"{self.limit}; the latest: {why}")
+        self.report(f"bad sample skipped ({n} of at most {self.limit}, --max-bad-samples): {why}")
+
+    def check_share(self) -> None:
+        """Stop when the bad files outnumber the good ones read so far (called after a batch that found one)."""
+        with self._lock:
+            bad, good, latest = len(self.lines), self.good, next(reversed(self.lines.values()), "")
+        if bad > good and bad + good >= SHARE_AFTER:
+            raise CacheError(f"--hidden-states {self.root}: {bad} of the {bad + good} sample files read so far do "
+                             f"not read (the latest: {latest}): the cache as a whole is broken or not the one "
+                             "written for --target; check it, or write it again with `dflash data cache`")
 
 
 class CacheTarget(Target):
@@ -34,9 +94,11 @@ class CacheTarget(Target):
     span_category = "cache_read"
 
     def __init__(self, layout: CacheLayout, tokenizer: Any, config: Any, embed_tokens: nn.Embedding,
-                 lm_head: nn.Linear, path: Path | None, reader: CacheReader):
+                 lm_head: nn.Linear, path: Path | None, reader: CacheReader, max_bad: int = 0):
         super().__init__(tokenizer, config, layout.layer_ids, embed_tokens, lm_head, path=path)
         self.layout, self.reader = layout, reader
+        self.bad = BadSamples(layout.root, max_bad)
+        self._closed = False  # a read the closing reader stops is no bad sample
         # the data set's row of each training sample (rows too short to train on are left out)
         self.file_rows: list[int] = list(range(len(layout.rows)))
         self._rows_of: Callable[[int], list[int]] | None = None
@@ -78,6 +140,12 @@ class CacheTarget(Target):
     def own_samples(self, max_len: int, min_loss_tokens: int) -> list[Sample]:
         return self.training_samples(min_loss_tokens, max_len)
 
+    def on_bad_sample(self, report: Callable[[str], None]) -> None:
+        self.bad.report = report
+
+    def skipped_rows(self, batch: TokenBatch) -> list[int]:
+        return [r for r, p in enumerate(batch.sample_ids) if self.file_rows[p] in self.bad]
+
     def wait_ready(self, batch: TokenBatch) -> None:
         for p in batch.sample_ids:
             self.reader.wait_for(self.file_rows[p])
@@ -101,18 +169,41 @@ class CacheTarget(Target):
         index = getattr(batch, "index", None)
         if self._rows_of is not None and index is not None:
             for ahead in range(max(index, self._scheduled + 1), index + READ_AHEAD + 1):
-                self.reader.schedule([self.file_rows[p] for p in self._rows_of(ahead)])
+                self.reader.schedule([row for p in self._rows_of(ahead) if (row := self.file_rows[p]) not in self.bad])
             self._scheduled = index + READ_AHEAD
         rows = [self.file_rows[p] for p in batch.sample_ids]
         b, t = batch.input_ids.shape
         h = self.hidden_size
         out = torch.zeros((b, t, len(slots) * h), dtype=self.dtype, pin_memory=self.reader.pin)
+        bad_before = len(self.bad)
         for r, row in enumerate(rows):
-            states = self.reader.take(row)
+            states = self._take(row)
+            if states is None:  # a bad sample: its row stays zeros, and the stage masks it out (skipped_rows)
+                continue
             n = min(t, states.shape[0])
             for k, s in enumerate(slots):  # slot by slot: no temporary copy of the page-locked buffer
                 out[r, :n, k * h:(k + 1) * h].copy_(states[:n, s])
+        if len(self.bad) > bad_before:
+            self.bad.check_share()
         return out
+
+    def _take(self, row: int) -> torch.Tensor | None:
+        """Row ``row``'s states, or None when its file does not read (counted in ``self.bad``, which stops the
+        run past its limit). A file found bad is not read again; a read scheduled just before it was found
+        is left unclaimed (one at most per bad file)."""
+        if row in self.bad:
+            return None
+        try:
+            states = self.reader.take(row)
+        except (CacheError, OSError) as e:
+            if self._closed:  # the run is ending: the reader stopped waiting for this file
+                raise
+            why = str(e) if isinstance(e, CacheError) else \
+                f"{sample_path(self.layout.root, row)}: {e.strerror or e}; {REWRITE}"
+            self.bad.found(row, why)
+            return None
+        self.bad.read_well()
+        return states
 
     def final_norm(self, device: str | torch.device) -> nn.Module:
         """The target's final norm (the cache's final slot is taken before it, as the engines write it),
@@ -122,6 +213,7 @@ class CacheTarget(Target):
         return _final_norm(self.path, self.config, self.dtype, torch.device(device))
 
     def close(self) -> None:
+        self._closed = True
         self.reader.close()
 
 
@@ -199,8 +291,10 @@ def _head_tensors(path: Path, config: Any, dtype: torch.dtype) -> tuple[torch.Te
 
 def load_cache_target(root: Path, spec: str, layer_ids: list[int] | None, num_draft_layers: int | None,
                       device: torch.device, follow: bool = False, threads: int = 2,
-                      log: Callable[[str], None] = print) -> CacheTarget:
-    """The cache at ``root`` checked against target ``spec`` (its tokenizer, config, embedding, head)."""
+                      log: Callable[[str], None] = print, max_bad_samples: int = 0) -> CacheTarget:
+    """The cache at ``root`` checked against target ``spec`` (its tokenizer, config, embedding, head);
+    ``max_bad_samples``: sample files that do not read skipped before a read raises (BadSamples; a run
+    passes its --max-bad-samples, 0 here: the first bad file raises)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash.model.drafter import default_target_layer_ids
@@ -235,7 +329,7 @@ def load_cache_target(root: Path, spec: str, layer_ids: list[int] | None, num_dr
     head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False, device="meta")
     head.weight = nn.Parameter(head_w, requires_grad=False)
     reader = CacheReader(layout, threads=threads, pin=cuda, follow=follow)
-    return CacheTarget(layout, tokenizer, config, embed, head, path, reader)
+    return CacheTarget(layout, tokenizer, config, embed, head, path, reader, max_bad=max_bad_samples)
 
 
 class _Info:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from dflash.data.cache_format import CacheError
+from dflash.telemetry.wire.vocab import Counter
 from dflash.train import distributed
 from dflash.train.checkpoint.checkpointer import (
     Checkpointer,
@@ -95,7 +96,7 @@ class Trainer:
             report.say(f"fault injection (DFLASH_FAULT): {faults.describe()}")
         ckpt = checkpoint_to_resume(Path(cfg.run.run_dir), d, self.resume, report)
         target = run_target(cfg, report.log, resuming=ckpt is not None)
-        self.parts = parts = build(cfg, d, target, ckpt, faults, log=report.log)
+        self.parts = parts = build(cfg, d, target, ckpt, faults, log=report.log, event=report.event)
         if ckpt is not None:
             self.state = restore(ckpt, parts, d, report.log)
         if d.is_main:
@@ -162,8 +163,8 @@ class Trainer:
         st.tokens += r.tokens
         st.samples += r.samples
         st.last = r
-        s.count("steps", 1)
-        s.count("tokens", r.tokens)
+        s.count(Counter.STEPS, 1)
+        s.count(Counter.TOKENS, r.tokens)
         s.count("samples", r.samples)
         s.count("supervised_tokens", r.out.num_tokens)
         s.gauge("lr", r.lr)
@@ -224,7 +225,10 @@ class Trainer:
                                   linger=supervised and not self.stop_requested.is_set())
             if report.trackers is not None:
                 report.trackers.close()
-        report.log(f"done: {plural(self.state.step, 'step')}, {self.state.tokens:,} tokens, run dir {cfg.run.run_dir}")
+        bad = self.parts.bad_samples
+        skipped = f", {plural(len(bad), 'bad sample')} skipped (each named above)" if bad else ""
+        report.log(f"done: {plural(self.state.step, 'step')}, {self.state.tokens:,} tokens{skipped}, run dir "
+                   f"{cfg.run.run_dir}")
         if self.stop_requested.is_set() and code == 0:  # stopped early (Ctrl-C, SIGTERM): say how to go on
             report.log(f"to continue: dflash train --resume --run-dir {cfg.run.run_dir}")
         if stalled and self.dist.enabled:

@@ -1,6 +1,7 @@
-"""The two header lines: who we are watching (run, host, pid, rank, uptime, connection) and how it goes
-(step, tokens/s, loss with the objective's terms, simulated tau, labelled `sim tau`: the real one comes
-from evaluations). The connection state comes first so it survives an 80-column crop.
+"""The two header lines: who we are watching (run, host, pid, rank, uptime, connection; the bad samples a
+cache reader skipped, when there are any) and how it goes (step, tokens/s, loss with the objective's
+terms, simulated tau, labelled `sim tau`: the real one comes from evaluations). The connection state
+comes first so it survives an 80-column crop.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def header_text(state: RunState, width: int = 200) -> Text:
     else:
         t.append("  waiting for the trainer's hello", style="dim")
     t.append("  up ", style="dim").append(fmt.clock(state.uptime_s))
+    if bad := state.bad_samples:  # a cache's unreadable files, skipped: the log names each one
+        t.append(f"  {bad:,} bad sample{'s' if bad != 1 else ''} skipped", style="bold yellow")
     t.append("\n")
     sampling = state.snapshot.sampling if state.snapshot is not None else None
     if sampling is not None:  # a process watched from outside: no steps, tokens or loss to show

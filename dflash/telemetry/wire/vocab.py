@@ -1,4 +1,5 @@
-"""The words the trainer and its readers share: categories, worker roles, verdicts, gauge names.
+"""The words the trainer and its readers share: categories, worker roles, verdicts, gauge and counter
+names.
 
 They cross process boundaries (the trainer names them, the wire carries them, Prometheus, the trackers,
 `dflash stats` and dflash-top read them), so each is written once, here. Part of the wire: dflash-top
@@ -96,6 +97,16 @@ class Gauge(StrEnum):
     GIL_CONTENTION = "gil_contention"
     GIL_WAIT_MS = "gil_wait_ms"
     NONFINITE_SKIPPED = "nonfinite_skipped"
+
+
+class Counter(StrEnum):
+    """Counters (a snapshot's ``counters``: totals since the start, rates per window) one process adds to
+    and another reads by name."""
+
+    STEPS = "steps"
+    TOKENS = "tokens"
+    #: sample files of a hidden-states cache that did not read and were skipped (each warned once)
+    BAD_SAMPLES = "bad_samples"
 
 
 #: an objective term's gauge is this prefix and the term's name (`loss_ce`, `loss_kl`): each term of the

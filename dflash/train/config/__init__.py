@@ -237,13 +237,16 @@ class TelemetrySettings:
 
 @dataclass
 class HealthSettings:
-    """stall watchdog and non-finite steps (docs/telemetry.md)"""
+    """stall watchdog, non-finite steps (docs/telemetry.md) and bad samples in a cache (docs/cache.md)"""
 
     stall_timeout: float | None = setting(None, "seconds without a completed span before a worker counts as "
                                           "stalled (default: from its own history, at least 30; 0: no watchdog)")
     on_stall: str = setting("warn", "exit: checkpoint the last completed step and exit 3 so a scheduler can "
                             "restart the job (default warn)", choices=["warn", "exit"])
     nonfinite_limit: int = setting(3, "non-finite steps in a row (each skipped) that stop the run (default 3)")
+    max_bad_samples: int = setting(100, "with --hidden-states: sample files that do not read (truncated, garbled, "
+                                   "wrong shape, other tokens, NaN/inf) skipped, each with a warning, before the "
+                                   "run stops (default 100; 0: stop at the first)", metavar="N")
 
 
 @dataclass
@@ -339,6 +342,9 @@ class TrainConfig:
             raise ConfigError("--on-stall exit needs the stall watchdog: drop --no-telemetry / --stall-timeout 0")
         if health.nonfinite_limit < 1:
             raise ConfigError(f"nonfinite_limit must be at least 1, got {health.nonfinite_limit}")
+        if health.max_bad_samples < 0:
+            raise ConfigError(f"max_bad_samples must be >= 0 (0: stop at the first bad sample), got "
+                              f"{health.max_bad_samples}")
         self.check_objective()
         if not 0 <= self.optim.warmup_ratio < 1:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.optim.warmup_ratio}")

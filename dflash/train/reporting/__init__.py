@@ -8,6 +8,7 @@ dflash-top and telemetry.jsonl hold what the log says. Problems go to stderr (`p
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,12 +19,32 @@ if TYPE_CHECKING:
     from dflash.train.reporting.trackers import Trackers
 
 
+#: events kept for the telemetry stream until its publisher starts (the workers start first)
+EARLY_EVENTS = 256
+
+
 class Reporter:
     def __init__(self, out: Callable[[str], None] | None = None):
         self._out = out or (lambda s: print(s, flush=True))
         self.dist = Dist()  # replaced once the ranks have joined
-        self.server: TelemetryServer | None = None  # the telemetry publisher, once started: events go on its stream too
+        self._server: TelemetryServer | None = None
+        self._early: list[tuple[str, str, dict[str, Any]]] = []
+        self._lock = threading.Lock()  # events come from the workers' threads too
         self.trackers: Trackers | None = None  # the experiment trackers (rank 0, --report-to)
+
+    @property
+    def server(self) -> TelemetryServer | None:
+        """The telemetry publisher, once started: events go on its stream too, those told before it
+        started (a bad sample in the first batches) as soon as it does."""
+        return self._server
+
+    @server.setter
+    def server(self, server: TelemetryServer | None) -> None:
+        with self._lock:
+            self._server, early, self._early = server, self._early, []
+        if server is not None:
+            for kind, message, data in early:
+                server.publish_event(kind, message, **data)
 
     def log(self, line: str) -> None:
         """Rank 0 only: the other ranks would repeat it (their telemetry is their own)."""
@@ -36,8 +57,12 @@ class Reporter:
 
     def event(self, kind: str, message: str, **data: Any) -> None:
         self.log(f"[{kind}] {message}")
-        if self.server is not None:
-            self.server.publish_event(kind, message, **data)
+        with self._lock:
+            server = self._server
+            if server is None and len(self._early) < EARLY_EVENTS:
+                self._early.append((kind, message, data))
+        if server is not None:
+            server.publish_event(kind, message, **data)
 
     @staticmethod
     def problem(line: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from dflash.objectives import Objective, for_drafter
 from dflash.objectives.optim import describe as describe_optimizer
 from dflash.targets import Target, TargetError
 from dflash.targets.heads import NormedHead
-from dflash.telemetry.wire.vocab import Role
+from dflash.telemetry.wire.vocab import Counter, Role
 from dflash.train import distributed
 from dflash.train.checkpoint import rng
 from dflash.train.config import ConfigError, TrainConfig
@@ -53,6 +53,7 @@ class Components:
     generator: torch.Generator  # this rank's anchor sampling
     data_path: Path
     samples: int
+    bad_samples: list[str] = field(default_factory=list)  # a cache's files skipped so far, the line said of each
 
     @property
     def drafter_device(self) -> torch.device:
@@ -87,11 +88,13 @@ def run_target(cfg: TrainConfig, log: Callable[[str], None] = print, resuming: b
 
 
 def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None, faults: FaultPlan | None = None,
-          log: Callable[[str], None] = print, samples: list[Sample] | None = None) -> Components:
+          log: Callable[[str], None] = print, samples: list[Sample] | None = None,
+          event: Callable[..., None] | None = None) -> Components:
     """Make the drafter (from `ckpt`'s shape and weights when resuming) and the stages around `target`
     (the first target worker's, on `cfg.pipeline.target_devices[0]`; the others get replicas of it).
     The data is `samples` when given, else read from `cfg.run.data` with the target's tokenizer.
-    `--epochs` becomes `cfg.run.max_steps` here, once an epoch's length is known."""
+    `--epochs` becomes `cfg.run.max_steps` here, once an epoch's length is known. `event(kind, line)`:
+    how the run tells what happens while it trains (the Reporter's; default: a log line)."""
     from dflash.data import DataError
     from dflash.telemetry import ProfileStats
 
@@ -145,10 +148,20 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     source = BatchSource(samples, cfg.data.batch_size, cfg.data.seed, pad, dist.rank, dist.world_size,
                          block_size=dcfg.block_size, num_anchors=cfg.model.num_anchors, pin=cuda,
                          in_order_first=first.waits_for_inputs)
+    tell = event or (lambda kind, line, **data: log(f"[{kind}] {line}"))
+    skipped: list[str] = []
+
+    def bad_sample(line: str) -> None:  # a cache's file that did not read, skipped: counted, warned once
+        skipped.append(line)
+        stats.count(Counter.BAD_SAMPLES)
+        tell("warning", line)
+
     for t in replicas.values():
         t.read_ahead(source.sample_ids)
+        t.on_bad_sample(bad_sample)
     limit_epochs(cfg, source.per_epoch, log)
-    return Components(first, verifier, targets, drafter, dcfg, source, stats, generator, data_path, len(samples))
+    return Components(first, verifier, targets, drafter, dcfg, source, stats, generator, data_path, len(samples),
+                      skipped)
 
 
 def make_objective(cfg: TrainConfig, model: Any, target: Target, lm_head: Any,

@@ -1,7 +1,8 @@
 """The three stages of a training step, each usable alone (sync mode) or in its own thread (pipeline).
 
 * BatchSource: deterministic batch ``i`` of the dataset (so a resumed run sees the same data).
-* TargetStage: the target's hidden states at the tap layers (computed, or read), moved toward the drafter's device.
+* TargetStage: the target's hidden states at the tap layers (computed, or read), moved toward the drafter's device;
+  rows whose states could not be read (a cache's bad samples) masked out of the batch (mask_rows).
 * DrafterStage: anchors/blocks, drafter forward, backward, optimizer step.
 
 Every stage times itself into a telemetry worker handle; which thread runs it is the pipeline's business.
@@ -38,6 +39,7 @@ class Batch:
     num_tokens: int = 0  # real tokens, counted on the host while building (no device read later)
     plan: BlockPlan | None = None  # the blocks the drafter trains on (see objective.plan_blocks)
     sample_ids: list[int] = field(default_factory=list)  # each row's index in the data set (a cache's key)
+    skipped: list[int] = field(default_factory=list)  # rows masked out: their sample did not read (mask_rows)
 
     def pin_memory(self) -> Batch:
         """Page-locked copies: a non-blocking host-to-device copy from pageable memory is not
@@ -118,6 +120,27 @@ class BatchSource:
         return batch.pin_memory() if self.pin else batch
 
 
+def mask_rows(batch: Batch, rows: list[int]) -> Batch:
+    """``batch`` with ``rows`` taken out of training (a cache's bad samples): their loss mask off and their
+    blocks dropped from the plan, every other row's blocks and labels as they were. The tensors keep their
+    shape (a step's sizes stay what memory was fitted to), and rows never see each other in the drafter's
+    pass while every loss and weight is taken over the planned slots, so the step is the step on the batch
+    without those rows. Host work, done where the rows were found bad (the target's thread)."""
+    keep = torch.ones(batch.input_ids.shape[0], dtype=torch.bool)
+    keep[rows] = False
+    loss_mask = batch.loss_mask & keep[:, None]
+    plan = batch.plan
+    if plan is not None:  # the same anchors, unkept on those rows: no new draw, nothing else moves
+        anchors = plan.anchors
+        plan = plan_blocks(batch.input_ids, loss_mask, len(plan.per_position_count) + 1, plan.shape[1],
+                           anchors=(anchors.clamp(min=0), (anchors >= 0) & keep[:, None]))
+    if batch.input_ids.is_pinned():  # the batch was page-locked for an asynchronous copy: so are its new parts
+        loss_mask = loss_mask.pin_memory()
+        plan = None if plan is None else plan.pin_memory()
+    tokens = batch.num_tokens - int(batch.attention_mask[~keep].sum())
+    return replace(batch, loss_mask=loss_mask, plan=plan, num_tokens=tokens, skipped=sorted(set(rows)))
+
+
 class TargetStage:
     """The pipeline's first stage: one replica of whatever produces hidden states (dflash.targets), on
     one device, timed under the category it names (`target_forward` for a model run here). Its output
@@ -149,6 +172,8 @@ class TargetStage:
         with self.span(self.target.span_category):
             t0 = time.perf_counter()
             hidden = self.target.hidden_states(batch, final=True) if self.final else self.target.hidden_states(batch)
+            if skipped := self.target.skipped_rows(batch):  # bad samples: zeros, never trained on
+                batch = mask_rows(batch, skipped)
             if self.faults is not None:
                 self.faults.delay(self.fault_stage, batch.index, time.perf_counter() - t0)
         with self.tel.span("pack_hidden"):
@@ -260,10 +285,14 @@ class DrafterStage:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr * g["lr_scale"]
             grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.optim.grad_clip)
-            self.guard.step(out.loss, grad_norm, b.index)  # skips a non-finite step, on the device
+            rows = b.input_ids.shape[0]
+            # A batch of bad samples only takes no step: nothing was learnt, and AdamW would still move the
+            # weights by its moments. Across ranks the averaged gradient is every rank's step: none skips alone.
+            if len(b.skipped) < rows or self.forward_module is not self.drafter:
+                self.guard.step(out.loss, grad_norm, b.index)  # skips a non-finite step, on the device
             self.optimizer.zero_grad(set_to_none=True)
         return StepResult(out=out, grad_norm=grad_norm.detach(), lr=lr, tokens=b.num_tokens,
-                          samples=b.input_ids.shape[0])
+                          samples=rows - len(b.skipped))
 
     def loss(self, ids: torch.Tensor, hidden: torch.Tensor, plan: BlockPlan,
              attention_mask: torch.Tensor | None = None, span: Any = None) -> LossOutput:
