@@ -44,7 +44,7 @@ def measure(run_dir: Path, prompts_n: int, new_tokens: int, rounds: int) -> dict
 
     from dflash.data import load_prompts
     from dflash.eval.speculative import evaluate
-    from dflash.model.export import load_drafter
+    from dflash.model.loading import load_drafter
     from dflash.targets import load_target
     from dflash.train.config.schema import config_beside
     from dflash.train.reporting.evaluation import torch_threads

@@ -104,7 +104,7 @@ def check_decode(ref, work: Path, drafter: Path | None) -> None:
     """Both decoders on the tiny target with a DFlash2 drafter: the same tokens and acceptance. A random
     drafter has every draft rejected; a trained one (``drafter``: for the tiny target) has some kept."""
     from dflash.eval.speculative import speculative_generate
-    from dflash.model.export import load_drafter
+    from dflash.model.loading import load_drafter
     from dflash.targets import load_target
 
     if drafter is not None:

@@ -36,7 +36,8 @@ from dflash.checkpoint_files import (
     read_manifest,
     save_checkpoint,
 )
-from dflash.model.export import export_drafter, load_drafter
+from dflash.model.export import export_drafter
+from dflash.model.loading import load_drafter
 from dflash.train.checkpoint import rng
 from dflash.train.trainer import Trainer
 

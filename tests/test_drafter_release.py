@@ -24,7 +24,8 @@ from test_train_pipeline import _write_data
 
 from dflash.cli import main
 from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig, Rotary
-from dflash.model.export import DrafterLoadError, config_from_hf, export_drafter, hf_config, load_exported
+from dflash.model.export import DrafterLoadError, config_from_hf, export_drafter, hf_config
+from dflash.model.loading import load_exported
 from dflash.model.released import ReleaseMismatch, start_from_release
 from dflash.targets import load_target
 from dflash.train.config.schema import make_config

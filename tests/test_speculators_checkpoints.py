@@ -27,7 +27,7 @@ except ImportError as e:  # one line: why the cross-tests do not run here
 from dflash.cli import main
 from dflash.data import load_prompts
 from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig
-from dflash.model.export import load_drafter
+from dflash.model.loading import load_drafter
 from dflash.model.released import release_config
 from dflash.targets import load_target
 from dflash.targets.tiny import tiny_target_dir
@@ -249,7 +249,8 @@ def test_what_dflash_cannot_use_is_refused_in_one_line(tmp_path, verifier, token
 
 def test_settings_dflash_does_not_run_are_refused_in_one_line(saved):
     """Their config with one setting changed at a time, read as `--init-from` and `eval` read it."""
-    from dflash.model.export import DrafterLoadError, config_of_export
+    from dflash.model.export import DrafterLoadError
+    from dflash.model.loading import config_of_export
 
     real = json.loads((saved / "0" / "config.json").read_text())
     layers = real["transformer_layer_config"]

@@ -83,7 +83,8 @@ def _load(args: argparse.Namespace) -> tuple:
     each refused in one line when it does not load; `args.block_size` and `args.target` filled in."""
     import torch
 
-    from dflash.model.export import DrafterLoadError, load_drafter
+    from dflash.model.export import DrafterLoadError
+    from dflash.model.loading import load_drafter
     from dflash.model.speculators_format import speculators_dir, with_target
     from dflash.targets import TargetError, load_target
     from dflash.targets.hf import slow_kernel_note

@@ -21,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from dflash.model.export import DrafterLoadError, export_drafter, load_drafter
+    from dflash.model.export import DrafterLoadError, export_drafter
+    from dflash.model.loading import load_drafter
     from dflash.model.speculators_format import speculators_dir
 
     _check_out(Path(args.out).expanduser(), args.force)

@@ -19,14 +19,8 @@ from typing import Any
 
 from dflash.model.dflash2 import DFlash2Config
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, mask_token_embedding_ok
-from dflash.model.export import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    DrafterLoadError,
-    config_of_export,
-    load_exported,
-    read_config_json,
-)
+from dflash.model.export import CONFIG_NAME, WEIGHTS_NAME, DrafterLoadError, read_config_json
+from dflash.model.loading import config_of_export, load_exported
 
 
 class ReleaseMismatch(DrafterLoadError):

@@ -50,7 +50,7 @@ class Rotary(nn.Module):
         hf = Qwen3Config(head_dim=self.head_dim, hidden_size=self.head_dim, num_attention_heads=1,
                          max_position_embeddings=self.max_positions,
                          rope_parameters={**self.scaling, "rope_theta": self.theta})
-        with torch.device("cpu"):  # also inside a meta-device build (export.check_shapes)
+        with torch.device("cpu"):  # also inside a meta-device build (loading.check_shapes)
             inv_freq, factor = ROPE_INIT_FUNCTIONS[self.scaling["rope_type"]](hf, "cpu", seq_len=seq_len)
         return inv_freq.float(), float(factor)
 

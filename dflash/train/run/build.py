@@ -200,7 +200,8 @@ def make_drafter(cfg: TrainConfig, target: Target, ckpt: dict | None,
     (--init-from-target) or at random (seeded by the run's seed)."""
     from dflash.model.dflash2 import build_drafter, config_from_dict
     from dflash.model.drafter import init_from_target
-    from dflash.model.export import DrafterLoadError, check_shapes
+    from dflash.model.export import DrafterLoadError
+    from dflash.model.loading import check_shapes
 
     start = None  # the weights a fresh run starts from (--init-from), else random
     if ckpt is not None:
