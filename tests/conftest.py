@@ -48,6 +48,18 @@ def run_python() -> Callable[..., str]:
     return run
 
 
+
+def demo_cache(root: Path, lines: int, taps: str = "1,3,5") -> Path:
+    """The tiny target's hidden-state cache of the first `lines` demo rows, as `dflash data cache` writes
+    it, in `root/hs` (the rows' JSONL beside it, `root/data.jsonl`, for training in-process)."""
+    from dflash.cli import main
+
+    demo = (REPO / "dflash" / "data" / "demo.jsonl").read_text().splitlines()[:lines]
+    (root / "data.jsonl").write_text("\n".join(demo) + "\n")
+    assert main(["data", "cache", "--target", "tiny", "--data", str(root / "data.jsonl"), "--out", str(root / "hs"),
+                 "--target-layer-ids", taps, "--max-seq-len", "256", "--no-telemetry"]) == 0
+    return root / "hs"
+
 def bench_quick(script: str, timeout: float = 600) -> dict:
     """The JSON report of `scripts/<script> --quick --json`, run from the repository root (a smoke run
     of a benchmark: its figures mean nothing); a non-zero exit fails with the script's stderr."""

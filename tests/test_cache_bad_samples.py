@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import screen_text, wait_until
+from conftest import demo_cache, screen_text, wait_until
 
 from dflash.cli import main
 from dflash.data.cache_format import CacheError, read_sample, sample_path, write_sample
@@ -39,12 +39,7 @@ LINES = 25
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
     """The tiny target's cache of the first demo rows, as `dflash data cache` writes it."""
-    root = tmp_path_factory.mktemp("badsamples")
-    demo = (REPO / "dflash" / "data" / "demo.jsonl").read_text().splitlines()[:LINES]
-    (root / "data.jsonl").write_text("\n".join(demo) + "\n")
-    assert main(["data", "cache", "--target", "tiny", "--data", str(root / "data.jsonl"), "--out", str(root / "hs"),
-                 "--target-layer-ids", ",".join(map(str, TAPS)), "--max-seq-len", "256", "--no-telemetry"]) == 0
-    return root / "hs"
+    return demo_cache(tmp_path_factory.mktemp("badsamples"), LINES, ",".join(map(str, TAPS)))
 
 
 # --- ways a file goes bad, and the words its line gives for each ----------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import wait_until
+from conftest import demo_cache, wait_until
 
 from dflash.cli import main
 from dflash.data.cache_format import SIDECAR, CacheMeta, read_sample, sample_path, write_sample
@@ -30,10 +30,7 @@ ROWS = 24
 def work(tmp_path_factory) -> Path:
     """A small JSONL (the first demo rows) and the tiny target's cache of it."""
     root = tmp_path_factory.mktemp("cachetrain")
-    demo = (REPO / "dflash" / "data" / "demo.jsonl").read_text().splitlines()[:ROWS]
-    (root / "data.jsonl").write_text("\n".join(demo) + "\n")
-    assert main(["data", "cache", "--target", "tiny", "--data", str(root / "data.jsonl"), "--out", str(root / "hs"),
-                 "--target-layer-ids", TAPS, "--max-seq-len", "256", "--no-telemetry"]) == 0
+    demo_cache(root, ROWS, TAPS)
     return root
 
 
