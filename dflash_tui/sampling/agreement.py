@@ -27,35 +27,20 @@ class Row:
 
 def measured_shares(frames: Iterable[Frame], t0: float, t1: float) -> Shares:
     """Each worker's share of wall time per category over the trainer's snapshot windows that lie in
-    [t0, t1]: the spans' total time over the windows' length. A span is booked in the window it ends in,
-    so the spans open at the range's two edges are cut at them: the part of the span open when the range
-    begins that lies before it comes off, and the part of the one open when it ends comes in (a producer
-    blocked a whole second on a full queue would otherwise miss or gain a second of a 20-second range)."""
-    totals: dict[str, dict[str, float]] = {}
+    [t0, t1]: each window's own share (the trainer books a span's time in the windows it was open in, so
+    a producer blocked a whole second on a full queue is blocked in both windows it spans) weighted by
+    the window's length."""
+    busy: dict[str, dict[str, float]] = {}
     wall: dict[str, float] = {}
-    before: Snapshot | None = None
-    last: Snapshot | None = None
-
-    def book(worker: str, category: str, seconds: float) -> None:
-        totals.setdefault(worker, {})[category] = totals.get(worker, {}).get(category, 0.0) + seconds
-
     for f in frames:
-        if not isinstance(f, Snapshot) or f.t > t1:
+        if not isinstance(f, Snapshot) or f.t - (f.window_s or f.interval_s) < t0 or f.t > t1:
             continue
-        if f.t - (f.window_s or f.interval_s) < t0:
-            before = f
-            continue
-        last = f
+        length = f.window_s or f.interval_s
         for w, cats in f.workers.items():
-            wall[w] = wall.get(w, 0.0) + (f.window_s or f.interval_s)
+            wall[w] = wall.get(w, 0.0) + length
             for c, st in cats.items():
-                book(w, c, st.total)
-    if last is not None:
-        for edge, sign in ((before, -1.0), (last, 1.0)):
-            for w, span in (edge.inflight if edge is not None else {}).items():
-                if w in wall:
-                    book(w, span.category, sign * min(span.elapsed, wall[w]))
-    return {w: {c: max(0.0, t) / wall[w] for c, t in cats.items()} for w, cats in totals.items() if wall.get(w)}
+                busy.setdefault(w, {})[c] = busy.get(w, {}).get(c, 0.0) + st.share * length
+    return {w: {c: t / wall[w] for c, t in cats.items()} for w, cats in busy.items() if wall.get(w)}
 
 
 def compare(sampled: Mapping[str, Mapping[str, float]], measured: Mapping[str, Mapping[str, float]]) -> list[Row]:
