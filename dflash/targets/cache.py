@@ -234,7 +234,8 @@ def load_cache_target(root: Path, spec: str, layer_ids: list[int] | None, num_dr
     embed = nn.Embedding.from_pretrained(embed_w, freeze=True)
     head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False, device="meta")
     head.weight = nn.Parameter(head_w, requires_grad=False)
-    reader = CacheReader(layout, threads=threads, pin=cuda, follow=follow)
+    # FP8 files are dequantised by the reader threads straight into the dtype the batches are built in
+    reader = CacheReader(layout, threads=threads, pin=cuda, follow=follow, dtype=dtype)
     return CacheTarget(layout, tokenizer, config, embed, head, path, reader)
 
 
