@@ -84,6 +84,18 @@ def test_per_token_scales_and_the_error_they_bound():
     assert torch.equal(bq[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(bs[0], scales)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_code_dequantises_as_torch_converts_it(dtype):
+    """The bit arithmetic against torch's own float8 conversion, all 256 codes (the two NaN codes
+    included), times scales that round differently in each dtype."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8).reshape(256, 1, 1).expand(256, 3, 4).contiguous()
+    scales = torch.logspace(-9, 3, 256).reshape(256, 1, 1) * 1.2345
+    got = dequantize_fp8(codes, scales, dtype)
+    want = codes.to(dtype) * scales.to(dtype)
+    assert got.dtype == dtype and int(want.isnan().sum()) == 2 * 12
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~want.isnan()], want[~want.isnan()])
+
+
 def test_an_fp8_file_round_trips(tmp_path):
     hs, ids = _states(), torch.arange(7) + 3
     q, scales = quantize_fp8(hs)
@@ -186,6 +198,21 @@ def test_the_reader_threads_dequantise(caches, tiny, monkeypatch):
         finally:
             reader.close()
     assert len(where) == 2 * ROWS and all(name.startswith("cache-read") for name in where)
+
+
+def test_a_nan_code_is_one_line(caches, tiny, tmp_path):
+    bad = tmp_path / "nan"
+    shutil.copytree(caches / "fp8", bad)
+    q, ids, scales = read_stored(sample_path(bad, 1))
+    q = q.clone()
+    q.view(torch.uint8)[4, 2, 7] = 0x7F  # float8_e4m3fn's NaN
+    write_sample(sample_path(bad, 1), q, ids, scales)
+    reader = CacheReader(open_cache(bad, tiny, None, []), threads=1)
+    try:
+        with pytest.raises(CacheError, match=r"hs_1.safetensors: 1 non-finite values \(NaN/inf\) in layer slots \[2\]"):
+            reader.take(1)
+    finally:
+        reader.close()
 
 
 def _mixed(caches: Path, tmp_path: Path, sidecar: bool) -> Path:

@@ -45,6 +45,8 @@ FP8 = torch.float8_e4m3fn
 SCALES = "hidden_states_scales"
 _FP8_MAX = torch.finfo(FP8).max  # 448
 _SCALE_FLOOR = 1e-12  # an all-zero token still gets a usable (positive) scale
+_SIGN_EXP_MANTISSA = 0x87F00000 - (1 << 32)  # fp32 bit 31 and bits 20-26, as a signed int32
+_BIAS_GAP = 2.0 ** (127 - 7)  # fp32's exponent bias minus float8_e4m3fn's
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
            "F8_E4M3": FP8, "I64": torch.int64, "I32": torch.int32}
@@ -87,11 +89,25 @@ def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_fp8(fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
-    """``fp8 * scales`` in ``dtype``, as the FP8 backend's reader computes it (both cast to ``dtype``
-    first), into a new buffer, page-locked when ``pin``: no temporary of the full size."""
-    out = torch.empty(fp8.shape, dtype=dtype, pin_memory=pin)
-    out.copy_(fp8)  # exact: every float8_e4m3fn value is a bf16/fp32 value
-    return out.mul_(scales.to(dtype))
+    """``fp8 * scales`` in ``dtype``, to the bit what the FP8 backend's reader computes (both cast to
+    ``dtype``, then multiplied), into a new buffer, page-locked when ``pin``.
+
+    The codes are widened with integer arithmetic, several times faster on a CPU than torch's
+    element-by-element float8 conversion: each byte, sign-extended, is shifted so that its 4 exponent
+    and 3 mantissa bits land on fp32's, and the result scaled by 2^120 (the difference of the two
+    exponent biases), exact for every code, subnormals included. The product with a scale cast to
+    ``dtype`` has at most 12 significant bits, so computing it in fp32 and rounding once gives the
+    ``dtype`` product."""
+    wide = torch.empty(fp8.shape, dtype=torch.int32, pin_memory=pin and dtype == torch.float32)
+    wide.copy_(fp8.view(torch.int8)).bitwise_left_shift_(20).bitwise_and_(_SIGN_EXP_MANTISSA)
+    values = wide.view(torch.float32).mul_(_BIAS_GAP)
+    magnitude = values.abs()
+    if bool(magnitude.amax() > _FP8_MAX):  # only the NaN codes (s.1111.111) land above 448, on 480
+        values[magnitude > _FP8_MAX] = float("nan")
+    values.mul_(scales.to(dtype))
+    if dtype == torch.float32:
+        return values
+    return torch.empty(fp8.shape, dtype=dtype, pin_memory=pin).copy_(values)
 
 
 def write_sample(path: Path, hidden: torch.Tensor, token_ids: torch.Tensor, scales: torch.Tensor | None = None) -> int:
@@ -231,9 +247,10 @@ def read_sample(path: Path, pin: bool = False,
 
 def check_finite(hidden: torch.Tensor, path: Path) -> None:
     """Refuse non-finite states, naming the layer slots they are in (a NaN would poison the drafter)."""
-    finite = torch.isfinite(hidden)
-    if bool(finite.all()):
+    # the largest magnitude is NaN or inf exactly when some value is: one fast reduction in the usual case
+    if hidden.numel() == 0 or bool(torch.isfinite(hidden.abs().amax())):
         return
+    finite = torch.isfinite(hidden)
     slots = (~finite).any(dim=2).any(dim=0).nonzero().flatten().tolist()
     raise CacheError(f"{path}: {int((~finite).sum())} non-finite values (NaN/inf) in layer slots {slots}; "
                      f"{REWRITE}")
