@@ -11,7 +11,15 @@ Throughput is drafter steps per second in steady state (the first ``--warmup`` s
 tiny target the forward is cheap, so the gap here is small; on a real target the cache removes the
 target's forward (and its GPUs) from the run entirely. The report includes the foreign CPU load.
 
+``--formats``: instead, the same rows cached as fp32, bf16 and FP8 (`dflash data cache --dtype`, the taps
+of configs/tiny-cpu.toml): bytes per sample, and samples/s one reader thread delivers from each (read,
+checked, an FP8 file dequantised to the fp32 a CPU run trains in; files in the page cache, so this is the
+reader's CPU cost, not the disk's; median of ``--rounds`` interleaved passes); with ``--tau-steps N``,
+the recipe trained N steps from each cache (same seed) and its real tau at the end (the run's own final
+evaluation against the tiny target).
+
     python scripts/bench_cache.py [--json] [--quick] [--rounds 3] [--steps 16]
+    python scripts/bench_cache.py --formats [--samples 2000] [--rounds 5] [--tau-steps 1000] [--json]
 """
 
 from __future__ import annotations
@@ -27,6 +35,10 @@ import tempfile
 import time
 
 from _bench import ForeignLoad, bench_parser, print_report, steady_steps_per_s
+
+DTYPES = ("fp32", "bf16", "fp8")
+RECIPE = "configs/tiny-cpu.toml"
+RECIPE_TAPS = "1,3,5"  # the recipe's target_layer_ids: its caches hold these
 
 
 def measure(args, mode: str) -> dict:
@@ -46,8 +58,92 @@ def measure(args, mode: str) -> dict:
     return {"steps_per_s": steady_steps_per_s(trainer, args.warmup)}
 
 
-def _child(args, mode: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", mode, f"--cache={args.cache}", f"--data={args.data}",
+def read_rate(args, cache: str) -> dict:
+    """Samples/s of one reader thread over every row of ``cache``: a pass after a warm-up pass (the
+    files are in the page cache, so the figure is the reader's own work)."""
+    import torch
+
+    from dflash.targets.cache import load_cache_target
+
+    torch.set_num_threads(1)
+    target = load_cache_target(cache, "tiny", None, None, torch.device("cpu"), threads=1, log=lambda s: None)
+    rows = list(range(len(target.layout.rows)))
+    rates = []
+    try:
+        for _ in range(2):
+            t0 = time.perf_counter()
+            target.reader.schedule(rows)
+            for r in rows:
+                target.reader.take(r)
+            rates.append(len(rows) / (time.perf_counter() - t0))
+    finally:
+        target.close()
+    return {"samples_per_s": rates[-1]}
+
+
+def _cache(args, out: str, *flags: str) -> float:
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-m", "dflash", "data", "cache", "--target", "tiny", "--data", args.data,
+                    "--out", out, "--max-samples", str(args.samples), "--no-telemetry", *flags],
+                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return time.monotonic() - t0
+
+
+def _train_tau(args, cache: str, run_dir: str) -> dict:
+    """The recipe trained ``--tau-steps`` from ``cache``; the tau of its final evaluation (evals.jsonl)."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "dflash", "train", "--config", RECIPE, "--hidden-states", cache,
+                           "--max-steps", str(args.tau_steps), "--eval-target", "tiny", "--run-dir", run_dir,
+                           "--no-telemetry"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"training from {cache} failed:\n{proc.stderr[-3000:]}")
+    with open(os.path.join(run_dir, "evals.jsonl")) as f:
+        last = json.loads(f.read().strip().splitlines()[-1])
+    return {"tau": last["tau"], "lossless": last.get("lossless"), "train_s": round(time.monotonic() - t0)}
+
+
+def formats(args) -> dict:
+    work = tempfile.mkdtemp(prefix="dflash-bench-formats-")
+    args.data = os.path.join(work, "data.jsonl")
+    report: dict = {"samples": args.samples}
+    try:
+        from dflash.data.demo import demo_path
+
+        rows = demo_path().read_text().splitlines()[:args.samples]
+        with open(args.data, "w") as f:
+            f.write("\n".join(rows) + "\n")
+        caches = {d: os.path.join(work, d) for d in DTYPES}
+        with ForeignLoad() as load:
+            for d, out in caches.items():
+                s = _cache(args, out, "--dtype", d, "--target-layer-ids", RECIPE_TAPS, "--max-seq-len", "320")
+                report[f"write_s_{d}"] = round(s, 1)
+            for d, out in caches.items():
+                files = [os.path.join(out, "hidden_states", f) for f in os.listdir(os.path.join(out, "hidden_states"))]
+                report[f"bytes_per_sample_{d}"] = round(sum(os.path.getsize(f) for f in files) / len(files))
+            rates: dict[str, list[float]] = {d: [] for d in DTYPES}
+            for r in range(args.rounds):
+                for d in DTYPES if r % 2 == 0 else DTYPES[::-1]:  # interleaved: drift hits all alike
+                    rates[d].append(_child(args, "read", caches[d])["samples_per_s"])
+                    if not args.json:
+                        print(f"round {r + 1} {d}: {rates[d][-1]:.0f} samples/s per reader thread", file=sys.stderr)
+            for d, v in rates.items():
+                report[f"reader_samples_per_s_{d}"] = round(statistics.median(v), 1)
+            for d in args.tau_dtypes.split(",") if args.tau_steps else ():
+                res = _train_tau(args, caches[d], os.path.join(work, f"run-{d}"))
+                report.update({f"{k}_{d}": v for k, v in res.items()})
+                if not args.json:
+                    print(f"{d}: tau {res['tau']} after {args.tau_steps} steps ({res['train_s']} s)", file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report["fp8_vs_fp32_bytes"] = round(report["bytes_per_sample_fp8"] / report["bytes_per_sample_fp32"], 3)
+    report["tau_steps"] = args.tau_steps
+    report["foreign_load_cores"] = round(load.cores, 2)
+    report["busy_machine"] = load.cores > 0.3
+    return report
+
+
+def _child(args, mode: str, cache: str | None = None) -> dict:
+    cmd = [sys.executable, __file__, "--child", mode, f"--cache={cache or args.cache}", f"--data={args.data}",
            *args.passthrough]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
@@ -66,6 +162,11 @@ def main() -> None:
     p.add_argument("--num-anchors", type=int, default=24)
     p.add_argument("--max-seq-len", type=int, default=320)
     p.add_argument("--drafter-layers", type=int, default=3)
+    p.add_argument("--formats", action="store_true", help="fp32 / bf16 / fp8 caches: bytes per sample, reader "
+                   "samples/s per thread (and tau with --tau-steps)")
+    p.add_argument("--tau-steps", type=int, default=0, help="with --formats: train the tiny recipe this many steps "
+                   "from each cache of --tau-dtypes and report its real tau (0: not)")
+    p.add_argument("--tau-dtypes", default="fp32,fp8", help="with --tau-steps: the caches to train from")
     p.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     p.add_argument("--data", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -75,14 +176,17 @@ def main() -> None:
     args.run_dir = f"/tmp/dflash-bench-{os.getpid()}"
     args.socket_dir = f"/tmp/dflash-bench-sock-{os.getpid()}"
     args.passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-                        ("steps", "warmup", "batch_size", "num_anchors", "max_seq_len", "drafter_layers")]
+                        ("steps", "warmup", "batch_size", "num_anchors", "max_seq_len", "drafter_layers", "rounds")]
     if args.child:
         try:
-            res = measure(args, args.child)
+            res = read_rate(args, args.cache) if args.child == "read" else measure(args, args.child)
         finally:
             shutil.rmtree(args.run_dir, ignore_errors=True)
             shutil.rmtree(args.socket_dir, ignore_errors=True)
         print(json.dumps(res))
+        return
+    if args.formats:
+        print_report(formats(args), args.json)
         return
 
     work = tempfile.mkdtemp(prefix="dflash-bench-cache-")

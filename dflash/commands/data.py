@@ -8,6 +8,9 @@ from pathlib import Path
 
 from dflash.commands import CliError
 
+#: `dflash data cache --dtype` -> the torch dtype's name (torch is imported only when a command runs)
+CACHE_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn"}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -34,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--target T` on this machine uses)")
     c.add_argument("--drafter-layers", type=int, default=None, help="one tap per drafter layer, spread evenly")
     c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--dtype", choices=sorted(CACHE_DTYPES), default=None,
+                   help="what the files hold (default: the target's dtype); fp8: float8_e4m3fn with one float32 "
+                   "scale per token, the layout of speculators' FP8 backend, a quarter of fp32's bytes")
     c.add_argument("--device", default="cpu", help="cpu, cuda (under torchrun: each rank's own GPU), cuda:N")
     c.add_argument("--socket-dir", type=Path, default=None, help="where the telemetry socket goes (as `dflash train`)")
     c.add_argument("--no-telemetry", action="store_true", help="no telemetry socket for dflash-top and no "
@@ -100,7 +106,8 @@ def _cache(args: argparse.Namespace) -> int:
     samples = load_samples(data, target.tokenizer, max_len=args.max_seq_len)
     if args.max_samples is not None:
         samples = samples[:args.max_samples]
-    meta = meta_for(target, args.target, len(samples))
+    dtype = getattr(torch, CACHE_DTYPES[args.dtype]) if args.dtype else None
+    meta = meta_for(target, args.target, len(samples), dtype)
     out: Path = args.out
     _check_out(out, meta, samples)
     if rank == 0:
@@ -110,7 +117,7 @@ def _cache(args: argparse.Namespace) -> int:
     share = rank_share(len(samples), None, world, rank)
     print(f"cache: {target.describe() if hasattr(target, 'describe') else args.target}; rows {share.start}.."
           f"{share.stop - 1} of {len(samples)} on rank {rank}/{world}; taps {target.layer_ids} "
-          f"(engine ids {meta.aux_hidden_state_layer_ids} + final {target.num_layers})", flush=True)
+          f"(engine ids {meta.aux_hidden_state_layer_ids} + final {target.num_layers}); {meta.dtype}", flush=True)
     stats = ProfileStats()
     server = None
     if not args.no_telemetry:
@@ -123,7 +130,7 @@ def _cache(args: argparse.Namespace) -> int:
         print(f"telemetry: {server.path}", flush=True)
     try:
         report = write_cache(target, samples, out, share, stats, batch_size=args.batch_size,
-                             log=lambda line: print(line, flush=True))
+                             log=lambda line: print(line, flush=True), dtype=dtype)
     finally:
         if server is not None:
             server.close()

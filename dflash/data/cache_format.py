@@ -6,6 +6,11 @@ aux layers in order, the final pre-norm layer last) and ``token_ids`` int64 ``[s
 sidecar, ``DIR/dflash_cache.json``, with what the engines' layout leaves out (which target, tokenizer,
 layers and dtype).
 
+An FP8 file (the layout of speculators' FP8 hidden-states backend, hs-connectors' ``fp8_utils``) holds
+``hidden_states`` as ``float8_e4m3fn`` beside ``hidden_states_scales``, float32 ``[seq, 1, 1]``: one
+scale per token over all its slots and hidden units. The scales tensor is how a reader tells such a
+file; the states are ``fp8 * scale`` in the dtype training uses.
+
 Files come from outside (an engine, another machine), so a sample is read with a bounded header parse
 and every problem is a ``CacheError`` whose message is one line naming the file and what to do.
 """
@@ -35,9 +40,16 @@ CONVENTION = ("aux_hidden_state_layer_ids = target_layer_ids + 1 (vLLM id k = in
 # A safetensors header is a few hundred bytes for two tensors; anything near this is not our file.
 MAX_HEADER = 1 << 20
 
+FP8 = torch.float8_e4m3fn
+#: the FP8 backend's key for the per-token scales: its presence marks an FP8 file
+SCALES = "hidden_states_scales"
+_FP8_MAX = torch.finfo(FP8).max  # 448
+_SCALE_FLOOR = 1e-12  # an all-zero token still gets a usable (positive) scale
+_SIGN_EXP_MANTISSA = 0x87F00000 - (1 << 32)  # fp32 bit 31 and bits 20-26, as a signed int32
+_BIAS_GAP = 2.0 ** (127 - 7)  # fp32's exponent bias minus float8_e4m3fn's
+
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "I64": torch.int64, "I32": torch.int32}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+           "F8_E4M3": FP8, "I64": torch.int64, "I32": torch.int32}
 
 
 #: what to do about a bad sample file, said at the end of its error line
@@ -46,6 +58,11 @@ REWRITE = "delete it and rerun `dflash data cache` (or the engine) to rewrite it
 
 class CacheError(ValueError):
     """A cache that cannot be used as it is; the message is one line naming the file and the fix."""
+
+
+class MixedCache(CacheError):
+    """Sample files that disagree on what the cache is (one in FP8 beside bf16 ones): no single file is at
+    fault, so a run never skips such a file as a bad sample; the cache is rewritten in one dtype."""
 
 
 def sample_path(root: Path, index: int) -> Path:
@@ -66,16 +83,51 @@ def parse_dtype(name: str) -> torch.dtype:
 
 # --- one sample -----------------------------------------------------------------------------------
 
-def write_sample(path: Path, hidden: torch.Tensor, token_ids: torch.Tensor) -> int:
+def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden [..., slots, H]`` -> ``(float8_e4m3fn, float32 scales [..., 1, 1])``, one scale per token
+    (its largest magnitude over every slot maps to FP8's largest value, 448), the arithmetic of the FP8
+    backend's writer, so either tool's file of the same states holds the same bytes. Tokens are
+    independent: a padded batch quantises to the same values as its samples one by one."""
+    x = hidden.float()
+    scales = (x.abs().amax(dim=(-2, -1), keepdim=True) / _FP8_MAX).clamp(min=_SCALE_FLOOR)
+    return (x / scales).to(FP8), scales
+
+
+def dequantize_fp8(fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+    """``fp8 * scales`` in ``dtype``, to the bit what the FP8 backend's reader computes (both cast to
+    ``dtype``, then multiplied), into a new buffer, page-locked when ``pin``.
+
+    The codes are widened with integer arithmetic, several times faster on a CPU than torch's
+    element-by-element float8 conversion: each byte, sign-extended, is shifted so that its 4 exponent
+    and 3 mantissa bits land on fp32's, and the result scaled by 2^120 (the difference of the two
+    exponent biases), exact for every code, subnormals included. The product with a scale cast to
+    ``dtype`` has at most 12 significant bits, so computing it in fp32 and rounding once gives the
+    ``dtype`` product."""
+    wide = torch.empty(fp8.shape, dtype=torch.int32, pin_memory=pin and dtype == torch.float32)
+    wide.copy_(fp8.view(torch.int8)).bitwise_left_shift_(20).bitwise_and_(_SIGN_EXP_MANTISSA)
+    values = wide.view(torch.float32).mul_(_BIAS_GAP)
+    magnitude = values.abs()
+    if bool(magnitude.amax() > _FP8_MAX):  # only the NaN codes (s.1111.111) land above 448, on 480
+        values[magnitude > _FP8_MAX] = float("nan")
+    values.mul_(scales.to(dtype))
+    if dtype == torch.float32:
+        return values
+    return torch.empty(fp8.shape, dtype=dtype, pin_memory=pin).copy_(values)
+
+
+def write_sample(path: Path, hidden: torch.Tensor, token_ids: torch.Tensor, scales: torch.Tensor | None = None) -> int:
     """Write one sample atomically: a hidden temporary in the same directory, then a rename, so a
-    reader (``--follow``, speculators) sees the whole file or none. Returns the bytes written."""
+    reader (``--follow``, speculators) sees the whole file or none; ``scales``: an FP8 sample's
+    ``[seq, 1, 1]`` per-token scales. Returns the bytes written."""
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tensors = {"hidden_states": hidden.contiguous(), "token_ids": token_ids.to(torch.int64).contiguous()}
+    if scales is not None:
+        tensors[SCALES] = scales.float().contiguous()
     try:
-        save_file({"hidden_states": hidden.contiguous(), "token_ids": token_ids.to(torch.int64).contiguous()},
-                  str(tmp))
+        save_file(tensors, str(tmp))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -153,19 +205,29 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], int]:
     return tensors, 8 + n
 
 
-def read_sample(path: Path, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hidden_states [seq, slots, H], token_ids [seq])`` read straight into one buffer (page-locked
-    when ``pin``, so the copy to a GPU can be asynchronous), shapes checked against each other."""
+def read_stored(path: Path, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(hidden_states [seq, slots, H], token_ids [seq], scales [seq, 1, 1] or None)`` as the file holds
+    them, read straight into one buffer (page-locked when ``pin``, so the copy to a GPU can be
+    asynchronous), shapes checked against each other; ``scales`` only in an FP8 file."""
     tensors, data_start = read_header(path)
     for name in ("hidden_states", "token_ids"):
         if name not in tensors:
             raise CacheError(f"{path}: no {name!r} tensor (has {sorted(tensors)}): not a hidden-states cache file")
-    hs, tok = tensors["hidden_states"], tensors["token_ids"]
+    hs, tok, sc = tensors["hidden_states"], tensors["token_ids"], tensors.get(SCALES)
     if len(hs.shape) != 3:
         raise CacheError(f"{path}: hidden_states has shape {list(hs.shape)}, expected [seq, layers, hidden]")
     if len(tok.shape) != 1 or tok.shape[0] != hs.shape[0] or tok.dtype.is_floating_point:
         raise CacheError(f"{path}: token_ids {list(tok.shape)} ({dtype_name(tok.dtype)}) does not match "
                          f"hidden_states' {hs.shape[0]} positions")
+    if hs.dtype == FP8 and sc is None:
+        raise CacheError(f"{path}: hidden_states is {dtype_name(FP8)} but the file has no {SCALES!r} (FP8 states "
+                         f"are meaningless without their per-token scales); {REWRITE}")
+    if sc is not None and hs.dtype != FP8:
+        raise CacheError(f"{path}: has {SCALES!r} but hidden_states is {dtype_name(hs.dtype)}, not "
+                         f"{dtype_name(FP8)}: not a file either writer makes; {REWRITE}")
+    if sc is not None and (sc.shape != (hs.shape[0], 1, 1) or not sc.dtype.is_floating_point):
+        raise CacheError(f"{path}: {SCALES} is {dtype_name(sc.dtype)} {list(sc.shape)}, expected a float "
+                         f"[{hs.shape[0]}, 1, 1] (one scale per token); {REWRITE}")
     total = os.path.getsize(path) - data_start
     buf = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
     with path.open("rb") as f:
@@ -177,14 +239,23 @@ def read_sample(path: Path, pin: bool = False) -> tuple[torch.Tensor, torch.Tens
     def view(t: TensorInfo) -> torch.Tensor:
         return buf[t.start:t.end].view(t.dtype).view(t.shape)
 
-    return view(hs), view(tok).to(torch.int64)
+    return view(hs), view(tok).to(torch.int64), (view(sc) if sc is not None else None)
+
+
+def read_sample(path: Path, pin: bool = False,
+                fp8_as: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden_states [seq, slots, H], token_ids [seq])``: the states in the file's dtype, or an FP8
+    file's dequantised into ``fp8_as``."""
+    hs, ids, scales = read_stored(path, pin)
+    return (hs if scales is None else dequantize_fp8(hs, scales, fp8_as, pin)), ids
 
 
 def check_finite(hidden: torch.Tensor, path: Path) -> None:
     """Refuse non-finite states, naming the layer slots they are in (a NaN would poison the drafter)."""
-    finite = torch.isfinite(hidden)
-    if bool(finite.all()):
+    # the largest magnitude is NaN or inf exactly when some value is: one fast reduction in the usual case
+    if hidden.numel() == 0 or bool(torch.isfinite(hidden.abs().amax())):
         return
+    finite = torch.isfinite(hidden)
     slots = (~finite).any(dim=2).any(dim=0).nonzero().flatten().tolist()
     raise CacheError(f"{path}: {int((~finite).sum())} non-finite values (NaN/inf) in layer slots {slots}; "
                      f"{REWRITE}")
@@ -335,6 +406,7 @@ def read_rows(root: Path) -> list[Sample]:
 
 
 def cache_bytes(seq_lens: list[int], slots: int, hidden: int, dtype: torch.dtype) -> int:
-    """Disk the sample files take: tokens x (L + 1) x H x bytes, plus 8 bytes of token id per token."""
+    """Disk the sample files take: tokens x (L + 1) x H x bytes, plus 8 bytes of token id per token
+    (and 4 of scale in an FP8 cache)."""
     tokens = sum(seq_lens)
-    return tokens * slots * hidden * dtype.itemsize + tokens * 8
+    return tokens * slots * hidden * dtype.itemsize + tokens * (8 + 4 * (dtype == FP8))

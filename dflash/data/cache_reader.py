@@ -5,7 +5,11 @@ the start, then sample files read ahead on a small thread pool into page-locked 
 (and refuses another tokenizer, another target, taps the cache lacks); without one (vLLM / speculators
 wrote the cache) it accepts the cache when the first file's shapes agree with the target and the taps,
 and says in one line what it assumed. Every later file is checked as it is read (shape, its token ids
-against the row, finite states): a bad file stops the run with one line naming it.
+against the row, finite states, the cache's dtype): a bad file stops the run with one line naming it.
+
+FP8 files (float8_e4m3fn with per-token scales, from `dflash data cache --dtype fp8` or speculators' FP8
+backend) are dequantised here, on the reader threads, into the dtype training uses (a page-locked
+buffer on CUDA): the stage that assembles batches and the drafter see plain states and pay nothing.
 
 ``follow``: files may not exist yet (an engine or `dflash data cache` is still writing); a read waits
 until the file is complete (``is_ready``: renamed into place, or its writer's lock released), and the
@@ -26,17 +30,20 @@ import torch
 
 from dflash.data.cache_format import (
     AUX_ID_OFFSET,
+    FP8,
     HIDDEN_DIR,
     REWRITE,
     SIDECAR,
     CacheError,
     CacheMeta,
+    MixedCache,
     check_finite,
     config_digest,
+    dequantize_fp8,
     dtype_name,
     is_ready,
     read_rows,
-    read_sample,
+    read_stored,
     rows_ready,
     sample_path,
     tokenizer_digest,
@@ -57,7 +64,7 @@ class CacheLayout:
     slots: list[int]  # where each tap sits in a file's layer dimension
     file_slots: int  # layers per token in a file (taps + final, or more)
     hidden_size: int
-    dtype: torch.dtype | None  # None: not known until the first file (a following cache without sidecar)
+    dtype: torch.dtype  # what every file holds (float8_e4m3fn: an FP8 cache, with per-token scales)
     meta: CacheMeta | None
     assumed: str | None = None  # the one line said about a cache without sidecar
 
@@ -91,7 +98,7 @@ def open_cache(root: Path, target_info: Any, layer_ids: list[int] | None, defaul
     first = sample_path(root, 0)
     if follow:
         _wait(lambda: is_ready(first), stop)
-    hs, _ = read_sample(first)
+    hs, _, _ = read_stored(first)
     seq, file_slots, hidden = hs.shape
     if hidden != target_info.hidden_size:
         raise CacheError(f"{where}: {first.name} has hidden size {hidden}, --target has "
@@ -105,8 +112,12 @@ def open_cache(root: Path, target_info: Any, layer_ids: list[int] | None, defaul
             f"each minus {AUX_ID_OFFSET} (its aux_hidden_state_layer_ids)")
     assumed = (f"{where}: no {SIDECAR} (an engine wrote this cache): assuming its {aux} aux slots are taps "
                f"{taps} (engine ids {[i + AUX_ID_OFFSET for i in taps]}), the last slot the final layer, "
-               f"{dtype_name(hs.dtype)}, the tokenizer of --target")
+               f"{_dtype_words(hs.dtype)}, the tokenizer of --target")
     return CacheLayout(root, rows, taps, list(range(aux)), file_slots, hidden, hs.dtype, None, assumed)
+
+
+def _dtype_words(dtype: torch.dtype) -> str:
+    return f"{dtype_name(dtype)} with per-token scales (FP8)" if dtype == FP8 else dtype_name(dtype)
 
 
 def _check_complete(root: Path, rows: int, where: str) -> None:
@@ -146,12 +157,13 @@ def _with_sidecar(root: Path, rows: list[Sample], meta: CacheMeta, target: Any, 
 
 class CacheReader:
     """Sample files read on ``threads`` threads ahead of use, each into a page-locked buffer when
-    ``pin`` (a CUDA run), checked, and cut to the tap slots. ``schedule(rows)`` starts reads,
-    ``take(row)`` returns one (waiting for it). Rows are the data set's (= file) indices."""
+    ``pin`` (a CUDA run), checked, and an FP8 file dequantised into ``dtype`` (the dtype training uses).
+    ``schedule(rows)`` starts reads, ``take(row)`` returns one (waiting for it). Rows are the data set's
+    (= file) indices."""
 
     def __init__(self, layout: CacheLayout, threads: int = 2, pin: bool = False, follow: bool = False,
-                 on_wait: Callable[[float], None] | None = None):
-        self.layout, self.pin, self.follow, self.on_wait = layout, pin, follow, on_wait
+                 on_wait: Callable[[float], None] | None = None, dtype: torch.dtype = torch.float32):
+        self.layout, self.pin, self.follow, self.on_wait, self.dtype = layout, pin, follow, on_wait, dtype
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="cache-read")
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
@@ -172,8 +184,8 @@ class CacheReader:
             return set(self._pending)
 
     def take(self, row: int) -> torch.Tensor:
-        """Row ``row``'s states as the file holds them, ``[seq, file_slots, H]`` (``layout.slots`` says
-        which are the taps: cutting them here would copy out of the page-locked buffer)."""
+        """Row ``row``'s states, ``[seq, file_slots, H]``, as the file holds them (dequantised if FP8;
+        ``layout.slots`` says which are the taps: cutting them here would copy out of the page-locked buffer)."""
         self.schedule([row])
         with self._lock:
             future = self._pending.pop(row)
@@ -197,14 +209,20 @@ class CacheReader:
                 self.waiting.discard(row)
             if self.on_wait is not None:
                 self.on_wait(time.perf_counter() - t0)
-        hs, ids = read_sample(path, pin=self.pin)
+        hs, ids, scales = read_stored(path, pin=self.pin)
         expect = lay.rows[row].input_ids
         if hs.shape[1] != lay.file_slots or hs.shape[2] != lay.hidden_size:
             raise CacheError(f"{path}: hidden_states {list(hs.shape)}, the cache's others are "
                              f"[seq, {lay.file_slots}, {lay.hidden_size}]; {REWRITE}")
+        if hs.dtype != lay.dtype:
+            said = SIDECAR if lay.meta is not None else sample_path(lay.root, 0).name
+            raise MixedCache(f"{path}: {_dtype_words(hs.dtype)}, but the cache is {_dtype_words(lay.dtype)} "
+                             f"(its {said}): a mixed cache; rewrite it in one dtype (`dflash data cache --dtype`)")
         if ids.tolist() != expect:
             raise CacheError(f"{path}: its token_ids differ from row {row} of the data set "
                              f"({len(ids)} vs {len(expect)} tokens): it belongs to other data; {REWRITE}")
+        if scales is not None:
+            hs = dequantize_fp8(hs, scales, self.dtype, self.pin)
         check_finite(hs, path)
         return hs
 

@@ -5,6 +5,10 @@ The target's forward runs on the calling thread and the disk writes on a writer 
 queue, each timed like a training stage (``target_forward`` on ``target-0``, ``cache_write`` on
 ``writer-0``) so `dflash-top` shows which of the two the cache is waiting on. A rerun skips the files
 already there; under torchrun each rank writes its own contiguous share of the rows.
+
+The files hold the target's dtype, or another (``dtype``): bf16/fp32 as cast, FP8 quantised per token
+on the target's device before the copy to the host (half the bytes of bf16 cross it), with the FP8
+backend's arithmetic (``quantize_fp8``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from dflash.data.cache_format import (
+    FP8,
     HIDDEN_DIR,
     CacheError,
     CacheMeta,
@@ -29,6 +34,7 @@ from dflash.data.cache_format import (
     config_digest,
     dtype_name,
     is_ready,
+    quantize_fp8,
     sample_path,
     tokenizer_digest,
     write_sample,
@@ -48,11 +54,11 @@ def rank_share(rows: int, max_samples: int | None, world_size: int, rank: int) -
     return range(start, start + base + (1 if rank < extra else 0))
 
 
-def meta_for(target: Any, spec: str, rows: int) -> CacheMeta:
-    """The sidecar describing what ``target`` writes."""
+def meta_for(target: Any, spec: str, rows: int, dtype: torch.dtype | None = None) -> CacheMeta:
+    """The sidecar describing what ``target`` writes, in ``dtype`` (default: the target's)."""
     return CacheMeta(target=spec, num_hidden_layers=target.num_layers, hidden_size=target.hidden_size,
                      config_sha256=config_digest(target), tokenizer_sha256=tokenizer_digest(target.tokenizer),
-                     target_layer_ids=list(target.layer_ids), dtype=dtype_name(target.dtype), rows=rows)
+                     target_layer_ids=list(target.layer_ids), dtype=dtype_name(dtype or target.dtype), rows=rows)
 
 
 @torch.no_grad()
@@ -146,9 +152,12 @@ def check_disk(out: Path, need: int, how: str, log: Callable[[str], None]) -> No
 
 
 def write_cache(target: Any, samples: list[Sample], out: Path, share: range, stats: Any,
-                batch_size: int = 8, log: Callable[[str], None] = print, every: float = 5.0) -> CacheReport:
-    """Write ``hs_i`` for every row ``i`` in ``share`` that is not on disk yet. ``stats``: the
-    ProfileStats the two workers report to. The rows and the sidecar are the caller's (rank 0's)."""
+                batch_size: int = 8, log: Callable[[str], None] = print, every: float = 5.0,
+                dtype: torch.dtype | None = None) -> CacheReport:
+    """Write ``hs_i`` for every row ``i`` in ``share`` that is not on disk yet, in ``dtype`` (default:
+    the target's; ``float8_e4m3fn``: FP8 with per-token scales). ``stats``: the ProfileStats the two
+    workers report to. The rows and the sidecar are the caller's (rank 0's)."""
+    dtype = dtype or target.dtype
     _drop_stale_temporaries(out / HIDDEN_DIR, log)
     todo = [i for i in share if not is_ready(sample_path(out, i))]
     skipped = len(share) - len(todo)
@@ -156,9 +165,10 @@ def write_cache(target: Any, samples: list[Sample], out: Path, share: range, sta
         log(f"cache: {plural(skipped, 'file')} of this share already written, skipped")
     slots = len(target.layer_ids) + 1
     lens = [len(samples[i].input_ids) for i in todo]
-    need = cache_bytes(lens, slots, target.hidden_size, target.dtype)
+    need = cache_bytes(lens, slots, target.hidden_size, dtype)
+    scale_note = " + a 4-byte scale per token" if dtype == FP8 else ""
     check_disk(out, need, f"{plural(len(todo), 'sample')}, {sum(lens):,} tokens x {slots} layers x "
-               f"{target.hidden_size} x {target.dtype.itemsize} bytes ({dtype_name(target.dtype)})", log)
+               f"{target.hidden_size} x {dtype.itemsize} bytes ({dtype_name(dtype)}){scale_note}", log)
     progress = _Progress(len(todo), log, every)
     tw, ww = stats.worker("target-0"), stats.worker("writer-0")
     handoff: queue.Queue = queue.Queue(maxsize=2)
@@ -167,9 +177,9 @@ def write_cache(target: Any, samples: list[Sample], out: Path, share: range, sta
     def writer() -> None:
         try:
             while (item := _get(handoff, ww)) is not None:
-                i, hidden, ids = item
+                i, hidden, ids, scales = item
                 with ww.span("cache_write"):
-                    nbytes = write_sample(sample_path(out, i), hidden, ids)
+                    nbytes = write_sample(sample_path(out, i), hidden, ids, scales)
                 progress.add(nbytes)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
             failed.append(e)
@@ -190,11 +200,16 @@ def write_cache(target: Any, samples: list[Sample], out: Path, share: range, sta
                 for r, i in enumerate(rows):
                     ids[r, :len(samples[i].input_ids)] = torch.tensor(samples[i].input_ids)
                 # Right-padded, no mask: causal attention keeps padding out of every real token's states.
-                states = engine_states(target, ids.to(target.device)).cpu()
+                states = engine_states(target, ids.to(target.device))
+                if dtype == FP8:
+                    states, scales = (t.cpu() for t in quantize_fp8(states))
+                else:
+                    states, scales = states.to(dtype).cpu(), None
             for r, i in enumerate(rows):
                 n = len(samples[i].input_ids)
                 with tw.span("hs_queue_put"):
-                    handoff.put((i, states[r, :n].clone(), ids[r, :n].clone()))
+                    handoff.put((i, states[r, :n].clone(), ids[r, :n].clone(),
+                                 scales[r, :n].clone() if scales is not None else None))
             if failed:
                 break
     finally:

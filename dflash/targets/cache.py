@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash.data.cache_format import REWRITE, CacheError, rows_ready, sample_path
+from dflash.data.cache_format import REWRITE, CacheError, MixedCache, rows_ready, sample_path
 from dflash.data.cache_reader import CacheLayout, CacheReader, open_cache
 from dflash.data.formats import Sample
 from dflash.targets.base import Target, TargetError, TokenBatch
@@ -195,6 +195,8 @@ class CacheTarget(Target):
             return None
         try:
             states = self.reader.take(row)
+        except MixedCache:
+            raise  # the cache as a whole, not this file: skipping would train on part of it
         except (CacheError, OSError) as e:
             if self._closed:  # the run is ending: the reader stopped waiting for this file
                 raise
@@ -328,7 +330,8 @@ def load_cache_target(root: Path, spec: str, layer_ids: list[int] | None, num_dr
     embed = nn.Embedding.from_pretrained(embed_w, freeze=True)
     head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False, device="meta")
     head.weight = nn.Parameter(head_w, requires_grad=False)
-    reader = CacheReader(layout, threads=threads, pin=cuda, follow=follow)
+    # FP8 files are dequantised by the reader threads straight into the dtype the batches are built in
+    reader = CacheReader(layout, threads=threads, pin=cuda, follow=follow, dtype=dtype)
     return CacheTarget(layout, tokenizer, config, embed, head, path, reader, max_bad=max_bad_samples)
 
 
