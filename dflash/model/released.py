@@ -115,7 +115,8 @@ def start_from_release(
 
     where = f"--init-from {str(path)!r}"
     cfg = release_config(path)
-    if speculators_format.speculators_dir(release_dir(path)) is not None:
+    release = release_dir(path)  # a `speculators train` save path resolved to its epoch once
+    if speculators_format.speculators_dir(release) is not None:
         try:  # it states no target layer count of its own
             cfg = speculators_format.with_target(cfg, target.num_layers)
         except DrafterLoadError as e:
@@ -132,5 +133,5 @@ def start_from_release(
                       sliding_window=sliding_window if sliding_window is not None else cfg.sliding_window)
     except ValueError as e:
         raise DrafterLoadError(f"{where}: {e}") from None
-    drafter: DFlashDrafter = load_exported(release_dir(path))
+    drafter: DFlashDrafter = load_exported(release)
     return cfg, drafter.state_dict()  # load_state_dict casts to the run's dtype
