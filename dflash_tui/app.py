@@ -13,6 +13,7 @@ another rank is shown a second, view-only connection to rank 0 keeps that panel 
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from functools import partial
@@ -70,6 +71,11 @@ class DFlashTop(App[None]):
     #: how often the dense panels (layout.SLOW) redraw at most: at 2 Hz this halved the largest part of
     #: dflash-top's CPU time
     SLOW_INTERVAL_S = 1.0
+    #: the slow panels ride along with the first snapshot's frame this close to their interval, and a
+    #: trailing timer redraws them on a frame of their own only this long after it (the stream paused).
+    #: Every frame costs the compositor a pass over the screen, whatever it changes: a timer that raced
+    #: the 2 Hz snapshots made three frames a second out of two.
+    SLOW_SLACK_S = 0.25
     BINDINGS = [
         Binding("q,ctrl+c", "quit", "quit"),
         Binding("question_mark,f1", "help", "help",
@@ -102,8 +108,12 @@ class DFlashTop(App[None]):
                  paused: bool = False, pyspy_exe: str | None = None, pyspy_timeout: float = 10.0,
                  record_seconds: float = 10.0, request_timeout: float = 5.0,
                  source: FrameSource | None = None, wait_for: Path | str | None = None,
-                 processes: Callable[[], list[TorchProcess]] = torch_processes) -> None:
+                 processes: Callable[[], list[TorchProcess]] = torch_processes, freeze_heap: bool = False) -> None:
         super().__init__()
+        #: dflash-top's own process (not a test's): once the first data is on screen, the heap built so
+        #: far (Textual, the widgets, their styles) is frozen out of the garbage collector, whose full
+        #: passes would otherwise walk it again and again for nothing (a sixth of the drawing time)
+        self.freeze_heap = freeze_heap
         #: what the picker offers to sample when no trainer answers (the machine's torch processes; a
         #: test that waits for a trainer passes none, whatever else runs on its machine)
         self.processes = processes
@@ -227,26 +237,31 @@ class DFlashTop(App[None]):
         self._refresh_timer = None
         self.refresh_panels()
 
-    def refresh_panels(self, slow: bool | None = None) -> None:
+    def refresh_panels(self, slow: bool | None = None, fast: bool = True) -> None:
         """Redraw every panel from the state; the slow ones only when their interval has passed (a
-        trailing timer makes sure they still show the last data when the stream stops)."""
+        trailing timer makes sure they still show the last data when the stream stops), the others
+        unless `fast` is False (that timer: they are drawn from the latest data already)."""
         if not self.screen_stack:  # shutting down: a timer fired after the last screen went
             return
         maximized = self._main.maximized
         now = time.monotonic()
-        self._last_refresh = now
+        if fast:
+            self._last_refresh = now
         if slow is None:
             # the first data is drawn at once everywhere; after that the slow panels keep their pace
-            slow = (now - self._last_slow >= self.SLOW_INTERVAL_S
+            slow = (now - self._last_slow >= self.SLOW_INTERVAL_S - self.SLOW_SLACK_S
                     or (self._slow_empty and self.state.snapshot is not None))
         if slow:
             self._last_slow = now
+            if self._slow_empty and self.state.snapshot is not None and self.freeze_heap:
+                self.call_after_refresh(gc.freeze)
             self._slow_empty = self.state.snapshot is None
             if self._slow_timer is not None:
                 self._slow_timer.stop()
                 self._slow_timer = None
         elif self._slow_timer is None:
-            self._slow_timer = self.set_timer(self._last_slow + self.SLOW_INTERVAL_S - now, self._timed_slow)
+            self._slow_timer = self.set_timer(self._last_slow + self.SLOW_INTERVAL_S + self.SLOW_SLACK_S - now,
+                                              self._timed_slow)
         if self.playback is not None:
             self._status.replay_text = self.playback.where()
         with self.batch_update():
@@ -254,7 +269,8 @@ class DFlashTop(App[None]):
             if self._cluster_box.display != show_cluster:
                 self._cluster_box.display = show_cluster
             for panel in self._panels:
-                if slow or panel.id not in layout.SLOW or panel.parent is maximized:
+                paced = panel.id in layout.SLOW and panel.parent is not maximized
+                if slow if paced else fast:
                     panel.refresh_from(self.state)
         self.call_after_refresh(self._update_hint)  # panels may have grown or shrunk
 
@@ -282,7 +298,7 @@ class DFlashTop(App[None]):
 
     def _timed_slow(self) -> None:
         self._slow_timer = None
-        self.refresh_panels(slow=True)
+        self.refresh_panels(slow=True, fast=False)
 
     def watch_disconnected(self, value: bool) -> None:
         if hasattr(self, "_main"):

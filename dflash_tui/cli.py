@@ -148,7 +148,7 @@ def run_app(args: argparse.Namespace, target: Path | None = None, wait_for: Path
 
     app = DFlashTop(target, socket_directory=args.socket_dir, speed=args.speed if args.speed > 0 else math.inf,
                     paused=args.paused, pyspy_timeout=args.pyspy_timeout, record_seconds=args.record_seconds,
-                    wait_for=wait_for, source=source)
+                    wait_for=wait_for, source=source, freeze_heap=True)
     app.run()
     return app.return_code or 0
 

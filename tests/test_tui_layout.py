@@ -4,6 +4,7 @@ number whole, labelled, and no box of empty rows; asserted on the rendered scree
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from conftest import screen_text
@@ -201,3 +202,30 @@ async def test_the_header_names_the_objective_and_shows_its_terms() -> None:
         await settle(pilot)
         header = lines_of(app)[1]
         assert re.search(r"loss [\d.]+ \(kl\)  sim tau", header), header
+
+
+async def test_a_new_event_draws_what_a_full_layout_would() -> None:
+    """An event redraws the log and its scrollbar without laying the screen out again (a full layout
+    redrew every panel per event). Before the log overflows, as its scrollbar appears and after, the
+    screen is the one a full layout then draws; the newest event is at the bottom, the first is a
+    scroll away."""
+    app = app_of(synthetic.frames(80, workers=3, gpus=0))
+    async with app.run_test(size=(160, 50)) as pilot:
+        await settle(pilot)
+        room = len(box(lines_of(app), "events"))
+        for i in range(room + 6):
+            app.state.note("info", f"event number {i:02d}")
+            await settle(pilot)
+            shown = box(lines_of(app), "events")
+            assert f"event number {i:02d}" in [r for r in shown if r.strip()][-1], shown
+            if i in (0, room - 4, room - 3, room - 2, room + 5):  # the scrollbar comes around room - 3
+                app.screen.refresh(layout=True)
+                await settle(pilot)
+                assert box(lines_of(app), "events") == shown, f"after event {i}"
+        log = app.query_one("#events")
+        assert log.show_vertical_scrollbar
+        log.scroll_home(animate=False)
+        deadline = time.monotonic() + 60
+        while not any("event number 00" in r for r in box(lines_of(app), "events")):
+            assert time.monotonic() < deadline, "the first event is never scrolled back to"
+            await pilot.pause(0.05)

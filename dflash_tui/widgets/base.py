@@ -113,7 +113,9 @@ class TextPanel(Widget):
         super().notify_style_update()
 
     def render_line(self, y: int) -> Strip:
-        width = self.content_size.width
+        # the width the strips were made for, not content_size (a region lookup on every line): after a
+        # resize they are made again, and Textual fits a line to the content width in any case
+        width = self._width
         if self._base is None:  # rich_style walks every ancestor: once per style change, not per line
             self._base = self.rich_style
         strip = self._strips[y] if y < len(self._strips) else Strip.blank(width, PLAIN)

@@ -10,6 +10,8 @@ from itertools import islice
 
 from rich.text import Text
 from textual.events import Resize
+from textual.geometry import Size
+from textual.reactive import Reactive
 from textual.widgets import RichLog
 
 from dflash_tui.state import MAX_EVENTS, LoggedEvent, RunState
@@ -22,6 +24,11 @@ class EventsLog(RichLog):
     DEFAULT_CSS = """
     EventsLog { height: 1fr; min-height: 4; }
     """
+    #: A new line grows only this log's scrollable height. Textual's own `virtual_size` lays the whole
+    #: screen out again on every change, and redraws all of it: each event cost dflash-top as much as
+    #: two or three snapshots. The log lays out only when its scrollbar comes or goes (the one change
+    #: that moves anything else); otherwise it redraws itself and its scrollbar's thumb.
+    virtual_size: Reactive[Size] = Reactive(Size(0, 0), layout=False)
 
     def __init__(self, **kw) -> None:
         # wrapped at the panel's width: an event's message is what it says, and a cut one says less
@@ -33,6 +40,14 @@ class EventsLog(RichLog):
         #: no longer has, so a change of width rewrites every retained event at the new one.
         self.wrapped_at = 0
         self._state: RunState | None = None
+
+    def watch_virtual_size(self, old: Size, new: Size) -> None:
+        room = self.scrollable_content_region.size
+        if (old.height > room.height) != (new.height > room.height) or (old.width > room.width) != (
+                new.width > room.width):
+            self.refresh(layout=True)
+        elif self.show_vertical_scrollbar:
+            self.vertical_scrollbar.window_virtual_size = new.height
 
     def refresh_from(self, state: RunState) -> None:
         self._state = state
