@@ -2,9 +2,10 @@
 
 Data flows one way: a source thread (live socket or replay) posts `SourceUpdated` messages; the app
 folds them into `RunState` and, at most `MAX_REFRESH_HZ` times a second, asks the panels to redraw
-from the state inside one `batch_update()` (the dense ones at most once a second: drawing is nearly
-all of the app's CPU time). Blocking work (py-spy, requests, discovery) runs on background
-threads and comes back as messages, so no key press ever waits on the trainer.
+from the state inside one `batch_update()` (the dense ones about once a second, on a snapshot's own
+frame: drawing is nearly all of the app's CPU time, and each frame costs Textual a pass over the
+screen). Blocking work (py-spy, requests, discovery) runs on background threads and comes back as
+messages, so no key press ever waits on the trainer.
 
 A multi-rank run is shown one rank at a time: `[`/`]` and `g` point the panels at another rank by
 attaching to its socket when it is on this machine. Only rank 0 publishes the cluster view, so while
