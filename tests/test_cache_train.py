@@ -137,7 +137,9 @@ def test_a_cache_cut_short_is_refused_at_the_start(work, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["nan", "truncated"])
-def test_a_bad_file_stops_the_run_in_one_line_and_keeps_the_drafter(work, tmp_path, damage):
+def test_a_cache_of_mostly_bad_files_stops_the_run_in_one_line_and_keeps_the_drafter(work, tmp_path, damage):
+    """One bad file is skipped (tests/test_cache_bad_samples.py); a cache whose bad files outnumber its
+    good ones is the cache's fault, and stops the run naming a file."""
     bad = tmp_path / "bad"
     shutil.copytree(work / "hs", bad)
     # every row of the epoch is read within the first 6 steps (batch 4): damage them all but row 0

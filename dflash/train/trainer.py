@@ -165,8 +165,8 @@ class Trainer:
         st.last = r
         s.count(Counter.STEPS, 1)
         s.count(Counter.TOKENS, r.tokens)
-        s.count("samples", r.samples)
-        s.count("supervised_tokens", r.out.num_tokens)
+        s.count(Counter.SAMPLES, r.samples)
+        s.count(Counter.SUPERVISED_TOKENS, r.out.num_tokens)
         s.gauge("lr", r.lr)
         s.gauge("step", st.step)
         # Loss, accuracy, taus and the gradient norm stay on the device; the main thread reads them once

@@ -65,6 +65,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from dflash.telemetry.wire.verdicts import VERDICTS
+from dflash.telemetry.wire.vocab import Counter
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -75,7 +76,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dflash.telemetry")
 
 #: counters with a series of their own (the rest go to dflash_counter_total{name})
-NAMED_COUNTERS = ("tokens", "samples", "steps")
+NAMED_COUNTERS = (Counter.TOKENS, Counter.SAMPLES, Counter.STEPS)
 #: gauges with a series of their own (the rest go to dflash_gauge{name})
 NAMED_GAUGES = {"loss": "dflash_loss", "lr": "dflash_lr"}
 #: scalar metrics with a series of their own (the rest go to dflash_metric{name})

@@ -105,6 +105,10 @@ class Counter(StrEnum):
 
     STEPS = "steps"
     TOKENS = "tokens"
+    #: rows of the batches trained on
+    SAMPLES = "samples"
+    #: the tokens the loss was taken over (the anchors' blocks, masked positions left out)
+    SUPERVISED_TOKENS = "supervised_tokens"
     #: sample files of a hidden-states cache that did not read and were skipped (each warned once)
     BAD_SAMPLES = "bad_samples"
 
