@@ -176,6 +176,8 @@ class DFlashTop(App[None]):
         self._cluster_box.display = False
         self._hint, self._body = self.query_one(PanelHint), self.query_one("#body")
         self.watch(self._body, "scroll_y", lambda _: self.call_after_refresh(self._update_hint), init=False)
+        # zoomed in or out (a number key, or Textual's own escape): every shown panel catches up at once
+        self.watch(self._main, "maximized", lambda _: self.refresh_panels(slow=True), init=False)
         if self.source is not None:
             self._start(self.source)
         elif self.target is not None:
@@ -271,6 +273,8 @@ class DFlashTop(App[None]):
             if self._cluster_box.display != show_cluster:
                 self._cluster_box.display = show_cluster
             for panel in self._panels:
+                if maximized is not None and panel.id in layout.BOXED and panel.parent is not maximized:
+                    continue  # behind the zoomed panel: drawn when it is shown again (watch of `maximized`)
                 paced = panel.id in layout.SLOW and panel.parent is not maximized
                 if slow if paced else fast:
                     panel.refresh_from(self.state)
@@ -444,7 +448,6 @@ class DFlashTop(App[None]):
             self._main.minimize()
         else:
             self._main.maximize(panel, container=False)
-        self.refresh_panels(slow=True)
 
     # ------------------------------------------------------------------ ranks
 

@@ -53,6 +53,9 @@ DASHBOARD: tuple[PanelSpec, ...] = (
 ZOOMABLE: tuple[PanelSpec, ...] = tuple(p for p in DASHBOARD if p.zoom is not None)
 #: the widget ids of the panels that redraw at the slow pace
 SLOW: frozenset[str] = frozenset(p.id for p in DASHBOARD if p.slow)
+#: the widget ids of the boxed panels: a zoomed one hides the others (the header, the alerts and the
+#: status line stay)
+BOXED: frozenset[str] = frozenset(p.id for p in DASHBOARD)
 
 
 def in_column(column: str) -> tuple[PanelSpec, ...]:

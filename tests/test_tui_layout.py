@@ -229,3 +229,20 @@ async def test_a_new_event_draws_what_a_full_layout_would() -> None:
         while not any("event number 00" in r for r in box(lines_of(app), "events")):
             assert time.monotonic() < deadline, "the first event is never scrolled back to"
             await pilot.pause(0.05)
+
+
+@pytest.mark.parametrize("unzoom", ["1", "escape"])
+async def test_panels_behind_a_zoomed_one_catch_up_when_it_unzooms(unzoom) -> None:
+    """A zoomed panel hides the others, which are not drawn meanwhile: zoomed out (its number key, or
+    escape), each shows the data that came in while it was hidden, with no new data to prompt it."""
+    app = app_of(synthetic.frames(80, workers=3, gpus=0))
+    async with app.run_test(size=(160, 50)) as pilot:
+        await settle(pilot)
+        await pilot.press("1")  # the time bars fill the screen; the events box is hidden
+        await _until_screen(pilot, lambda lines: not any("╭─ events" in x for x in lines), "the zoom")
+        app.state.note("info", "noted while zoomed")
+        app.refresh_panels()  # as a snapshot would: the zoomed panel is drawn, the hidden ones wait
+        await pilot.press(unzoom)
+        await _until_screen(pilot, lambda lines: any("╭─ events" in x for x in lines)
+                            and any("noted while zoomed" in r for r in box(lines, "events")),
+                            "the hidden events box to show the note once shown again")
