@@ -193,6 +193,10 @@ async def test_attaches_and_fills_every_panel_at_80x24(short_dir: Path, workload
         assert "workload" in text_of(app, "#threads") and "dflash-telemetry" in text_of(app, "#threads")
         assert "loss" in text_of(app, "#curves")
         assert app.query_one(EventsLog).lines, "events reach the log"
+        # the status line's last row says the cadence (the header's uptime shows the stream moving): a
+        # count that ticked there every snapshot made each frame redraw the whole screen
+        interval = f"a snapshot every {app.state.hello.interval_s:g} s"
+        await until(pilot, lambda: interval in screen_text(app).splitlines()[-2], "the cadence on the status line")
         await pilot.press("2")
         assert app.screen.maximized is app.query_one("#p-table")
         await pilot.press("2")

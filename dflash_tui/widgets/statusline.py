@@ -36,6 +36,9 @@ class StatusLine(TextPanel):
         if state.last_error:
             t.append(f"⚠ {state.bad_frames} bad frame{'s' if state.bad_frames != 1 else ''}: {state.last_error}",
                      style="yellow")
-        elif not self.job_text and state.connection == "live":
-            t.append(f"{state.snapshots} snapshots", style="dim")
+        elif not self.job_text and state.connection == "live" and state.hello is not None:
+            # the cadence, not a count: a number that ticks every snapshot at the screen's last row would
+            # make every frame redraw everything between the header and here (Textual redraws the box
+            # around all the changed lines); the header's uptime already shows the stream moving
+            t.append(f"a snapshot every {state.hello.interval_s:g} s", style="dim")
         return t
