@@ -145,6 +145,8 @@ class DFlashTop(App[None]):
         self._last_refresh = 0.0
         self._last_slow = 0.0
         self._slow_empty = True
+        #: panel id -> the state version it was last drawn from (a panel out of view is not drawn)
+        self._drawn: dict[str, int] = {}
         self._waiting: WaitingScreen | None = None
         self._offered_processes = False
 
@@ -175,7 +177,7 @@ class DFlashTop(App[None]):
         self._cluster_box = self.query_one("#p-cluster")
         self._cluster_box.display = False
         self._hint, self._body = self.query_one(PanelHint), self.query_one("#body")
-        self.watch(self._body, "scroll_y", lambda _: self.call_after_refresh(self._update_hint), init=False)
+        self.watch(self._body, "scroll_y", lambda _: self.call_after_refresh(self._scrolled), init=False)
         # zoomed in or out (a number key, or Textual's own escape): every shown panel catches up at once
         self.watch(self._main, "maximized", lambda _: self.refresh_panels(slow=True), init=False)
         if self.source is not None:
@@ -273,12 +275,34 @@ class DFlashTop(App[None]):
             if self._cluster_box.display != show_cluster:
                 self._cluster_box.display = show_cluster
             for panel in self._panels:
-                if maximized is not None and panel.id in layout.BOXED and panel.parent is not maximized:
-                    continue  # behind the zoomed panel: drawn when it is shown again (watch of `maximized`)
+                if panel.id in layout.BOXED and not self._in_view(panel, maximized):
+                    continue  # drawn when it is shown again (the watches of `maximized` and of scrolling)
                 paced = panel.id in layout.SLOW and panel.parent is not maximized
                 if slow if paced else fast:
                     panel.refresh_from(self.state)
+                    self._drawn[panel.id] = self.state.version
         self.call_after_refresh(self._update_hint)  # panels may have grown or shrunk
+
+    def _in_view(self, panel, maximized) -> bool:
+        """Whether a boxed panel shows: not behind a zoomed one, and not scrolled out of the body's view
+        (a small terminal; a box not laid out yet counts as shown). Only those are drawn."""
+        if maximized is not None:
+            return panel.parent is maximized
+        if panel.id not in layout.SCROLLED:
+            return True
+        box = panel.parent.region
+        return not box.height or bool(box.intersection(self._body.region).height)
+
+    def _scrolled(self) -> None:
+        """The panels that scrolled into view catch up with data that came while they were out of it."""
+        maximized = self._main.maximized
+        with self.batch_update():
+            for panel in self._panels:
+                if (panel.id in layout.BOXED and self._drawn.get(panel.id) != self.state.version
+                        and self._in_view(panel, maximized)):
+                    panel.refresh_from(self.state)
+                    self._drawn[panel.id] = self.state.version
+        self._update_hint()
 
     def on_resize(self) -> None:
         self.call_after_refresh(self._update_hint)

@@ -56,6 +56,8 @@ SLOW: frozenset[str] = frozenset(p.id for p in DASHBOARD if p.slow)
 #: the widget ids of the boxed panels: a zoomed one hides the others (the header, the alerts and the
 #: status line stay)
 BOXED: frozenset[str] = frozenset(p.id for p in DASHBOARD)
+#: the widget ids of the panels in the two columns, which scroll when the terminal is too short for them
+SCROLLED: frozenset[str] = frozenset(p.id for p in DASHBOARD if p.column != "top")
 
 
 def in_column(column: str) -> tuple[PanelSpec, ...]:

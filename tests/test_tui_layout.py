@@ -246,3 +246,18 @@ async def test_panels_behind_a_zoomed_one_catch_up_when_it_unzooms(unzoom) -> No
         await _until_screen(pilot, lambda lines: any("╭─ events" in x for x in lines)
                             and any("noted while zoomed" in r for r in box(lines, "events")),
                             "the hidden events box to show the note once shown again")
+
+
+async def test_panels_scrolled_out_of_view_catch_up_when_scrolled_back() -> None:
+    """At 80x24 the lower panels are out of view and are not drawn: scrolled into view, each shows the
+    data that came in meanwhile, with no new data to prompt it."""
+    app = app_of(synthetic.frames(80, workers=3, gpus=0))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        assert not any("╭─ events" in x for x in lines_of(app)), "the events box starts out of view"
+        app.state.note("info", "noted out of view")
+        app.refresh_panels()  # as a snapshot would: the shown panels are drawn, the others wait
+        app.query_one("#body").scroll_end(animate=False)
+        await _until_screen(pilot, lambda lines: any("noted out of view" in r for r in box(lines, "events"))
+                            if any("╭─ events" in x for x in lines) else False,
+                            "the events box to show the note once scrolled into view")
