@@ -4,6 +4,7 @@ line-oriented Unix-socket client."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -59,6 +60,31 @@ def demo_cache(root: Path, lines: int, taps: str = "1,3,5") -> Path:
     assert main(["data", "cache", "--target", "tiny", "--data", str(root / "data.jsonl"), "--out", str(root / "hs"),
                  "--target-layer-ids", taps, "--max-seq-len", "256", "--no-telemetry"]) == 0
     return root / "hs"
+
+def train_following(writer: str, writer_args: list[str], dst: Path, log: Path, train_args: list[str],
+                    started: str) -> bool:
+    """A writer (`python -c writer src dst ...`: the rows and sidecar first, files once `dst/go` exists)
+    with `dflash train --hidden-states dst --follow` beside it. Once the trainer says `started` (its
+    cache opened before a single file exists) the writer is told to go; the trainer must exit 0 and its
+    output is in `log`. Returns whether the writer was still writing when the trainer finished."""
+    proc = subprocess.Popen([sys.executable, "-c", writer, *writer_args])
+    cmd = [sys.executable, "-m", "dflash", "train", "--target", "tiny", "--hidden-states", str(dst), "--follow",
+           *train_args]
+    with log.open("w") as out:
+        trainer = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_until(lambda: started in log.read_text(), timeout=120, what="the trainer to start", proc=trainer,
+                   output=log.read_text)
+        assert not list((dst / "hidden_states").glob("hs_*")), "a file was there before the writer was told to go"
+        (dst / "go").touch()
+        assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
+        return proc.poll() is None
+    finally:
+        for p in (trainer, proc):
+            p.kill()
+            p.wait()
+
 
 def bench_quick(script: str, timeout: float = 600) -> dict:
     """The JSON report of `scripts/<script> --quick --json`, run from the repository root (a smoke run

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import demo_cache, screen_text, wait_until
+from conftest import demo_cache, screen_text, train_following
 
 from dflash.cli import main
 from dflash.data.cache_format import CacheError, read_sample, sample_path, write_sample
@@ -369,23 +369,9 @@ WRITER = textwrap.dedent("""
 
 def test_follow_skips_a_bad_file_the_writer_renamed_into_place(cache, tmp_path):
     dst, log = tmp_path / "live", tmp_path / "train.log"
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(cache), str(dst), "9"])
-    cmd = [sys.executable, "-m", "dflash", "train", "--target", "tiny", "--hidden-states", str(dst), "--follow",
-           "--run-dir", str(tmp_path / "run"), "--max-steps", "6", "--batch-size", "4", "--num-anchors", "8",
-           "--eval-prompts", "0", "--drafter-layers", "1", "--no-telemetry"]
-    with log.open("w") as out:
-        trainer = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        wait_until(lambda: "telemetry: off" in log.read_text(), timeout=120, what="the trainer to start",
-                   proc=trainer, output=log.read_text)
-        assert not list((dst / "hidden_states").glob("hs_*"))  # it follows: nothing was there to read yet
-        (dst / "go").touch()
-        assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
-    finally:
-        for p in (trainer, writer):
-            p.kill()
-            p.wait()
+    train_following(WRITER, [str(cache), str(dst), "9"], dst, log,
+                    ["--run-dir", str(tmp_path / "run"), "--max-steps", "6", "--batch-size", "4", "--num-anchors",
+                     "8", "--eval-prompts", "0", "--drafter-layers", "1", "--no-telemetry"], started="telemetry: off")
     text = log.read_text()
     warned = [x for x in text.splitlines() if x.startswith("[warning] bad sample skipped")]
     assert len(warned) == 1 and f"{sample_path(dst, 9)}: truncated (" in warned[0], text[-3000:]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import demo_cache, wait_until
+from conftest import demo_cache, train_following
 
 from dflash.cli import main
 from dflash.data.cache_format import SIDECAR, CacheMeta, read_sample, sample_path, write_sample
@@ -191,25 +191,12 @@ WRITER = textwrap.dedent("""
 
 def test_follow_trains_while_a_writer_fills_the_directory(work, tmp_path, sock_dir):
     dst, log = tmp_path / "live", tmp_path / "train.log"
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(work / "hs"), str(dst), "1.0"])
-    cmd = [sys.executable, "-m", "dflash", "train", "--target", "tiny", "--hidden-states", str(dst), "--follow",
-           "--run-dir", str(tmp_path / "run"), "--max-steps", "4", "--batch-size", "2", "--num-anchors", "8",
-           "--eval-prompts", "0", "--log-every", "1000", "--socket-dir", str(sock_dir), "--loss", "kl"]
-    with log.open("w") as out:
-        trainer = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        # the trainer is up (its cache opened: rows and sidecar in place) before a single file exists
-        wait_until(lambda: "telemetry: " in log.read_text(), timeout=120, what="the trainer to start",
-                   proc=trainer, output=log.read_text)
-        assert not list((dst / "hidden_states").glob("hs_*"))
-        (dst / "go").touch()
-        assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
-        assert writer.poll() is None, "the writer finished first: the trainer did not follow it"
-    finally:
-        for p in (trainer, writer):
-            p.kill()
-            p.wait()
+    still_writing = train_following(
+        WRITER, [str(work / "hs"), str(dst), "1.0"], dst, log,
+        ["--run-dir", str(tmp_path / "run"), "--max-steps", "4", "--batch-size", "2", "--num-anchors", "8",
+         "--eval-prompts", "0", "--log-every", "1000", "--socket-dir", str(sock_dir), "--loss", "kl"],
+        started="telemetry: ")
+    assert still_writing, "the writer finished first: the trainer did not follow it"
     text = log.read_text()
     # every file it read was whole (each is checked against its row and shape on reading), and the
     # producer was the slower side: the verdict over the whole run names it
