@@ -114,8 +114,8 @@ def start_from_release(
     from dflash.model import speculators_format
 
     where = f"--init-from {str(path)!r}"
-    cfg = release_config(path)
     release = release_dir(path)  # a `speculators train` save path resolved to its epoch once
+    cfg = release_config(release)  # (a resolved directory resolves to itself)
     if speculators_format.speculators_dir(release) is not None:
         try:  # it states no target layer count of its own
             cfg = speculators_format.with_target(cfg, target.num_layers)
