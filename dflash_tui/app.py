@@ -177,9 +177,10 @@ class DFlashTop(App[None]):
         self._cluster_box = self.query_one("#p-cluster")
         self._cluster_box.display = False
         self._hint, self._body = self.query_one(PanelHint), self.query_one("#body")
-        self.watch(self._body, "scroll_y", lambda _: self.call_after_refresh(self._scrolled), init=False)
-        # zoomed in or out (a number key, or Textual's own escape): every shown panel catches up at once
-        self.watch(self._main, "maximized", lambda _: self.refresh_panels(slow=True), init=False)
+        # scrolled, or zoomed in or out (a number key, or Textual's own escape): the panels shown again
+        # catch up at once, once laid out
+        self.watch(self._body, "scroll_y", lambda _: self.call_after_refresh(self._catch_up), init=False)
+        self.watch(self._main, "maximized", lambda _: self.call_after_refresh(self._catch_up), init=False)
         if self.source is not None:
             self._start(self.source)
         elif self.target is not None:
@@ -276,7 +277,7 @@ class DFlashTop(App[None]):
                 self._cluster_box.display = show_cluster
             for panel in self._panels:
                 if panel.id in layout.BOXED and not self._in_view(panel, maximized):
-                    continue  # drawn when it is shown again (the watches of `maximized` and of scrolling)
+                    continue  # drawn when it is shown again (_catch_up)
                 paced = panel.id in layout.SLOW and panel.parent is not maximized
                 if slow if paced else fast:
                     panel.refresh_from(self.state)
@@ -293,8 +294,9 @@ class DFlashTop(App[None]):
         box = panel.parent.region
         return not box.height or bool(box.intersection(self._body.region).height)
 
-    def _scrolled(self) -> None:
-        """The panels that scrolled into view catch up with data that came while they were out of it."""
+    def _catch_up(self) -> None:
+        """The panels shown again (scrolled into view, or no longer behind a zoomed one) catch up with the
+        data that came while they were hidden."""
         maximized = self._main.maximized
         with self.batch_update():
             for panel in self._panels:

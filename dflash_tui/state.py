@@ -105,6 +105,7 @@ class RunState:
         self.process_cpu = Ring(history)
         #: every (worker -> categories) seen so far: a category idle in one window keeps its table row
         self.known: dict[str, dict[str, None]] = {}
+        #: grows with every change of what the panels draw from (a panel drawn at this version is current)
         self.version = 0
         #: the cross-rank view rank 0 publishes, and the stream time it came with. It outlives a switch
         #: to another rank: then a second connection to rank 0 keeps it current (`apply_cluster_update`)
@@ -160,6 +161,7 @@ class RunState:
             t = (self.snapshot.t if self.snapshot is not None
                  else self.hello.started if self.hello is not None and self.hello.started else time.time())
         self._log(LoggedEvent(t, kind, message))
+        self.version += 1
 
     def apply_cluster_update(self, update: SourceUpdate) -> None:
         """An update from the second connection, to rank 0: only its cluster view is taken."""
