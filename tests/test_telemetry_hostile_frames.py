@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,42 @@ def test_decode_bounds_nesting_and_size_before_decoding() -> None:
         P.decode(ok.replace(b"[", b"[[", 1).replace(b"]", b"]]", 1))
     with pytest.raises(P.ProtocolError, match="exceeds the 100-byte limit"):
         P.decode(b'{"type":"bye","t":1,"reason":"' + b"x" * 100 + b'"}', limit=100)
+
+
+def _depth(value: object) -> int:
+    children = list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else None
+    return 0 if children is None else 1 + max(map(_depth, children), default=0)
+
+
+def _bracket_text(rng: random.Random) -> str:
+    """Strings of brackets, letters and nothing: the ones that could pass for nesting."""
+    return "".join(rng.choice("[]{}[]{}ab") for _ in range(rng.choice((0, 0, 1, 2, 5))))
+
+
+def _value(rng: random.Random, depth: int) -> object:
+    if depth == 0:
+        return rng.choice((_bracket_text(rng), 1, None))
+    kids = [_value(rng, depth - 1 if i == 0 else rng.randrange(min(depth, 3))) for i in range(rng.randint(1, 3))]
+    rng.shuffle(kids)
+    return kids if rng.random() < 0.5 else {_bracket_text(rng) + str(i): kid for i, kid in enumerate(kids)}
+
+
+def test_the_nesting_bound_counts_brackets_outside_strings_only() -> None:
+    """Every depth around the bound, with strings of brackets (empty ones too) beside and between the
+    real ones: a line is refused exactly when its value nests deeper than MAX_DEPTH, with or without
+    escapes in it."""
+    rng = random.Random(7)
+    for trial in range(400):
+        value = _value(rng, rng.randint(P.MAX_DEPTH - 3, P.MAX_DEPTH + 3))
+        if trial % 4 == 0:  # an escaped quote sends the line down the other path
+            value = [value, 'say "[["']
+        line = json.dumps(value, separators=(",", ":")).encode()
+        assert (b"\\" in line) == (trial % 4 == 0)
+        if _depth(value) > P.MAX_DEPTH:
+            with pytest.raises(P.ProtocolError, match="nested deeper than"):
+                P.check_bounds(line)
+        else:
+            P.check_bounds(line)
 
 
 @pytest.fixture
