@@ -28,7 +28,7 @@ from textual.containers import VerticalScroll
 from dflash.telemetry import ProfileStats, TelemetryServer
 from dflash.telemetry.wire import protocol
 from dflash_tui import synthetic
-from dflash_tui.app import DFlashTop
+from dflash_tui.app import YOUNG_GENERATION, DFlashTop
 from dflash_tui.pyspy import ProfileFailure, StackReport, find_pyspy
 from dflash_tui.sources import Connection, LiveSource, ReplaySource
 from dflash_tui.widgets.categories import CategoryTable
@@ -583,6 +583,42 @@ def test_cli_once_on_a_recording_and_without_trainers(short_dir: Path) -> None:
     assert none.returncode == 1 and "no running trainer" in none.stderr
     listed = run_cli("--list", "--socket-dir", str(short_dir / "none"))
     assert listed.returncode == 1 and "no trainer sockets" in listed.stderr
+
+
+SETTLES = """
+import asyncio, gc, json, sys
+from dflash_tui import synthetic
+from dflash_tui.app import DFlashTop
+from dflash_tui.sources import MemorySource
+
+async def main(freeze):
+    app = DFlashTop(source=MemorySource(synthetic.frames(3), path="r/telemetry.jsonl", detail="replay"),
+                    freeze_heap=freeze)
+    before = (gc.get_freeze_count(), gc.get_threshold()[0])
+    async with app.run_test(size=(120, 40)) as pilot:
+        while app._slow_empty:  # until the first data is drawn (every panel: the slow ones too)
+            await pilot.pause(0.05)
+        done = []  # what the app queued after that refresh runs first: then this marker
+        app.call_after_refresh(done.append, True)
+        while not done:
+            await pilot.pause(0.05)
+        after = (gc.get_freeze_count(), gc.get_threshold()[0])
+    print(json.dumps({"before": before, "after": after}))
+
+asyncio.run(main(sys.argv[1] == "own"))
+"""
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_its_own_process_takes_the_heap_out_of_the_collector_once_data_is_drawn(run_python, own: bool) -> None:
+    """dflash-top's own process (the command line's app) freezes what it built and collects the youngest
+    generation less often once the first data is on screen; an app in someone else's process (a test)
+    leaves that process's collector alone."""
+    code = f"import sys; sys.argv[1:] = [{'own' if own else 'guest'!r}]\n" + SETTLES
+    seen = json.loads(run_python(code))
+    assert seen["before"] == [0, 700]
+    assert seen["after"] == ([seen["after"][0], YOUNG_GENERATION] if own else [0, 700])
+    assert (seen["after"][0] > 0) == own
 
 
 # ----------------------------------------------------------------------------- helpers
