@@ -18,8 +18,10 @@ import torch
 from conftest import demo_cache, screen_text, train_following
 
 from dflash.cli import main
-from dflash.data.cache_format import CacheError, read_sample, sample_path, write_sample
+from dflash.data.cache_format import SIDECAR, CacheError, read_sample, sample_path, write_sample
+from dflash.data.cache_reader import PROBE_FILES
 from dflash.model.objective import plan_blocks
+from dflash.targets.base import TargetError
 from dflash.targets.cache import SHARE_AFTER, load_cache_target
 from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.config.schema import make_config, updated
@@ -184,6 +186,38 @@ def test_a_cache_most_of_whose_files_are_bad_stops_whatever_the_limit(cache, tmp
                                      "it, or write it again with `dflash data cache`")
     finally:
         target.close()
+
+
+def test_without_a_sidecar_a_bad_first_file_is_a_bad_sample_not_the_end(cache, tmp_path):
+    """A cache an engine wrote (no sidecar) takes its shapes from its first file that reads: a bad hs_0 is
+    skipped when training reaches it, like any other bad file, and the line said at the start names the
+    file the shapes came from. A cache none of whose first PROBE_FILES files read does not start."""
+    root = damaged(cache, tmp_path / "bad", {0: "truncated", 1: "garbled header"})
+    (root / SIDECAR).unlink()
+    said: list[str] = []
+    target = load_cache_target(root, "tiny", TAPS, None, torch.device("cpu"), log=said.append, max_bad_samples=100)
+    lines: list[str] = []
+    target.on_bad_sample(lines.append)
+    clean, _ = cache_target(cache)
+    try:
+        assert target.layout.shapes_from == "hs_2.safetensors" and len(said) == 1
+        assert said[0].endswith("(shapes from hs_2.safetensors: the 2 before it do not read, and training skips "
+                                "them as bad samples)")
+        batch = in_order(target)(0)
+        hidden = target.hidden_states(batch)
+        assert target.skipped_rows(batch) == [0, 1] and len(lines) == 2
+        assert lines[0].startswith(f"bad sample skipped (1 of at most 100, --max-bad-samples): {sample_path(root, 0)}: "
+                                   "truncated (")
+        torch.testing.assert_close(hidden[2:], clean.hidden_states(batch)[2:], rtol=0, atol=0)
+    finally:
+        target.close()
+        clean.close()
+    for row in range(2, PROBE_FILES):
+        _truncate(sample_path(root, row))
+    with pytest.raises(TargetError) as e:
+        load_cache_target(root, "tiny", TAPS, None, torch.device("cpu"), log=said.append)
+    assert str(e.value).startswith(f"--hidden-states {root}: none of its first {PROBE_FILES} sample files reads, so "
+                                   f"the cache's shapes are unknown (the first: {sample_path(root, 0)}: truncated (")
 
 
 # --- the batch: a skipped row is not trained on --------------------------------------------------

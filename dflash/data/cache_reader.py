@@ -3,9 +3,10 @@ the start, then sample files read ahead on a small thread pool into page-locked 
 
 ``open_cache`` decides which slots of each file are the drafter's taps. With dflash's sidecar it knows
 (and refuses another tokenizer, another target, taps the cache lacks); without one (vLLM / speculators
-wrote the cache) it accepts the cache when the first file's shapes agree with the target and the taps,
-and says in one line what it assumed. Every later file is checked as it is read (shape, its token ids
-against the row, finite states, the cache's dtype): a bad file stops the run with one line naming it.
+wrote the cache) it accepts the cache when the shapes of its first file that reads agree with the target
+and the taps, and says in one line what it assumed. Every file is checked as it is read (shape, its token
+ids against the row, finite states, the cache's dtype): a bad file raises one line naming it, which the
+cache target counts as a bad sample (dflash/targets/cache.py).
 
 FP8 files (float8_e4m3fn with per-token scales, from `dflash data cache --dtype fp8` or speculators' FP8
 backend) are dequantised here, on the reader threads, into the dtype training uses (a page-locked
@@ -52,6 +53,10 @@ from dflash.data.formats import Sample
 
 #: how long a following reader sleeps between looks at a file not yet written (grows to the maximum)
 FOLLOW_POLL = (0.01, 0.5)
+#: files a cache without sidecar is opened by at most: the first that reads gives the shapes; the ones
+#: before it are bad samples, skipped when training reaches them, but a cache none of whose first files
+#: read is not a cache to start on (the cache target's "more bad than good" rule, at the start)
+PROBE_FILES = 16
 
 
 @dataclass
@@ -66,6 +71,8 @@ class CacheLayout:
     hidden_size: int
     dtype: torch.dtype  # what every file holds (float8_e4m3fn: an FP8 cache, with per-token scales)
     meta: CacheMeta | None
+    #: what the shapes and dtype were read from: the sidecar, or the first sample file that reads
+    shapes_from: str = SIDECAR
     assumed: str | None = None  # the one line said about a cache without sidecar
 
 
@@ -94,11 +101,8 @@ def open_cache(root: Path, target_info: Any, layer_ids: list[int] | None, defaul
     meta = CacheMeta.read(root)
     if meta is not None:
         return _with_sidecar(root, rows, meta, target_info, layer_ids, where)
-    # vLLM / speculators wrote it: the first file tells the shapes
-    first = sample_path(root, 0)
-    if follow:
-        _wait(lambda: is_ready(first), stop)
-    hs, _, _ = read_stored(first)
+    # vLLM / speculators wrote it: a file tells the shapes
+    first, hs, unread = _first_readable(root, len(rows), follow, stop, where)
     seq, file_slots, hidden = hs.shape
     if hidden != target_info.hidden_size:
         raise CacheError(f"{where}: {first.name} has hidden size {hidden}, --target has "
@@ -113,7 +117,30 @@ def open_cache(root: Path, target_info: Any, layer_ids: list[int] | None, defaul
     assumed = (f"{where}: no {SIDECAR} (an engine wrote this cache): assuming its {aux} aux slots are taps "
                f"{taps} (engine ids {[i + AUX_ID_OFFSET for i in taps]}), the last slot the final layer, "
                f"{_dtype_words(hs.dtype)}, the tokenizer of --target")
-    return CacheLayout(root, rows, taps, list(range(aux)), file_slots, hidden, hs.dtype, None, assumed)
+    if unread:
+        assumed += (f" (shapes from {first.name}: the {len(unread)} before it do not read, and training skips "
+                    "them as bad samples)")
+    return CacheLayout(root, rows, taps, list(range(aux)), file_slots, hidden, hs.dtype, None, first.name, assumed)
+
+
+def _first_readable(root: Path, rows: int, follow: bool, stop: threading.Event | None, where: str
+                    ) -> tuple[Path, torch.Tensor, list[str]]:
+    """The first of the first PROBE_FILES sample files that reads, its states, and why each before it did not."""
+    unread: list[str] = []
+    for row in range(min(rows, PROBE_FILES)):
+        path = sample_path(root, row)
+        if follow:
+            _wait(lambda p=path: is_ready(p), stop)
+        try:
+            hs, _, _ = read_stored(path)
+        except (CacheError, OSError) as e:
+            unread.append(str(e))
+            continue
+        return path, hs, unread
+    if not unread:
+        raise CacheError(f"{where}: the data set has no rows")
+    raise CacheError(f"{where}: none of its first {len(unread)} sample files reads, so the cache's shapes are unknown "
+                     f"(the first: {unread[0]})")
 
 
 def _dtype_words(dtype: torch.dtype) -> str:
@@ -215,9 +242,9 @@ class CacheReader:
             raise CacheError(f"{path}: hidden_states {list(hs.shape)}, the cache's others are "
                              f"[seq, {lay.file_slots}, {lay.hidden_size}]; {REWRITE}")
         if hs.dtype != lay.dtype:
-            said = SIDECAR if lay.meta is not None else sample_path(lay.root, 0).name
             raise MixedCache(f"{path}: {_dtype_words(hs.dtype)}, but the cache is {_dtype_words(lay.dtype)} "
-                             f"(its {said}): a mixed cache; rewrite it in one dtype (`dflash data cache --dtype`)")
+                             f"(its {lay.shapes_from}): a mixed cache; rewrite it in one dtype (`dflash data cache "
+                             "--dtype`)")
         if ids.tolist() != expect:
             raise CacheError(f"{path}: its token_ids differ from row {row} of the data set "
                              f"({len(ids)} vs {len(expect)} tokens): it belongs to other data; {REWRITE}")
