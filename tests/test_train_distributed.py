@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,13 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import demo_cache
 from test_model_helpers import make_target_dir, make_tokenizer
 from test_train_pipeline import _write_data
 
 from dflash.checkpoint_files import list_checkpoints
-from dflash.telemetry.wire.protocol import Hello, Snapshot
+from dflash.data.cache_format import sample_path
+from dflash.targets.cache import load_cache_target
+from dflash.telemetry.wire.protocol import Event, Hello, Snapshot
 from dflash.telemetry.wire.reader import read_frames
 from dflash.telemetry.wire.sockets import parse_socket_filename
+from dflash.train.config import TrainConfig
 from dflash.train.run.stages import BatchSource
 
 pytestmark = pytest.mark.timeout(300)
@@ -107,6 +112,39 @@ def test_two_ranks_train_in_sync_publish_the_cluster_view_and_resume(setup, tmp_
                          timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming a 2-rank run on 1 rank(s)" in res.stdout and f"resumed from step {step + 3}" in res.stdout
+
+
+def test_a_rank_whose_batch_is_all_bad_samples_steps_with_the_others(tmp_path):
+    """Two ranks on a cache where every file of rank 1's first batch is bad: rank 1 takes that step with the
+    others on nothing (its rows masked out, no gradient of its own), so no collective waits for it (one that
+    skipped the drafter's pass hung the job in the next step's), the replicas stay identical, and each bad
+    file is named."""
+    cache = demo_cache(tmp_path, 25)
+    cfg = TrainConfig()
+    target = load_cache_target(cache, "tiny", [1, 3, 5], None, torch.device("cpu"), log=lambda s: None)
+    try:
+        samples = target.own_samples(256, 4)
+        first = BatchSource(samples, 4, cfg.data.seed, 0, rank=1, world_size=2).sample_ids(0)
+        rows = sorted(target.file_rows[j] for j in first)
+    finally:
+        target.close()
+    for row in rows:  # what the trainer's own BatchSource gives rank 1 first: the same class, seed and sizes
+        path = sample_path(cache, row)
+        path.write_bytes(path.read_bytes()[:-64])
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dflash", "train", "--nproc", "2", "--target", "tiny", "--hidden-states", str(cache),
+           "--run-dir", str(run), "--batch-size", "4", "--num-anchors", "8", "--drafter-layers", "1",
+           "--eval-prompts", "0", "--threads-per-worker", "1", "--socket-dir", str(tmp_path / "s"), "--max-steps", "2",
+           "--max-seq-len", "256", "--block-size", "4", "--collective-timeout", "60"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "replicas in sync at step 2" in out and "on all 2 ranks" in out, out[-3000:]
+    # rank 1's own recording (only rank 0 prints its events): each file of its first batch named once
+    named = [e.message for e in read_frames(run / "telemetry-r1.jsonl")
+             if isinstance(e, Event) and "bad sample skipped" in e.message]
+    assert sorted(int(re.search(r"hs_(\d+)\.safetensors", m).group(1)) for m in named) == rows, named
 
 
 def _wait_for_training(proc: subprocess.Popen, socks: Path, timeout: float = 120) -> dict[int, int]:

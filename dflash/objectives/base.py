@@ -149,8 +149,18 @@ class Objective:
             raise ValueError(f"objective {self.describe()} needs the verifier's final states and head")
         cfg = drafter.config
         bs, device = cfg.block_size, input_ids.device
-        if plan.num_tokens == 0:  # nothing to learn from (e.g. responses shorter than two tokens)
-            zero = sum(p.sum() for p in drafter.parameters()) * 0.0
+        if plan.num_tokens == 0:
+            # Nothing to learn from (a batch of bad samples, responses shorter than two tokens): a zero loss
+            # on every parameter. The drafter's pass still runs: under DDP each step is one forward and one
+            # backward on every rank, and the other ranks wait in that forward's collectives (a rank that
+            # skipped it hung the job at the next step).
+            anchors = plan.anchors.clamp(min=0)
+            if anchors.shape[1] == 0:  # no block planned at all: one at position 0 per row, for the pass alone
+                anchors = anchors.new_zeros((anchors.shape[0], 1))
+            with span("drafter_forward"):
+                hidden, _ = run_blocks(drafter, embed_tokens, input_ids, target_hidden, anchors, attention_mask,
+                                       attn_backend)
+            zero = (hidden.sum() + sum(p.sum() for p in drafter.parameters())) * 0.0
             return LossOutput(zero, torch.zeros(bs + 1 + len(self.terms) + len(self.metric_names), device=device),
                               0, [0] * (bs - 1), self.term_names, self.metric_names)
         with span("drafter_forward"):
