@@ -1,11 +1,13 @@
-"""speculators' DFlash checkpoints read by dflash, and our export read by speculators' own `convert`.
+"""speculators' DFlash and DFlash2 checkpoints read by dflash, and our export read by speculators' own
+`convert`.
 
 Every speculators checkpoint here is made by speculators' own code, as `speculators train` makes it: the
 draft layers' config from the target (``create_transformer_layer_config``), the model from
-``DFlashDraftModel.from_training_args``, one optimizer step through its own forward and loss, and the
-save through its own ``SingleGPUCheckpointer`` (``save_pretrained`` + the optimizer's state). Its
-forward runs on CPU with eager attention, so the logits of both sides are compared. Skipped with one
-line when speculators is not importable (`make speculators` installs it).
+``DFlashDraftModel.from_training_args`` (``DFlash2DraftModel``'s for DFlash2), one optimizer step through
+its own forward and loss, and the save through its own ``SingleGPUCheckpointer`` (``save_pretrained`` +
+the optimizer's state). Its forward runs on CPU with eager attention, so the logits of both sides are
+compared (and DFlash2's selector scores). Skipped with one line when speculators is not importable
+(`make speculators` installs it).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 try:
     from speculators.models.dflash import DFlashDraftModel
+    from speculators.models.dflash2 import DFlash2DraftModel
     from speculators.train.checkpointer import SingleGPUCheckpointer
     from speculators.train.cli import create_transformer_layer_config
 except ImportError as e:  # one line: why the cross-tests do not run here
@@ -26,6 +29,7 @@ except ImportError as e:  # one line: why the cross-tests do not run here
 
 from dflash.cli import main
 from dflash.data import load_prompts
+from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter
 from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig
 from dflash.model.loading import load_drafter
 from dflash.model.released import release_config
@@ -40,6 +44,8 @@ AUX = [2, 4]  # speculators' ids of the taps our [1, 3] name
 TAPS = [1, 3]
 BLOCK = 4
 WINDOW = 64  # wider than any sequence here: their sliding mask and the engines' then see the same keys
+#: DFlash2's settings, none of them speculators' default, so a setting read wrong (or not at all) shows
+CONV, GROUP, RANK, TOP_K = 3, 32, 8, 4
 
 
 @pytest.fixture(scope="module")
@@ -71,20 +77,36 @@ def their_inputs(verifier, ids: torch.Tensor) -> dict:
             "document_ids": torch.zeros_like(ids)}
 
 
-def speculators_drafter(**overrides) -> DFlashDraftModel:
-    """A DFlash drafter for the tiny target built the way `speculators train` builds one: 2 layers,
-    the first full attention, the second sliding."""
+def speculators_drafter(model_class=DFlashDraftModel, **overrides) -> DFlashDraftModel:
+    """A DFlash (or DFlash2) drafter for the tiny target built the way `speculators train` builds one: 2
+    layers, the first full attention, the second sliding."""
     tiny = str(tiny_target_dir())
     layers = create_transformer_layer_config(tiny, num_layers=2, draft_arch="qwen3", hidden_act=None,
                                              sliding_window=WINDOW, full_attention_indices=[0])
     args = dict(draft_vocab_size=layers.vocab_size, block_size=BLOCK, target_layer_ids=AUX, mask_token_id=5,
                 verifier_name_or_path=tiny, draft_attn_impl="eager")
-    return DFlashDraftModel.from_training_args(verifier_config=layers, **{**args, **overrides})
+    return model_class.from_training_args(verifier_config=layers, **{**args, **overrides})
+
+
+def speculators_dflash2(**overrides) -> DFlash2DraftModel:
+    """A DFlash2 drafter as `speculators train` builds one (sliding layers causal, which dflash runs), its
+    convolutions moved off the identity they start as and its codebooks scaled up from their small start,
+    so that a convolution read wrong shows in the logits and the selector changes drafts."""
+    settings = dict(conv_kernel_size=CONV, conv_group_size=GROUP, selector_rank=RANK, selector_top_k=TOP_K,
+                    sliding_window_non_causal=False)
+    model = speculators_drafter(DFlash2DraftModel, **{**settings, **overrides})
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_conv." in name:
+                p.add_(torch.randn_like(p), alpha=0.05)
+            elif "codebook" in name:
+                p.normal_()
+    return model
 
 
 def train_and_save(model, batch: dict, save_path: Path, epochs: int = 1) -> None:
     """One step of their forward, loss and AdamW per epoch, each epoch saved by their checkpointer."""
-    kwargs, _ = DFlashDraftModel.get_trainer_kwargs(loss_fn="ce", loss_implementation="eager", max_anchors=8)
+    kwargs, _ = type(model).get_trainer_kwargs(loss_fn="ce", loss_implementation="eager", max_anchors=8)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     checkpointer = SingleGPUCheckpointer(save_path)
     model.train()
@@ -107,11 +129,20 @@ def saved(tmp_path_factory, verifier, tokens) -> Path:
     return root
 
 
-def their_model(path: Path) -> DFlashDraftModel:
+@pytest.fixture(scope="module")
+def saved2(tmp_path_factory, verifier, tokens) -> Path:
+    """`speculators train --algorithm dflash2`'s save path after one epoch."""
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("speculators2") / "save"
+    train_and_save(speculators_dflash2(), their_inputs(verifier, tokens), root)
+    return root
+
+
+def their_model(path: Path, model_class=DFlashDraftModel) -> DFlashDraftModel:
     """A checkpoint loaded as speculators loads one to finetune it (eager attention, for the CPU)."""
-    config = DFlashDraftModel.config_class.from_pretrained(str(path))
+    config = model_class.config_class.from_pretrained(str(path))
     config.transformer_layer_config._attn_implementation = "eager"
-    return DFlashDraftModel.from_pretrained(str(path), config=config, dtype=torch.float32).eval()
+    return model_class.from_pretrained(str(path), config=config, dtype=torch.float32).eval()
 
 
 def their_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -120,23 +151,29 @@ def their_weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
-def logits_both_ways(theirs: DFlashDraftModel, ours: DFlashDrafter, target, batch: dict) -> tuple:
+def forward_both_ways(theirs: DFlashDraftModel, ours: DFlashDrafter, target, batch: dict) -> dict:
     """Their forward over every anchor of the sequence against ours, one block at a time, as decoding
-    runs it: the context strictly before the anchor, our taps taken at our ids."""
+    runs it: the context strictly before the anchor, our taps taken at our ids. Each side's final hidden
+    states and logits [anchors, BLOCK, ...], and their block indices (as their forward has them)."""
     ids = batch["input_ids"]
     n = ids.shape[1] - BLOCK  # their anchors: every position but the last block's
     with torch.no_grad():
-        _, logits, _, _, where = theirs._backbone_forward(**batch, max_anchors=n)
-        anchors = where[::BLOCK].tolist()
-        assert anchors == list(range(n))
+        hidden, logits, _, _, where = theirs._backbone_forward(**batch, max_anchors=n)
+        assert where[::BLOCK].tolist() == list(range(n))
         embed, head = target.frozen_head("cpu")
         taps = target.tap_states(ids)
         mine = []
-        for a in anchors:
+        for a in range(n):
             block = torch.tensor([[int(ids[0, a])] + [ours.mask_token_id] * (BLOCK - 1)])
-            h = ours(embed(block), taps[:, :a], torch.arange(a, a + BLOCK)[None], torch.arange(a)[None])
-            mine.append(head(h))
-    return logits[0].view(n, BLOCK, -1), torch.cat(mine)
+            mine.append(ours(embed(block), taps[:, :a], torch.arange(a, a + BLOCK)[None], torch.arange(a)[None]))
+        mine = torch.cat(mine)
+        return {"their_hidden": hidden[0].view(n, BLOCK, -1), "their_logits": logits[0].view(n, BLOCK, -1),
+                "our_hidden": mine, "our_logits": head(mine), "where": where, "head": head}
+
+
+def logits_both_ways(theirs: DFlashDraftModel, ours: DFlashDrafter, target, batch: dict) -> tuple:
+    both = forward_both_ways(theirs, ours, target, batch)
+    return both["their_logits"], both["our_logits"]
 
 
 def test_a_speculators_checkpoint_reads_with_the_taps_shifted(saved):
@@ -211,7 +248,6 @@ def _both_refuse(path: Path, needle: str, tmp_path: Path, capsys) -> None:
 
 
 def test_what_dflash_cannot_use_is_refused_in_one_line(tmp_path, verifier, tokens, capsys):
-    from speculators.models.dflash2 import DFlash2DraftModel
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     batch = their_inputs(verifier, tokens)
@@ -231,14 +267,9 @@ def test_what_dflash_cannot_use_is_refused_in_one_line(tmp_path, verifier, token
     train_and_save(speculators_drafter(sample_from_anchor=True), batch, tmp_path / "anchor")
     _both_refuse(tmp_path / "anchor" / "0", "(sample_from_anchor)", tmp_path, capsys)
 
-    layers = create_transformer_layer_config(str(tiny_target_dir()), num_layers=1, draft_arch="qwen3", hidden_act=None,
-                                             sliding_window=WINDOW, full_attention_indices=[0])
-    other = DFlash2DraftModel.from_training_args(
-        verifier_config=layers, draft_vocab_size=vocab, block_size=BLOCK, target_layer_ids=AUX, mask_token_id=5,
-        verifier_name_or_path=str(tiny_target_dir()), draft_attn_impl="eager", selector_rank=8, selector_top_k=4)
-    other.save_pretrained(tmp_path / "dflash2")
-    _both_refuse(tmp_path / "dflash2", "a speculators 'dflash2' checkpoint: dflash reads speculators' 'dflash' "
-                 "drafters only", tmp_path, capsys)
+    # DFlash2 as speculators makes it by default: its sliding layer attends both ways inside a block
+    train_and_save(speculators_drafter(DFlash2DraftModel, selector_rank=8, selector_top_k=4), batch, tmp_path / "nc")
+    _both_refuse(tmp_path / "nc" / "0", "sliding layers attend both ways inside a block", tmp_path, capsys)
     # an algorithm neither side knows yet
     shutil.copytree(tmp_path / "anchor" / "0", tmp_path / "future")
     d = json.loads((tmp_path / "future" / "config.json").read_text())
@@ -267,6 +298,115 @@ def test_settings_dflash_does_not_run_are_refused_in_one_line(saved):
     full = {**layers, "layer_types": [FULL, FULL], "use_sliding_window": False}
     cfg = config_of_export({**real, "sliding_window_non_causal": True, "transformer_layer_config": full}, "here")
     assert cfg.layer_types == [FULL, FULL]
+
+
+def test_a_speculators_dflash2_checkpoint_reads_as_our_dflash2(saved2):
+    """Their DFlash2 config is our DFlash2Config (its four settings, taps = aux ids - 1, layers); their
+    tensors are ours, every one, to the bit."""
+    theirs = json.loads((saved2 / "0" / "config.json").read_text())
+    assert theirs["speculators_model_type"] == "dflash2" and theirs["aux_hidden_state_layer_ids"] == AUX
+    cfg = release_config(saved2)
+    assert isinstance(cfg, DFlash2Config)
+    assert (cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (CONV, GROUP, RANK,
+                                                                                                  TOP_K)
+    assert cfg.target_layer_ids == TAPS and (cfg.block_size, cfg.mask_token_id) == (BLOCK, 5)
+    assert (cfg.num_layers, cfg.layer_types, cfg.sliding_window) == (2, [FULL, SLIDING], WINDOW)
+    ours = load_drafter(saved2)
+    assert isinstance(ours, DFlash2Drafter) and ours.loaded_from == str(saved2 / "0")
+    mine, weights = ours.state_dict(), their_weights(saved2 / "0")
+    assert set(mine) == set(weights)  # nothing of theirs left out, nothing of ours made up
+    for name, tensor in weights.items():
+        assert mine[name].dtype == tensor.dtype and torch.equal(mine[name], tensor), name
+
+
+def test_dflash2_forward_and_selector_agree_with_speculators_own(saved2, target, verifier, tokens):
+    """Same weights, same hidden states: their training forward and our decoding forward give the same
+    final hidden states and logits at every anchor (convolutions inside each block, full and sliding
+    layers); their selector's scores of the unary top-k after the block's previous tokens (the
+    predecessors their forward scores with) are ours; their selector walked greedily from the anchor
+    drafts the tokens ours does."""
+    theirs, ours = their_model(saved2 / "0", DFlash2DraftModel), load_drafter(saved2 / "0").float()
+    batch = their_inputs(verifier, tokens)
+    both = forward_both_ways(theirs, ours, target, batch)
+    for side in ("hidden", "logits"):
+        a, b = both[f"their_{side}"], both[f"our_{side}"]
+        assert torch.allclose(a, b, atol=2e-4, rtol=1e-4), (side, (a - b).abs().max())
+    hidden, logits, ids = both["their_hidden"], both["their_logits"], batch["input_ids"]
+    n = hidden.shape[0]
+    selector, mine = theirs.candidate_selector, ours.candidate_selector
+    with torch.no_grad():
+        predecessors = theirs._predecessor_ids(ids, both["where"])
+        candidates = logits.topk(TOP_K, dim=-1).indices
+        their_scores = selector.score_candidates(logits, hidden, predecessors, candidates)
+        our_scores = mine.scores(mine.hidden_projection(both["our_hidden"]), predecessors,
+                                 both["our_logits"].gather(-1, candidates), candidates)
+        assert torch.allclose(their_scores, our_scores, atol=2e-4, rtol=1e-4), (their_scores - our_scores).abs().max()
+        previous, walked = ids[0, :n], []  # slot k's predecessor: the token drafted for slot k-1 (the anchor)
+        for k in range(1, BLOCK):
+            chosen, scores = selector.select(logits[:, k], hidden[:, k], previous)
+            previous = chosen.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+            walked.append(previous)
+        proposal = ours.propose(both["our_hidden"][:, 1:], ids[0, :n], both["head"])
+        assert torch.equal(proposal.tokens, torch.stack(walked, 1))
+        assert not torch.equal(proposal.tokens, logits[:, 1:].argmax(-1))  # the selector changed drafts
+        for layer in ours.layers:  # the convolutions count: set back to the identity, the logits move
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.zero_()
+                conv.base_kernel[:, 0] = 1.0
+                conv.kernel_projection.weight.zero_()
+    moved = forward_both_ways(theirs, ours, target, batch)["our_logits"]
+    assert (moved - both["their_logits"]).abs().max() > 0.1
+
+
+def test_a_speculators_dflash2_checkpoint_trains_and_decodes_losslessly(saved2, tmp_path, capsys):
+    cfg = make_config({}, dict(target="tiny", data="demo", run_dir=str(tmp_path / "built"), max_steps=1,
+                               telemetry=False, init_from=str(saved2)))
+    drafter = build(cfg, Dist(), run_target(cfg), log=lambda line: None).drafter.drafter
+    assert isinstance(drafter, DFlash2Drafter) and drafter.config.conv_kernel_size == CONV
+    mine, weights = drafter.state_dict(), their_weights(saved2 / "0")
+    assert set(mine) == set(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(mine[name], tensor.to(mine[name].dtype)), name
+    assert main(["train", "--target", "tiny", "--data", "demo", "--init-from", str(saved2), "--run-dir",
+                 str(tmp_path / "run"), "--max-steps", "2", "--batch-size", "4", "--num-anchors", "8",
+                 "--eval-prompts", "2", "--eval-max-new-tokens", "12", "--no-telemetry"]) == 0
+    out = capsys.readouterr().out
+    assert f"DFlash2: conv kernel {CONV} group {GROUP}, selector rank {RANK} top-{TOP_K}" in out, out
+    evals = [json.loads(line) for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
+    assert evals and all(e["lossless"] for e in evals), evals
+    assert main(["eval", "--drafter", str(saved2), "--num-prompts", "2", "--max-new-tokens", "24", "--device",
+                 "cpu", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["lossless"] is True and result["tokens_generated"] > 0, result
+
+
+def test_dflash2_settings_dflash_does_not_run_are_refused_in_one_line(saved2):
+    """Their DFlash2 config with one thing changed at a time, read as `--init-from` and `eval` read it."""
+    from dflash.model.export import DrafterLoadError
+    from dflash.model.loading import config_of_export
+
+    real = json.loads((saved2 / "0" / "config.json").read_text())
+
+    def without(key: str) -> dict:
+        return {k: v for k, v in real.items() if k != key}
+
+    cases = [({**real, "sliding_window_non_causal": True}, "sliding layers attend both ways inside a block"),
+             (without("sliding_window_non_causal"), "sliding layers attend both ways"),  # DFlash2's default
+             ({**real, "speculators_config": {**real["speculators_config"], "algorithm": "dflash"}},
+              "its speculators_model_type 'dflash2' and speculators_config.algorithm 'dflash' disagree"),
+             ({**real, "sample_from_anchor": True}, "(sample_from_anchor)"),
+             ({**real, "conv_kernel_size": BLOCK + 1}, f"conv_kernel_size {BLOCK + 1} is longer than the block"),
+             ({**real, "speculators_config": None, "speculators_model_type": "dspark"},
+              "a speculators 'dspark' checkpoint: dflash reads speculators' 'dflash' and 'dflash2' drafters only")]
+    for d, needle in cases:
+        with pytest.raises(DrafterLoadError) as e:
+            config_of_export(d, "here")
+        assert str(e.value).startswith("here: ") and needle in str(e.value) and "\n" not in str(e.value), needle
+    # full layers are bidirectional in every reader: DFlash2's default says nothing about them
+    full = {**real["transformer_layer_config"], "layer_types": [FULL, FULL], "use_sliding_window": False}
+    cfg = config_of_export({**without("sliding_window_non_causal"), "transformer_layer_config": full}, "here")
+    assert isinstance(cfg, DFlash2Config) and cfg.layer_types == [FULL, FULL]
+    assert config_of_export(without("conv_group_size"), "here").conv_group_size == 16  # speculators' default
 
 
 def test_our_export_converts_with_speculators_own_convert(tmp_path, target, verifier, tokens):

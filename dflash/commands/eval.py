@@ -13,7 +13,7 @@ from dflash.commands import CliError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help="checkpoint file, run directory, export directory, or a "
-                   "speculators DFlash checkpoint (or `speculators train` save path)")
+                   "speculators DFlash or DFlash2 checkpoint (or `speculators train` save path)")
     p.add_argument("--target", default=None, help="local Hugging Face model directory, or 'tiny' (default: the "
                    "target the drafter's run trained against, from its config.json, or the verifier a speculators "
                    "checkpoint names; else 'tiny')")

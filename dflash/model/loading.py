@@ -1,6 +1,6 @@
 """A drafter read back from whatever holds one: an export directory in the reference format (ours,
-z-lab's), a speculators DFlash checkpoint, a training checkpoint file, or a run directory (its newest
-checkpoint that verifies). Every path is checked against its config before anything is allocated, and
+z-lab's), a speculators DFlash or DFlash2 checkpoint, a training checkpoint file, or a run directory (its
+newest checkpoint that verifies). Every path is checked against its config before anything is allocated, and
 refused in one line (DrafterLoadError) when it is none of these."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dflash.model.export import (
 
 def config_of_export(d: dict, where: str) -> DrafterConfig:
     """The DrafterConfig of an export directory's config.json: the reference format (ours, z-lab's), or
-    a speculators DFlash checkpoint (speculators_format.py); anything else refused in one line."""
+    a speculators DFlash or DFlash2 checkpoint (speculators_format.py); anything else refused in one line."""
     try:
         if speculators_format.is_speculators_config(d):
             return speculators_format.drafter_config(d)
@@ -41,7 +41,7 @@ def config_of_export(d: dict, where: str) -> DrafterConfig:
 
 
 def load_exported(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
-    """Load an export directory (ours, a z-lab DFlash/DFlash2 drafter, or a speculators DFlash
+    """Load an export directory (ours, a z-lab DFlash/DFlash2 drafter, or a speculators DFlash/DFlash2
     checkpoint) back into its drafter."""
     from safetensors.torch import load_file
 

@@ -1,5 +1,5 @@
 """Starting a run from a released drafter (``--init-from DIR``): the reference format or a speculators
-DFlash checkpoint (speculators_format.py), checked against the target before any training step.
+DFlash/DFlash2 checkpoint (speculators_format.py), checked against the target before any training step.
 
 A released drafter (z-lab's, speculators', another trainer's, or our own ``dflash export``) only makes
 sense on the target it was trained for: its ``fc`` reads that target's tap layers, its output feeds that
@@ -40,7 +40,7 @@ def release_dir(path: str | Path) -> Path:
 
 def release_config(path: str | Path) -> DrafterConfig:
     """The DrafterConfig of a release directory, read from its config.json alone (no weights): the
-    reference format, or a speculators DFlash checkpoint (whose target layer count is the least its
+    reference format, or a speculators DFlash or DFlash2 checkpoint (whose target layer count is the least its
     taps need: ``start_from_release`` takes the target's)."""
     p = release_dir(path)
     if not (p / CONFIG_NAME).is_file() or not (p / WEIGHTS_NAME).is_file():

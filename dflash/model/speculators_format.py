@@ -1,7 +1,8 @@
-"""speculators' DFlash checkpoints (what `speculators train` saves), read as dflash drafters.
+"""speculators' DFlash and DFlash2 checkpoints (what `speculators train` saves), read as dflash drafters.
 
 The other direction needs no code here: speculators' own `convert --algorithm dflash` reads our
-`dflash export` directory (the reference format), as it reads z-lab's releases.
+`dflash export` directory (the reference format), as it reads z-lab's releases (speculators 0.9.0 has
+no DFlash2 converter).
 
 A checkpoint is a directory ``<save_path>/<epoch>/`` (``<save_path>/checkpoint_best`` links to the
 best epoch) written by transformers' ``save_pretrained``:
@@ -11,24 +12,34 @@ best epoch) written by transformers' ``save_pretrained``:
                        ``transformer_layer_config`` (the drafter's own decoder layers, a Qwen3 config: sizes,
                        ``layer_types``, ``sliding_window``, ``rope_parameters``), ``draft_vocab_size``,
                        ``block_size``, ``aux_hidden_state_layer_ids``, ``mask_token_id``,
-                       ``sample_from_anchor``, ``sliding_window_non_causal``
+                       ``sample_from_anchor``, ``sliding_window_non_causal``; or a
+                       ``DFlash2SpeculatorConfig`` (``"dflash2"``): the same plus ``conv_kernel_size``,
+                       ``conv_group_size``, ``selector_rank``, ``selector_top_k``, with
+                       ``sliding_window_non_causal`` true unless set (DFlash's default is false)
     model.safetensors  the drafter's tensors under our names (``layers.N...``, ``fc``, ``hidden_norm``,
-                       ``norm``); the embedding, verifier head and verifier norm are left out (they are
-                       the target's); a pruned draft vocabulary adds ``lm_head.weight`` [draft vocab, H],
-                       ``t2d`` [vocab] and ``d2t`` [draft vocab]
+                       ``norm``; DFlash2's ``layers.N.{attention,mlp}_conv...`` and ``candidate_selector...``
+                       too: speculators' DFlash2 modules are the reference's, as ours are); the embedding,
+                       verifier head and verifier norm are left out (they are the target's); a pruned draft
+                       vocabulary adds ``lm_head.weight`` [draft vocab, H], ``t2d`` [vocab] and ``d2t``
+                       [draft vocab]
     config.py, optimizer_state_dict.pt, ...   never read (one is code, the other a pickle)
+
+Either is translated into the reference-format config.json our readers read (export.py: a DFlash2 one
+names ``DFlash2DraftModel`` and carries the four settings in ``dflash_config``); the weights load as
+they are.
 
 Tap ids: speculators' aux id ``k`` is ``output_hidden_states[k]``, index 0 being the embedding output,
 so aux id = our tap id + 1 (``AUX_ID_OFFSET``, as in the hidden-state caches): its DFlash converter
 maps a release's ``target_layer_ids`` to ``[i + 1 ...]``, and its default ids ``[2, N/2, N-3]`` are
 the reference's ``[1, ..., N-4]`` shifted by one. Aux id 0 (the embedding output) has no tap id.
 
-What dflash cannot use is refused in one line: another algorithm (EAGLE-3, speculators' DFlash2, ...);
-a pruned draft vocabulary (dflash drafts over the target's whole vocabulary through its own LM head);
+What dflash cannot use is refused in one line: another algorithm (EAGLE-3, DSpark, ...); a pruned draft
+vocabulary (dflash drafts over the target's whole vocabulary through its own LM head);
 ``sample_from_anchor`` (the drafter also predicts the anchor's slot, ``block_size`` tokens a round,
 where dflash and the engines take the anchor from the target and draft ``block_size - 1``); sliding
-layers made bidirectional inside a block (``sliding_window_non_causal``: dflash and the engines run them
-causal). The target's layer count is not in the checkpoint: it is the target's (``with_target``).
+layers made bidirectional inside a block (``sliding_window_non_causal``, a DFlash2 checkpoint's default:
+dflash and the engines run them causal). The target's layer count is not in the checkpoint: it is the
+target's (``with_target``).
 """
 
 from __future__ import annotations
@@ -38,11 +49,22 @@ from pathlib import Path
 
 from dflash.data.cache_format import AUX_ID_OFFSET
 from dflash.model.drafter import SLIDING, DrafterConfig
-from dflash.model.export import CONFIG_NAME, DFLASH, DrafterLoadError, config_from_hf, read_config_json
+from dflash.model.export import (
+    CONFIG_NAME,
+    DFLASH,
+    DFLASH2,
+    DrafterLoadError,
+    config_from_hf,
+    read_config_json,
+)
 
 #: the config.json key that makes a directory a speculators checkpoint
 MODEL_TYPE_KEY = "speculators_model_type"
-ALGORITHM = "dflash"
+#: the algorithms read, each with the architecture it is in the reference format
+ALGORITHMS = {"dflash": DFLASH, "dflash2": DFLASH2}
+#: DFlash2SpeculatorConfig's settings with its defaults (for a key its config.json leaves out); each is the
+#: ``dflash_config`` key and DFlash2Config field of the same name
+_DFLASH2_SETTINGS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 #: where `speculators train` links its best epoch
 BEST = "checkpoint_best"
 #: tensors a checkpoint may hold that are the target's own (the drafter uses the target's)
@@ -89,7 +111,8 @@ def drafter_config(d: dict) -> DrafterConfig:
     until ``with_target`` says the target's); a SpeculatorsRefusal for what dflash cannot use, the
     readers' KeyError/TypeError/ValueError for a malformed one."""
     cfg = config_from_hf(reference_config(d))
-    if d.get("sliding_window_non_causal") and SLIDING in cfg.layer_types:
+    # DFlash2SpeculatorConfig makes sliding layers bidirectional unless told otherwise, DFlash's does not
+    if d.get("sliding_window_non_causal", d.get(MODEL_TYPE_KEY) == "dflash2") and SLIDING in cfg.layer_types:
         raise SpeculatorsRefusal("its sliding layers attend both ways inside a block (sliding_window_non_causal): "
                                  "dflash and the serving engines run them causal")
     return cfg
@@ -100,10 +123,13 @@ def reference_config(d: dict) -> dict:
     read): the layers' config with the DFlash fields beside it, the taps as our ids."""
     algorithm, spec = d.get(MODEL_TYPE_KEY), d.get("speculators_config")
     declared = spec.get("algorithm", algorithm) if isinstance(spec, dict) else algorithm
-    if algorithm != ALGORITHM or declared != ALGORITHM:
-        name = algorithm if algorithm != ALGORITHM else declared
-        raise SpeculatorsRefusal(f"a speculators {name!r} checkpoint: dflash reads speculators' {ALGORITHM!r} "
-                                 "drafters only")
+    if algorithm not in ALGORITHMS or declared not in ALGORITHMS:
+        name = algorithm if algorithm not in ALGORITHMS else declared
+        raise SpeculatorsRefusal(f"a speculators {name!r} checkpoint: dflash reads speculators' "
+                                 f"{' and '.join(map(repr, ALGORITHMS))} drafters only")
+    if declared != algorithm:
+        raise SpeculatorsRefusal(f"its {MODEL_TYPE_KEY} {algorithm!r} and speculators_config.algorithm {declared!r} "
+                                 "disagree on which drafter it is")
     layers = d.get("transformer_layer_config")
     if not isinstance(layers, dict):
         raise SpeculatorsRefusal("a speculators checkpoint without a transformer_layer_config")
@@ -128,9 +154,15 @@ def reference_config(d: dict) -> dict:
     if d.get("mask_token_id") is None:
         raise SpeculatorsRefusal("it has no mask_token_id")
     block = d.get("block_size", _DEFAULT_BLOCK)
-    return {**layers, "architectures": [DFLASH], "block_size": block,
-            "dflash_config": {"mask_token_id": d["mask_token_id"], "block_size": block,
-                              "target_layer_ids": [a - AUX_ID_OFFSET for a in aux]}}
+    dflash = {"mask_token_id": d["mask_token_id"], "block_size": block,
+              "target_layer_ids": [a - AUX_ID_OFFSET for a in aux]}
+    if algorithm == "dflash2":
+        dflash.update({k: d.get(k, default) for k, default in _DFLASH2_SETTINGS.items()})
+        # speculators' forward looks the block up in the target's embedding unscaled and takes the target's
+        # head uncapped: no embedding scale, no output multiplier, no soft-cap (a target that applies them
+        # is refused at --init-from, as for any DFlash2 release)
+        dflash.update(input_embedding_scale=1.0, output_multiplier=1.0)
+    return {**layers, "architectures": [ALGORITHMS[algorithm]], "block_size": block, "dflash_config": dflash}
 
 
 def drafter_tensors(tensors: dict, where: str) -> dict:
