@@ -19,7 +19,9 @@ from dflash.eval.verifier import CachedVerifier
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.targets import load_target
 from dflash.targets.families import FAMILIES, SLIDING_WINDOW, build_family_target
+from dflash.targets.heads import applied
 from dflash.train.config.schema import make_config
+from dflash.train.run.build import new_drafter_config
 from dflash.train.trainer import train
 
 HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # Gated DeltaNet + full attention
@@ -179,6 +181,20 @@ def test_taps_embedding_and_head_are_where_the_target_has_them(targets, family):
     torch.testing.assert_close(embed(ids), seen["input"])
     final = t.model.get_decoder()(input_ids=ids).last_hidden_state
     torch.testing.assert_close(head(final), out.logits)
+    # and what a DFlash2 export records of them for the engines is what they apply
+    scale, cap = applied(embed, head)
+    torch.testing.assert_close(embed(ids), torch.nn.functional.embedding(ids, embed.weight) * scale)
+    assert cap == getattr(t.config, "final_logit_softcapping", None)
+
+
+def test_a_dflash2_drafter_records_the_scale_and_cap_the_gemma_target_applies(targets, dirs):
+    """What a DFlash2 export tells the engines for a Gemma target trained in process: the sqrt(hidden) its
+    embedding applies (transformers' own module, which keeps the scale inside) and its soft-cap."""
+    t = targets("gemma4")
+    cfg = make_config({}, dict(target=str(dirs["gemma4"]), drafter_type="dflash2", drafter_layers=1, block_size=4))
+    drafter, _ = new_drafter_config(cfg, t)
+    assert drafter.input_embedding_scale == pytest.approx(t.hidden_size ** 0.5) == 8.0
+    assert drafter.final_logit_softcapping == 30.0
 
 
 def test_a_slow_fallback_is_said_with_the_extra_that_avoids_it(targets, dirs, capsys):

@@ -61,5 +61,7 @@ class NormedHead(_Wrapped):
 def applied(embed: nn.Module, head: nn.Module) -> tuple[float, float | None]:
     """(embedding scale, logit soft-cap or None) that a target's frozen embedding and head apply: what a
     DFlash2 export records for the engines (``input_embedding_scale``, ``final_logit_softcapping``)."""
-    scale = embed.scale if isinstance(embed, ScaledEmbedding) else 1.0
+    # ours (a cache's target, built from the config), or transformers' own module (an in-process target's:
+    # Gemma's scaled word embedding keeps its scale as ``embed_scale`` and applies it in its forward)
+    scale = embed.scale if isinstance(embed, ScaledEmbedding) else getattr(embed, "embed_scale", 1.0)
     return float(scale), (head.cap if isinstance(head, SoftCappedHead) else None)
