@@ -236,15 +236,32 @@ def _refused(args: list[str], capsys) -> str:
     return errors[0]
 
 
-def _both_refuse(path: Path, needle: str, tmp_path: Path, capsys) -> None:
-    """`dflash eval --drafter` and `dflash train --init-from` each refuse in one line; nothing trained."""
-    line = _refused(["eval", "--drafter", str(path), "--num-prompts", "1", "--device", "cpu"], capsys)
+def _both_refuse(path: Path, needle: str, tmp_path: Path, capsys, target: str | None = None) -> None:
+    """`dflash eval --drafter` and `dflash train --init-from` each refuse in one line; nothing trained.
+    ``target``: the target both are given (else eval takes the verifier the checkpoint names, train tiny)."""
+    line = _refused(["eval", "--drafter", str(path), "--num-prompts", "1", "--device", "cpu",
+                     *(["--target", target] if target else [])], capsys)
     assert needle in line, line
     run = tmp_path / f"run-{path.name}"
-    line = _refused(["train", "--target", "tiny", "--data", "demo", "--init-from", str(path), "--run-dir", str(run),
-                     "--max-steps", "1", "--eval-prompts", "0", "--no-telemetry"], capsys)
+    line = _refused(["train", "--target", target or "tiny", "--data", "demo", "--init-from", str(path), "--run-dir",
+                     str(run), "--max-steps", "1", "--eval-prompts", "0", "--no-telemetry"], capsys)
     assert needle in line, line
     assert not list(run.glob("checkpoints/*.pt"))
+
+
+def test_a_target_that_scales_its_embedding_is_refused_in_one_line(saved, saved2, tmp_path, capsys):
+    """speculators looks a block up in the target's embedding rows as they are; a Gemma target scales them
+    (by sqrt(hidden), 8 here), as dflash applies them: a DFlash or DFlash2 checkpoint would read inputs it
+    never saw, so both are refused, with that reason (not "made for another target")."""
+    from transformers import AutoTokenizer
+
+    from dflash.targets.families import build_family_target
+
+    gemma = build_family_target(tmp_path / "gemma", "gemma4", AutoTokenizer.from_pretrained(tiny_target_dir()))
+    for path in (saved / "0", saved2 / "0"):
+        _both_refuse(path, "speculators trained it on the target's embedding rows unscaled, and this target scales "
+                     "them by 8, as dflash applies them: it would draft from inputs it never saw", tmp_path, capsys,
+                     target=str(gemma))
 
 
 def test_what_dflash_cannot_use_is_refused_in_one_line(tmp_path, verifier, tokens, capsys):

@@ -118,7 +118,7 @@ def _load(args: argparse.Namespace) -> tuple:
         raise CliError(str(e)) from e
     if speculators is not None:  # it names its verifier, not the verifier's layer count: the target's it is
         try:
-            drafter.config = with_target(drafter.config, target.num_layers)
+            drafter.config = with_target(drafter.config, target)
         except DrafterLoadError as e:
             raise CliError(f"{speculators}: {e}") from None
     if note := slow_kernel_note(target.config):

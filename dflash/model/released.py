@@ -118,7 +118,7 @@ def start_from_release(
     cfg = release_config(release)  # (a resolved directory resolves to itself)
     if speculators_format.speculators_dir(release) is not None:
         try:  # it states no target layer count of its own
-            cfg = speculators_format.with_target(cfg, target.num_layers)
+            cfg = speculators_format.with_target(cfg, target)
         except DrafterLoadError as e:
             raise ReleaseMismatch(f"{where}: {e}") from None
     if drafter_type == DFlash2Config.drafter_type and not isinstance(cfg, DFlash2Config):

@@ -38,14 +38,15 @@ vocabulary (dflash drafts over the target's whole vocabulary through its own LM 
 ``sample_from_anchor`` (the drafter also predicts the anchor's slot, ``block_size`` tokens a round,
 where dflash and the engines take the anchor from the target and draft ``block_size - 1``); sliding
 layers made bidirectional inside a block (``sliding_window_non_causal``, a DFlash2 checkpoint's default:
-dflash and the engines run them causal). The target's layer count is not in the checkpoint: it is the
-target's (``with_target``).
+dflash and the engines run them causal); a target that scales its embedding (Gemma), which speculators
+looks up unscaled. The target's layer count is not in the checkpoint: it is the target's (``with_target``).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from dflash.data.cache_format import AUX_ID_OFFSET
 from dflash.model.drafter import SLIDING, DrafterConfig
@@ -175,14 +176,24 @@ def drafter_tensors(tensors: dict, where: str) -> dict:
     return {k: v for k, v in tensors.items() if k not in _TARGETS_OWN}
 
 
-def with_target(cfg: DrafterConfig, num_target_layers: int) -> DrafterConfig:
-    """``cfg`` for a target of this many layers: a speculators checkpoint names its verifier, not the
-    verifier's layer count, so the taps are checked against the target it is used with."""
+def with_target(cfg: DrafterConfig, target: Any) -> DrafterConfig:
+    """``cfg`` for ``target`` (its ``num_layers`` and ``frozen_head``). A speculators checkpoint names its
+    verifier, not the verifier's layer count, so the taps are checked against the target it is used with.
+    And speculators looks a block up in the target's embedding rows as they are (a plain lookup, for every
+    target): a target that scales its embedding (Gemma) would give the drafter inputs it never saw, since
+    dflash applies the target's embedding as the target does."""
+    from dflash.targets.heads import applied
+
     deepest = max(cfg.target_layer_ids)
-    if deepest >= num_target_layers:
+    if deepest >= target.num_layers:
         raise SpeculatorsRefusal(f"made for another target: it taps layer {deepest} (aux id "
-                                 f"{deepest + AUX_ID_OFFSET}), the target has {num_target_layers} layers")
-    return replace(cfg, num_target_layers=num_target_layers)
+                                 f"{deepest + AUX_ID_OFFSET}), the target has {target.num_layers} layers")
+    scale, _ = applied(*target.frozen_head(target.device))
+    if scale != 1.0:
+        raise SpeculatorsRefusal(f"speculators trained it on the target's embedding rows unscaled, and this target "
+                                 f"scales them by {scale:g}, as dflash applies them: it would draft from inputs it "
+                                 "never saw")
+    return replace(cfg, num_target_layers=target.num_layers)
 
 
 def verifier_named(path: str | Path) -> str | None:
