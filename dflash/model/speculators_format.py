@@ -160,8 +160,8 @@ def reference_config(d: dict) -> dict:
     if algorithm == "dflash2":
         dflash.update({k: d.get(k, default) for k, default in _DFLASH2_SETTINGS.items()})
         # speculators' forward looks the block up in the target's embedding unscaled and takes the target's
-        # head uncapped: no embedding scale, no output multiplier, no soft-cap (a target that applies them
-        # is refused at --init-from, as for any DFlash2 release)
+        # head uncapped: no embedding scale, no output multiplier, no soft-cap (a target that scales its
+        # embedding is refused by with_target)
         dflash.update(input_embedding_scale=1.0, output_multiplier=1.0)
     return {**layers, "architectures": [ALGORITHMS[algorithm]], "block_size": block, "dflash_config": dflash}
 
