@@ -114,11 +114,12 @@ def test_two_ranks_train_in_sync_publish_the_cluster_view_and_resume(setup, tmp_
     assert "resuming a 2-rank run on 1 rank(s)" in res.stdout and f"resumed from step {step + 3}" in res.stdout
 
 
-def test_a_rank_whose_batch_is_all_bad_samples_steps_with_the_others(tmp_path):
+def test_a_rank_with_nothing_to_learn_or_a_non_finite_step_stays_in_step_with_the_others(tmp_path):
     """Two ranks on a cache where every file of rank 1's first batch is bad: rank 1 takes that step with the
     others on nothing (its rows masked out, no gradient of its own), so no collective waits for it (one that
-    skipped the drafter's pass hung the job in the next step's), the replicas stay identical, and each bad
-    file is named."""
+    skipped the drafter's pass hung the job in the next step's), and each bad file is named. Its second step
+    is made non-finite (DFLASH_FAULT): the averaged gradient is then non-finite on both ranks, and both skip
+    it. The replicas stay identical throughout."""
     cache = demo_cache(tmp_path, 25)
     cfg = TrainConfig()
     target = load_cache_target(cache, "tiny", [1, 3, 5], None, torch.device("cpu"), log=lambda s: None)
@@ -137,14 +138,18 @@ def test_a_rank_whose_batch_is_all_bad_samples_steps_with_the_others(tmp_path):
            "--eval-prompts", "0", "--threads-per-worker", "1", "--socket-dir", str(tmp_path / "s"), "--max-steps", "2",
            "--max-seq-len", "256", "--block-size", "4", "--collective-timeout", "60"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                            "DFLASH_FAULT": "nan:drafter:step=1:rank=1"})
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "replicas in sync at step 2" in out and "on all 2 ranks" in out, out[-3000:]
-    # rank 1's own recording (only rank 0 prints its events): each file of its first batch named once
-    named = [e.message for e in read_frames(run / "telemetry-r1.jsonl")
-             if isinstance(e, Event) and "bad sample skipped" in e.message]
+    # each rank's own recording (only rank 0 prints its events)
+    events = {rank: [e for e in read_frames(run / name) if isinstance(e, Event)]
+              for rank, name in ((0, "telemetry.jsonl"), (1, "telemetry-r1.jsonl"))}
+    named = [e.message for e in events[1] if "bad sample skipped" in e.message]
     assert sorted(int(re.search(r"hs_(\d+)\.safetensors", m).group(1)) for m in named) == rows, named
+    for rank in (0, 1):  # the poisoned step skipped on both ranks, the empty one on neither
+        assert [e.data["batch"] for e in events[rank] if e.kind == "nonfinite"] == [1], rank
 
 
 def _wait_for_training(proc: subprocess.Popen, socks: Path, timeout: float = 120) -> dict[int, int]:
