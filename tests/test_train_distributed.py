@@ -136,7 +136,7 @@ def test_a_rank_with_nothing_to_learn_or_a_non_finite_step_stays_in_step_with_th
     cmd = [sys.executable, "-m", "dflash", "train", "--nproc", "2", "--target", "tiny", "--hidden-states", str(cache),
            "--run-dir", str(run), "--batch-size", "4", "--num-anchors", "8", "--drafter-layers", "1",
            "--eval-prompts", "0", "--threads-per-worker", "1", "--socket-dir", str(tmp_path / "s"), "--max-steps", "2",
-           "--max-seq-len", "256", "--block-size", "4", "--collective-timeout", "60"]
+           "--max-seq-len", "256", "--block-size", "4", "--collective-timeout", "120"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                             "DFLASH_FAULT": "nan:drafter:step=1:rank=1"})
