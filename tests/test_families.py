@@ -19,7 +19,7 @@ from dflash.eval.verifier import CachedVerifier
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.targets import load_target
 from dflash.targets.families import FAMILIES, SLIDING_WINDOW, build_family_target
-from dflash.targets.heads import applied
+from dflash.targets.heads import ScaledEmbedding, applied
 from dflash.train.config.schema import make_config
 from dflash.train.run.build import new_drafter_config
 from dflash.train.trainer import train
@@ -195,6 +195,20 @@ def test_a_dflash2_drafter_records_the_scale_and_cap_the_gemma_target_applies(ta
     drafter, _ = new_drafter_config(cfg, t)
     assert drafter.input_embedding_scale == pytest.approx(t.hidden_size ** 0.5) == 8.0
     assert drafter.final_logit_softcapping == 30.0
+
+
+def test_a_bf16_gemma_embedding_records_the_scale_it_was_given():
+    """transformers' Gemma embedding, cast to bf16 with its model, holds sqrt(hidden) rounded (50.5 for 2560);
+    what a DFlash2 export records and a release is checked against is the float, whether the target runs in
+    process or from a cache (ours, built from the config)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    hidden = 2560
+    theirs = Gemma3TextScaledWordEmbedding(8, hidden, 0, embed_scale=hidden ** 0.5).to(torch.bfloat16)
+    assert float(theirs.embed_scale) == 50.5
+    head = torch.nn.Linear(hidden, 8, bias=False)
+    ours = ScaledEmbedding(torch.nn.Embedding(8, hidden), hidden ** 0.5)
+    assert applied(theirs, head)[0] == applied(ours, head)[0] == hidden ** 0.5
 
 
 def test_a_slow_fallback_is_said_with_the_extra_that_avoids_it(targets, dirs, capsys):
