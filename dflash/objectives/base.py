@@ -149,24 +149,21 @@ class Objective:
             raise ValueError(f"objective {self.describe()} needs the verifier's final states and head")
         cfg = drafter.config
         bs, device = cfg.block_size, input_ids.device
-        if plan.num_tokens == 0:
-            # Nothing to learn from (a batch of bad samples, responses shorter than two tokens): a zero loss
-            # on every parameter. The drafter's pass still runs: under DDP each step is one forward and one
-            # backward on every rank, and the other ranks wait in that forward's collectives (a rank that
-            # skipped it hung the job at the next step).
-            anchors = plan.anchors.clamp(min=0)
-            if anchors.shape[1] == 0:  # no block planned at all: one at position 0 per row, for the pass alone
-                anchors = anchors.new_zeros((anchors.shape[0], 1))
-            with span("drafter_forward"):
-                hidden, _ = run_blocks(drafter, embed_tokens, input_ids, target_hidden, anchors, attention_mask,
-                                       attn_backend)
-            zero = (hidden.sum() + sum(p.sum() for p in drafter.parameters())) * 0.0
+        # Padding blocks sit at position 0: computed like the others, never supervised, never counted. The
+        # pass runs on a batch with nothing to learn from too: under DDP every rank's step is one forward and
+        # one backward, and the other ranks wait in that forward's collectives (a rank that skipped it hung
+        # the job at the next step).
+        anchors = plan.anchors.clamp(min=0)
+        if anchors.shape[1] == 0:  # no block planned at all: one at position 0 per row, for the pass alone
+            anchors = anchors.new_zeros((anchors.shape[0], 1))
+        with span("drafter_forward"):
+            hidden, extras = run_blocks(drafter, embed_tokens, input_ids, target_hidden, anchors, attention_mask,
+                                        attn_backend)
+        if plan.num_tokens == 0:  # a batch of bad samples, responses shorter than two tokens: a zero loss
+            zero = (hidden.sum() + sum(p.sum() for p in drafter.parameters())) * 0.0  # on every parameter
             return LossOutput(zero, torch.zeros(bs + 1 + len(self.terms) + len(self.metric_names), device=device),
                               0, [0] * (bs - 1), self.term_names, self.metric_names)
         with span("drafter_forward"):
-            # Padding blocks sit at position 0: computed like the others, never supervised, never counted.
-            hidden, extras = run_blocks(drafter, embed_tokens, input_ids, target_hidden, plan.anchors.clamp(min=0),
-                                        attention_mask, attn_backend)
             # Slot k of flat block b is row b * B + k of the (contiguous) output, i.e. sel + b + 1: only
             # supervised slots go through the (large) LM head, with no copy of all slots.
             rows = plan.sel + torch.div(plan.sel, bs - 1, rounding_mode="floor") + 1
