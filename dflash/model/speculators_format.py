@@ -182,13 +182,13 @@ def with_target(cfg: DrafterConfig, target: Any) -> DrafterConfig:
     And speculators looks a block up in the target's embedding rows as they are (a plain lookup, for every
     target): a target that scales its embedding (Gemma) would give the drafter inputs it never saw, since
     dflash applies the target's embedding as the target does."""
-    from dflash.targets.heads import applied
+    from dflash.targets.heads import embedding_scale
 
     deepest = max(cfg.target_layer_ids)
     if deepest >= target.num_layers:
         raise SpeculatorsRefusal(f"made for another target: it taps layer {deepest} (aux id "
                                  f"{deepest + AUX_ID_OFFSET}), the target has {target.num_layers} layers")
-    scale, _ = applied(*target.frozen_head(target.device))
+    scale = embedding_scale(target.frozen_embedding(target.device))
     if scale != 1.0:
         raise SpeculatorsRefusal(f"speculators trained it on the target's embedding rows unscaled, and this target "
                                  f"scales them by {scale:g}, as dflash applies them: it would draft from inputs it "

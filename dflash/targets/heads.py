@@ -58,15 +58,18 @@ class NormedHead(_Wrapped):
         return self.inner(self.norm(h))
 
 
+def embedding_scale(embed: nn.Module) -> float:
+    """The constant a target's frozen embedding multiplies its rows by (1.0: a plain lookup)."""
+    if isinstance(embed, ScaledEmbedding):  # ours: a cache's target, built from the config
+        return float(embed.scale)
+    # transformers' own module (an in-process target's): Gemma's scaled word embedding applies its
+    # ``embed_scale`` buffer in its forward, and keeps the float it was given (``scalar_embed_scale``)
+    # beside it; the float is the one to record, as ours does: a buffer cast to bf16 with the model
+    # reads sqrt(2560) as 50.5, and a release check would then refuse the same scale
+    return float(getattr(embed, "scalar_embed_scale", None) or getattr(embed, "embed_scale", 1.0))
+
+
 def applied(embed: nn.Module, head: nn.Module) -> tuple[float, float | None]:
     """(embedding scale, logit soft-cap or None) that a target's frozen embedding and head apply: what a
     DFlash2 export records for the engines (``input_embedding_scale``, ``final_logit_softcapping``)."""
-    if isinstance(embed, ScaledEmbedding):  # ours: a cache's target, built from the config
-        scale = embed.scale
-    else:
-        # transformers' own module (an in-process target's): Gemma's scaled word embedding applies its
-        # ``embed_scale`` buffer in its forward, and keeps the float it was given (``scalar_embed_scale``)
-        # beside it; the float is the one to record, as ours does: a buffer cast to bf16 with the model
-        # reads sqrt(2560) as 50.5, and a release check would then refuse the same scale
-        scale = getattr(embed, "scalar_embed_scale", None) or getattr(embed, "embed_scale", 1.0)
-    return float(scale), (head.cap if isinstance(head, SoftCappedHead) else None)
+    return embedding_scale(embed), (head.cap if isinstance(head, SoftCappedHead) else None)
