@@ -297,8 +297,7 @@ class DFlashTop(App[None]):
                     continue  # drawn when it is shown again (_catch_up)
                 paced = panel.id in layout.SLOW and panel.parent is not maximized
                 if slow if paced else fast:
-                    panel.refresh_from(self.state)
-                    self._drawn[panel.id] = self.state.version
+                    self._draw(panel)
         self.call_after_refresh(self._update_hint)  # panels may have grown or shrunk
 
     def _in_view(self, panel, maximized) -> bool:
@@ -319,9 +318,12 @@ class DFlashTop(App[None]):
             for panel in self._panels:
                 if (panel.id in layout.BOXED and self._drawn.get(panel.id) != self.state.version
                         and self._in_view(panel, maximized)):
-                    panel.refresh_from(self.state)
-                    self._drawn[panel.id] = self.state.version
+                    self._draw(panel)
         self._update_hint()
+
+    def _draw(self, panel) -> None:
+        panel.refresh_from(self.state)
+        self._drawn[panel.id] = self.state.version
 
     def on_resize(self) -> None:
         self.call_after_refresh(self._update_hint)
