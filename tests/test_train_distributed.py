@@ -41,12 +41,16 @@ def setup(tmp_path_factory):
     return target, data
 
 
-def _launch(target: Path, data: Path, run_dir: Path, sock_dir: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dflash", "train", "--nproc", "2", "--target", str(target), "--data", str(data),
+def _launch(target: Path | str, data: Path | None, run_dir: Path, sock_dir: Path, *extra: str,
+            fault: str | None = None) -> subprocess.Popen:
+    """Two ranks training ``target`` on ``data`` (None: the run's ``extra`` says where its data is), with the
+    faults ``fault`` names injected (DFLASH_FAULT)."""
+    cmd = [sys.executable, "-m", "dflash", "train", "--nproc", "2", "--target", str(target),
+           *(["--data", str(data)] if data is not None else []),
            "--run-dir", str(run_dir), "--batch-size", "4", "--num-anchors", "8", "--drafter-layers", "1",
            "--eval-prompts", "0", "--threads-per-worker", "1", "--log-every", "0.5", "--telemetry-interval", "0.5",
            "--socket-dir", str(sock_dir), "--checkpoint-every", "1e9", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **({"DFLASH_FAULT": fault} if fault else {})}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
@@ -133,15 +137,11 @@ def test_a_rank_with_nothing_to_learn_or_a_non_finite_step_stays_in_step_with_th
         path = sample_path(cache, row)
         path.write_bytes(path.read_bytes()[:-64])
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dflash", "train", "--nproc", "2", "--target", "tiny", "--hidden-states", str(cache),
-           "--run-dir", str(run), "--batch-size", "4", "--num-anchors", "8", "--drafter-layers", "1",
-           "--eval-prompts", "0", "--threads-per-worker", "1", "--socket-dir", str(tmp_path / "s"), "--max-steps", "2",
-           "--max-seq-len", "256", "--block-size", "4", "--collective-timeout", "120"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                            "DFLASH_FAULT": "nan:drafter:step=1:rank=1"})
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
+    proc = _launch("tiny", None, run, tmp_path / "s", "--hidden-states", str(cache), "--max-steps", "2",
+                   "--max-seq-len", "256", "--block-size", "4", "--collective-timeout", "120",
+                   fault="nan:drafter:step=1:rank=1")
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-3000:]
     assert "replicas in sync at step 2" in out and "on all 2 ranks" in out, out[-3000:]
     # each rank's own recording (only rank 0 prints its events)
     events = {rank: [e for e in read_frames(run / name) if isinstance(e, Event)]
