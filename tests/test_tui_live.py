@@ -27,6 +27,7 @@ from textual.containers import VerticalScroll
 
 from dflash.telemetry import ProfileStats, TelemetryServer
 from dflash.telemetry.wire import protocol
+from dflash.telemetry.wire.verdicts import VERDICTS
 from dflash_tui import synthetic
 from dflash_tui.app import YOUNG_GENERATION, DFlashTop
 from dflash_tui.pyspy import ProfileFailure, StackReport, find_pyspy
@@ -177,13 +178,13 @@ async def test_attaches_and_fills_every_panel_at_80x24(short_dir: Path, workload
         await until(pilot, lambda: app.state.snapshot is not None and len(app.state.workers) == 2, "2 workers")
         await until(pilot, lambda: app.state.events, "an event")
         # a panel is drawn while in view: at 80x24 most are below the fold, and each is scrolled to
+        shown_verdicts = {v.upper() for v in VERDICTS}
         for box, drawn in (("p-bars", lambda: "drafter-0" in text_of(app, "#bars")),
                            ("p-table", lambda: app.query_one(CategoryTable).row_count),
                            ("p-threads", lambda: "dflash-telemetry" in text_of(app, "#threads")),
                            ("p-curves", lambda: "loss" in text_of(app, "#curves")),
                            ("p-events", lambda: app.query_one(EventsLog).lines),
-                           ("p-bottleneck", lambda: text_of(app, "#bottleneck").split()[0] in (
-                               "TARGET-BOUND", "DRAFTER-BOUND", "BALANCED", "UNKNOWN", "DATA-BOUND"))):
+                           ("p-bottleneck", lambda: text_of(app, "#bottleneck").split()[0] in shown_verdicts)):
             app.query_one(f"#{box}").scroll_visible(animate=False, top=True)
             await until(pilot, drawn, f"#{box} drawn once in view")
         await until(pilot, lambda: app.screen.has_class("-narrow") and "LIVE" in text_of(app, "#header"),
