@@ -8,8 +8,9 @@ drafts taken from the target's own greedy output and made wrong at a planned slo
 same acceptances (geometric, each slot kept with probability `--keep`, like a drafter with tau ~3). Per
 round: the verify forward and the rollback (`commit`) timed apart, medians; the extra forwards; and
 whether the committed tokens stayed the target's greedy output (exact). The verifier refuses `record` on
-the hybrid target (it cannot restore the recurrent state) and `mixers` on the sliding one (it has no
-linear-attention mixers); both are reported so. Torch runs one intra-op thread (set here).
+the hybrid target where transformers cannot restore the recurrent state by cropping (before 5.25;
+`records_recurrent_states` says which) and `mixers` on the sliding one (it has no linear-attention
+mixers); both are reported so. Torch runs one intra-op thread (set here).
 
     python scripts/bench_rollback.py [--json] [--quick] [--tokens 256] [--block 16] [--layers 8]
                                      [--scale 4] [--window 64] [--keep 0.7]
@@ -77,7 +78,7 @@ def main() -> None:
     import torch
 
     from dflash.eval.speculative import greedy_generate
-    from dflash.eval.verifier import ROLLBACKS
+    from dflash.eval.verifier import ROLLBACKS, new_cache, records_recurrent_states
     from dflash.targets.families import family_model
     from dflash.targets.hf import HFTarget
 
@@ -100,6 +101,7 @@ def main() -> None:
             reference = greedy_generate(target, prompt, args.tokens + args.block, stop_token_ids=[])
             decode(target, reference, prompt, plan[:3], args.block, "reprefill")  # warm-up
             report[f"{kind}_family"] = family
+            report[f"{kind}_records_recurrent_states"] = records_recurrent_states(new_cache(model))
             for way in ROLLBACKS:
                 result = decode(target, reference, prompt, plan, args.block, way)
                 report.update({f"{kind}_{way}_{k}": v for k, v in result.items()})

@@ -9,12 +9,14 @@ drafts. How the rest is taken back depends on the layer:
   must keep them until the crop (``activate_past_recording``, on after the prefill); then ``crop``;
 * linear attention (Gated DeltaNet: Qwen3.5, Qwen3-Next): the convolution state is recorded as above,
   but the recurrent state is one matrix per head that the block's forward overwrote with its state
-  *after the whole block*; it cannot be cropped (transformers' ``Cache.is_croppable`` is False).
+  *after the whole block*. From transformers 5.25 a recording linear layer also keeps the state after
+  each of the forward's last ``recurrent_states_to_keep`` tokens, and ``crop`` takes the one it needs;
+  before 5.25 it keeps only the last, and the state cannot be cropped.
 
 For the recurrent state four ways were measured (``scripts/bench_rollback.py``):
 
-``record``     transformers' recording alone: right for attention and windows, wrong for linear layers
-               (refused here on a cache that cannot crop).
+``record``     transformers' recording alone: right for attention and windows; for linear layers only
+               where transformers keeps the intermediate recurrent states (refused before 5.25).
 ``mixers``     keep a copy of the recurrent states and catch each Gated DeltaNet mixer's input during the
                verify forward; after a partial acceptance the attention layers drop the rejected
                positions, each linear-attention layer goes back to the start of the block (convolution
@@ -30,8 +32,9 @@ A fifth, prepending the kept tokens to the next verify forward instead of an ext
 rejected: when that round is partial too, the state after the prepended tokens exists only inside the
 forward, so the tokens to replay pile up over every partial round (with a good drafter, nearly all).
 
-The default is ``record`` where it is exact (every layer can crop: free), else ``mixers`` (the least
-recomputed), else ``rerun`` (bounded by a block; reprefill's cost grows with the sequence).
+The default is ``record`` where it is exact (every layer can crop: free for attention and windows; for
+linear layers the verify forward walks its tokens one by one to keep their states), else ``mixers`` (the
+least recomputed), else ``rerun`` (bounded by a block; reprefill's cost grows with the sequence).
 """
 
 from __future__ import annotations
@@ -63,6 +66,12 @@ def _recurrent_states(cache) -> list[tuple[int, dict, int]]:
         if isinstance(states, dict):
             found += [(n, states, i) for i, s in states.items() if isinstance(s, torch.Tensor)]
     return found
+
+
+def records_recurrent_states(cache) -> bool:
+    """Whether this transformers keeps a recording linear layer's intermediate recurrent states (5.25+), so
+    that ``crop`` restores them. A cache of an older release records only the convolution states."""
+    return hasattr(cache, "get_recurrent_states_to_keep")
 
 
 def _mixers(model, layers: set[int]) -> dict[int, torch.nn.Module] | None:
@@ -117,10 +126,18 @@ class CachedVerifier:
         hs = tuple(h[:, -n:] for h in out.hidden_states) if hidden else None
         return Verified(out.logits[0, -n:], hs)
 
-    def _record(self) -> None:
+    def _record(self, tokens: int) -> None:
         """Keep what windows and convolutions would drop until the next crop (transformers 5; a 4.x
-        cache has no such layers and keeps everything anyway)."""
-        if hasattr(self.cache, "activate_past_recording"):
+        cache has no such layers and keeps everything anyway), and, where transformers can, the recurrent
+        state after each of the next forward's ``tokens`` tokens: every position a crop may go back to.
+        Asked before each verify forward, since only then is its length known (5.25's linear layers fail
+        a forward while recording with no count); never for a prefill, whose window and convolution
+        states would all be kept until the first crop."""
+        if not hasattr(self.cache, "activate_past_recording"):
+            return
+        if records_recurrent_states(self.cache):
+            self.cache.activate_past_recording(recurrent_states_to_keep=tokens)
+        else:
             self.cache.activate_past_recording()
 
     def _crop(self, drop: int) -> None:
@@ -139,11 +156,8 @@ class CachedVerifier:
         ids = torch.tensor([prompt_ids], device=self.target.device)
         out = self._forward(ids, 0, None)
         self.ids = list(prompt_ids)
-        # Recording starts after the prefill: recording a long prompt would keep all of its window and
-        # convolution states until the first crop.
-        self._record()
-        linear = {n for n, _, _ in _recurrent_states(self.cache)}  # layers with a state no crop restores
-        exact = getattr(self.cache, "is_croppable", True) and not linear
+        linear = {n for n, _, _ in _recurrent_states(self.cache)}  # layers with a recurrent state
+        exact = getattr(self.cache, "is_croppable", True) and (not linear or records_recurrent_states(self.cache))
         # mixers only for layers that hold nothing but the linear state: their crop back to the block's
         # start must not take attention keys/values with it
         is_linear = getattr(self.cache, "is_linear", None) or []
@@ -151,8 +165,8 @@ class CachedVerifier:
         self.mixers = _mixers(self.model, linear) if pure else None
         self.rollback = self._requested or ("record" if exact else "mixers" if self.mixers else "rerun")
         if self.rollback == "record" and not exact:
-            raise ValueError("rollback 'record' cannot restore this target's recurrent (linear-attention) state; "
-                             "use mixers, rerun or reprefill")
+            raise ValueError("rollback 'record' cannot restore this target's recurrent (linear-attention) state "
+                             "before transformers 5.25; use mixers, rerun or reprefill")
         if self.rollback == "mixers" and not self.mixers:
             raise ValueError("rollback 'mixers' needs Gated DeltaNet layers (linear_attn); use rerun or reprefill")
         return Verified(out.logits[-1:], out.hidden_states)
@@ -162,6 +176,7 @@ class CachedVerifier:
         """One forward over ``block`` (1-D: the anchor, then the drafts) after the committed tokens."""
         if self.rollback is None:
             raise RuntimeError("prefill before verify")
+        self._record(block.shape[0])
         if self.rollback in ("mixers", "rerun"):
             self._saved = [states[i].clone() for _, states, i in _recurrent_states(self.cache)]
         hooks = []
@@ -209,4 +224,3 @@ class CachedVerifier:
         else:  # reprefill
             self.cache = new_cache(self.model)
             self._forward(torch.tensor([self.ids], device=block.device), 0, 1, hidden=False)
-            self._record()
