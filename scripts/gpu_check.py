@@ -159,10 +159,18 @@ def run_pipeline(source, tstage, dstage, cfg, stats, steps: int, pipeline: bool,
         time.sleep(0.01)
     stuck = p.shutdown()
     if p.failure is not None:
-        raise RuntimeError(f"worker {p.failure[0]} failed: " + p.failure[1].strip().splitlines()[-1])
+        raise RuntimeError(f"worker {p.failure[0]} failed: " + _where(p.failure[1]))
     if stuck or len(stamps) < steps:
         raise TimeoutError(f"{len(stamps)}/{steps} steps in {timeout_s:.0f}s")
     return stamps
+
+
+def _where(traceback: str, frames: int = 4) -> str:
+    """A traceback's last line with the innermost ``frames`` of its frames: which op raised, and where
+    in dflash (a sync error's message alone does not say which call synchronised)."""
+    lines = traceback.strip().splitlines()
+    at = [ln.strip() for ln in lines if ln.lstrip().startswith("File ")][-frames:]
+    return " <- ".join([lines[-1].strip()[:300], *reversed(at)]) if lines else ""
 
 
 def _sync(ctx: Ctx) -> None:
@@ -212,7 +220,7 @@ def check_sync_free(ctx: Ctx) -> dict:
         run_pipeline(*parts, steps=warm + steady, pipeline=True, on_step_extra=arm)
         out["stages"] = "no sync"
     except RuntimeError as e:
-        out["stages"] = str(e)[:400]
+        out["stages"] = str(e)[:1200]
     finally:
         if ctx.cuda:
             torch.cuda.set_sync_debug_mode(0)
@@ -249,7 +257,7 @@ def _steady_trainer(ctx: Ctx, warm: int, steady: int, **recipe) -> str:
     try:
         run_steady(cfg, warm, steady, cuda_sync_errors if ctx.cuda else contextlib.nullcontext)
     except RuntimeError as e:
-        return str(e).strip().splitlines()[-1][:400]
+        return _where(str(e))
     return "no sync"
 
 
@@ -851,7 +859,7 @@ def check_host_gap(ctx: Ctx) -> dict:
                        join_ranks=join_ranks, after_step=on_step)
             result = "no sync"
         except RuntimeError as e:
-            result = str(e).strip().splitlines()[-1][:400]
+            result = _where(str(e))
     steady_stamps = [(s, t) for s, t in stamps if s > warm]
     gaps = sorted(((t1 - t0) * 1e3, s1) for (_, t0), (s1, t1) in zip(steady_stamps, steady_stamps[1:], strict=False))
     out: dict = {"sync_debug": result, "steady_steps": steady, "ddp_world": 1, "telemetry": True}
@@ -1184,6 +1192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-process", action="store_true", help="run checks in this process (default on CPU)")
     ap.add_argument("--isolate", action="store_true", help="one forked child per check (default on CUDA)")
     ap.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="seconds for the whole run")
+    ap.add_argument("--slack", type=float, default=1.0,
+                    help="each check's time limit times this (a rerun of checks that timed out still working)")
     ap.add_argument("--plan", action="store_true", help="print the checks with their budgets as JSON and exit")
     ap.add_argument("--cache-dir", help="Inductor cache shared by the checks (default: a fresh one for this run)")
     args = ap.parse_args(argv)
@@ -1227,7 +1237,7 @@ def main(argv: list[str] | None = None) -> int:
             if left < 5:
                 lines.write("check", name=name, status="timeout", seconds=0.0, reason="total budget spent")
                 continue
-            limit = min(CHECKS[name][1] * (SMOKE_SLACK if args.cpu_smoke else 1) + START_ALLOWANCE_S, left)
+            limit = min(CHECKS[name][1] * (SMOKE_SLACK if args.cpu_smoke else args.slack) + START_ALLOWANCE_S, left)
             lines.write("begin", name=name, limit_s=round(limit, 1))
             res = run_forked(name, ctx, limit) if isolate else run_in_process(name, ctx)
             lines.write("check", name=name, **res)
