@@ -30,10 +30,12 @@ test: $(STAMP)
 	# machine made them several times slower.
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
-# The whole suite under another torch (TORCH=2.11.0; TRANSFORMERS=5.17.0, PYTHON=... optional) in a
-# throwaway venv under .compat/: the check behind the declared torch range. Not in CI: it doubles its time.
+# The whole suite at both ends of the declared torch and transformers ranges, each in a throwaway venv
+# under .compat/ (END=lowest or END=newest for one; TORCH=2.12.0 [TRANSFORMERS=5.20.0] for another torch):
+# the check behind the ranges. Not in CI: each end runs the suite once more.
 compat:
-	bash scripts/compat.sh $(TORCH)
+	@if [ -n "$(TORCH)" ]; then bash scripts/compat.sh $(TORCH); else \
+	  rc=0; for end in $(or $(END),lowest newest); do bash scripts/compat.sh $$end || rc=1; done; exit $$rc; fi
 
 # The wheels scripts/gpu_check.py needs that the lent GPU machine's image lacks, and the call to make
 # there; device-dryrun repeats that call on CPU in a copy of the machine's software (docs/gpu.md).

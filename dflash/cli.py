@@ -13,6 +13,8 @@ import sys
 import typing
 
 from dflash.commands import CliError
+from dflash.train.config import ConfigError
+from dflash.train.versions import check_installed
 
 # name -> (module under dflash.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -23,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("data", "dataset tools: regenerate responses with the target, build the demo set"),
     "target": ("target", "target tools: build the built-in tiny target"),
 }
+
+
+# Commands that never import torch or transformers: no version check, no import cost.
+TORCH_FREE = {"stats"}
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -71,8 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(f"dflash.commands.{COMMANDS[args.command][0]}")
     try:
+        if args.command not in TORCH_FREE:
+            check_installed()
         return int(module.run(args) or 0)
-    except CliError as e:
+    except (CliError, ConfigError) as e:
         print(f"dflash {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

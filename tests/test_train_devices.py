@@ -154,16 +154,17 @@ def test_under_torchrun_devices_that_cannot_be_placed_are_refused_in_one_line() 
         place_devices(["cuda:1"], "cuda", _rank(0, 2), gpus=4)
 
 
-def test_pyproject_declares_the_torch_the_start_check_accepts() -> None:
+def test_pyproject_declares_the_versions_the_start_check_accepts() -> None:
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
 
-    from dflash.train.versions import BELOW_TORCH, MIN_TORCH
+    from dflash.train.versions import BELOW_TORCH, BELOW_TRANSFORMERS, MIN_TORCH, MIN_TRANSFORMERS
 
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert f"torch>={MIN_TORCH},<{BELOW_TORCH}" in deps
+    assert f"transformers>={MIN_TRANSFORMERS},<{BELOW_TRANSFORMERS}" in deps
 
 
 def test_an_older_torch_is_refused_at_start_in_one_line(monkeypatch, tmp_path, capsys) -> None:
@@ -177,6 +178,43 @@ def test_an_older_torch_is_refused_at_start_in_one_line(monkeypatch, tmp_path, c
     assert err == ("dflash train: error: torch 2.4.1+cu121 is too old: dflash trains with torch>=2.11,<2.14 "
                    "(pip install 'torch>=2.11,<2.14')")
     assert not (tmp_path / "run").exists()  # nothing started, nothing left behind
+
+
+def test_a_transformers_outside_the_range_is_refused_by_every_command_in_one_line(monkeypatch, tmp_path,
+                                                                                 capsys) -> None:
+    """An untested transformers (newer: 5.25 broke the hybrid rollback the day it came out; older) stops
+    `dflash train` and the other commands that load a model before they start, not deep in a forward."""
+    import transformers
+
+    from dflash.cli import main
+    from dflash.train.trainer import train
+
+    expected = ("transformers 5.26.0 is outside the range dflash was tested with: transformers>=5.17,<5.26 "
+                "(pip install 'transformers>=5.17,<5.26'); `make compat` runs the suite under another")
+    monkeypatch.setattr(transformers, "__version__", "5.26.0")
+    assert train(updated(TrainConfig(), run_dir=str(tmp_path / "run"), max_steps=1)) == 2
+    assert capsys.readouterr().err.strip() == f"dflash train: error: {expected}"
+    assert not (tmp_path / "run").exists()
+    for argv in (["eval", "--drafter", str(tmp_path)], ["data", "demo", "--out", str(tmp_path / "d.jsonl")]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.strip() == f"dflash {argv[0]}: error: {expected}"
+    assert not (tmp_path / "d.jsonl").exists()
+    monkeypatch.setattr(transformers, "__version__", "5.16.1")
+    assert main(["eval", "--drafter", str(tmp_path)]) == 2
+    assert "transformers 5.16.1 is outside the range" in capsys.readouterr().err
+
+
+def test_the_ends_of_the_transformers_range_and_their_builds() -> None:
+    """The lent GPU machine's 5.17 and the newest tested 5.25 (any patch) are accepted; a pre-release
+    of the first untested version counts as that version."""
+    from dflash.train.config import ConfigError
+    from dflash.train.versions import check_transformers
+
+    for accepted in ("5.17.0", "5.25.0", "5.25.3"):
+        check_transformers(accepted)
+    for refused in ("5.26.0.dev0", "5.16.1", "4.57.6", "6.0.0"):
+        with pytest.raises(ConfigError, match="outside the range"):
+            check_transformers(refused)
 
 
 def test_the_lent_gpu_machines_torch_is_accepted_and_the_release_before_it_refused() -> None:

@@ -46,7 +46,7 @@ from dflash.train.run.build import Components, TrainError, build, restore, run_t
 from dflash.train.run.pipeline import Pipeline, TrainCounters
 from dflash.train.run.stages import StepResult
 from dflash.train.signals import stop_on_signals
-from dflash.train.versions import check_torch
+from dflash.train.versions import check_installed
 from dflash.words import plural
 
 
@@ -321,7 +321,7 @@ class Trainer:
 def train(cfg: TrainConfig, resume: bool = False) -> int:
     created = _missing_dirs(Path(cfg.run.run_dir))
     try:
-        check_torch(torch.__version__)
+        check_installed()
         return Trainer(cfg, resume=resume).run()
     except (TrainError, ConfigError, DistError) as e:
         print(f"dflash train: error: {e}", file=sys.stderr)
