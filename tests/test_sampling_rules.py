@@ -109,6 +109,11 @@ def test_host_syncs_and_collectives_win_inside_a_forward() -> None:
     assert classify([("train", "/a/train.py"), ("AdamW.step", "/x/site-packages/torch/optim/adamw.py")]) \
         == "optimizer_step"
     assert classify([("train", "/a/train.py")]) is None  # untracked
+    # dflash's step guard (its finiteness test around the optimizer's step) is the optimizer's step too
+    step = [("DrafterStage.step", "/x/site-packages/dflash/train/run/stages.py")]
+    assert classify([*step, ("NonFiniteGuard.step", "/x/site-packages/dflash/train/health/nonfinite.py")]) \
+        == "optimizer_step"
+    assert classify(step) == "h2d"
 
 
 def test_the_heads_gradient_inside_the_forward_is_forward() -> None:

@@ -97,8 +97,10 @@ RULES: tuple[Rule, ...] = (
          why="dflash's chunked LM head: each chunk's gradient is taken inside the forward, timed as forward"),
     Rule("drafter_backward", function=r"backward|_engine_run_backward|Tensor\.backward",
          file=r"torch/autograd/|torch/_tensor\.py", why="loss.backward()"),
-    Rule("optimizer_step", file=r"torch/optim/|torch/nn/utils/clip_grad\.py|torch/amp/grad_scaler\.py"
-         r"|dflash/train/run/guard\.py", why="optimizer.step, clip_grad_norm_, GradScaler, dflash's step guard"),
+    Rule("optimizer_step", file=r"torch/optim/|torch/nn/utils/clip_grad\.py|torch/amp/grad_scaler\.py",
+         why="optimizer.step, clip_grad_norm_, GradScaler"),
+    Rule("optimizer_step", function=r"NonFiniteGuard\.step", file=r"dflash/train/health/nonfinite\.py",
+         why="dflash's step guard: the optimizer's step unless the loss or gradient norm is not finite"),
     Rule("optimizer_step", function=r"Module\.zero_grad", file=r"torch/nn/modules/module\.py"),
     Rule("drafter_forward", file=r"dflash/objectives/|dflash/model/", why="dflash's objective terms and drafter: "
          "the loss computed in the forward span"),
