@@ -617,9 +617,13 @@ def test_its_own_process_takes_the_heap_out_of_the_collector_once_data_is_drawn(
     leaves that process's collector alone."""
     code = f"import sys; sys.argv[1:] = [{'own' if own else 'guest'!r}]\n" + SETTLES
     seen = json.loads(run_python(code))
-    assert seen["before"] == [0, 700]
-    assert seen["after"] == ([seen["after"][0], YOUNG_GENERATION] if own else [0, 700])
-    assert (seen["after"][0] > 0) == own
+    # (some interpreters start with objects frozen already: pyenv's Python 3.12.1 has 375)
+    frozen, threshold = seen["before"]
+    assert threshold == 700  # the interpreter's default
+    if own:
+        assert seen["after"][0] > frozen and seen["after"][1] == YOUNG_GENERATION
+    else:
+        assert seen["after"] == [frozen, threshold]
 
 
 # ----------------------------------------------------------------------------- helpers
