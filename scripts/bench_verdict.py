@@ -8,8 +8,8 @@ evaluation) as a subprocess with OMP_NUM_THREADS=1, then reads its recording. Ov
 first 10 s of windows left out) it counts changes of the published verdict per 100 windows, the changes
 a one-window judgement would have made (analyze() on each window alone) for comparison, and the
 published verdicts whose evidence says otherwise (analysis.agrees_with_evidence). The goal: <= 2
-changes per 100 windows, none contradicting its evidence, on a quiet machine. `--quick`: a 12 s run
-with a window every 0.5 s and 3 s of warm-up, that proves the script works (its figures mean little).
+changes per 100 windows, none contradicting its evidence, on a quiet machine. `--quick`: a 6 s run
+with a window every 0.25 s and 1.5 s of warm-up, that proves the script works (its figures mean little).
 """
 
 from __future__ import annotations
@@ -73,10 +73,10 @@ def measure(recording: Path, warmup_s: float = WARMUP_S) -> dict:
 
 def main() -> None:
     p = bench_parser(__doc__)
-    p.add_argument("--quick", action="store_true", help="a 12 s run: proves the script works")
+    p.add_argument("--quick", action="store_true", help="a 6 s run: proves the script works")
     p.add_argument("--seconds", type=float, default=120.0, help="length of the training run")
     args = p.parse_args()
-    seconds, interval_s, warmup_s = (12.0, 0.5, 3.0) if args.quick else (args.seconds, 1.0, WARMUP_S)
+    seconds, interval_s, warmup_s = (6.0, 0.25, 1.5) if args.quick else (args.seconds, 1.0, WARMUP_S)
     with tempfile.TemporaryDirectory() as d, ForeignLoad() as load:
         report = {"train_seconds": seconds,
                   **measure(train(Path(d) / "run", seconds, interval_s), warmup_s)}
