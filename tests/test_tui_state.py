@@ -131,6 +131,9 @@ def test_formatters_are_short_and_na_safe() -> None:
     assert evidence_value("targets", 1.0) == "1"
     # busy is a share even past 100% (overlapping categories): never a bare 1.02
     assert evidence_value("target.busy", 1.02) == "102%" and evidence_value("drafter.busy", 0.5) == "50.0%"
+    # a stage's device milliseconds per step (CUDA events) are milliseconds: the first GPU run's log
+    # printed "target.device_ms_per_step 111382%"
+    assert evidence_value("target.device_ms_per_step", 1113.82) == "1,113.8 ms"
 
 
 # ----------------------------------------------------------------------------- multi-rank

@@ -51,13 +51,15 @@ COUNT_KEYS = ("targets", "drafters", "workers", "producers", "depth", "count", "
 
 def evidence_value(key: str, v: float) -> str:
     """One figure of a verdict's evidence: shares (fractions of wall time) as percentages, counts and
-    cores as numbers, seconds as durations."""
+    cores as numbers, seconds as durations, milliseconds (a stage's device time per step) as such."""
     if not isinstance(v, (int, float)) or not math.isfinite(v):
         return str(v)
     if key.endswith(COUNT_KEYS):
         return f"{v:.0f}" if float(v).is_integer() else f"{v:.1f}"
     if key.endswith(("_s", "_time")):
         return seconds(v)
+    if key.endswith(("_ms", "_ms_per_step")):
+        return f"{v:,.1f} ms"
     p = v * 100  # every other figure is a share of wall time (busy can pass 100% on overlap)
     return f"{p:.0f}%" if p >= 99.5 else f"{p:.1f}%"
 
