@@ -2,15 +2,21 @@
 (CUDA) prove that a training step never waits for the device.
 
 The guard is entered when step ``warmup`` has finished and left just before the last step's
-bookkeeping (which checkpoints): between the two only the worker threads run, because the run has
-no log line, evaluation or checkpoint to read the device meanwhile, and no telemetry publisher
-unless asked for (scripts/gpu_check.py's host_gap check keeps it, as a real run does).
+bookkeeping (which checkpoints): between the two the worker threads run, with no log line, evaluation
+or checkpoint to read the device meanwhile; with telemetry (scripts/gpu_check.py's host_gap check keeps
+it, as a real run does) the main thread also reads the metric sums once per interval, a sync by design,
+which ``CudaSyncLog`` tells apart from a worker's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+import re
+import threading
+import traceback
+import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
 
 from dflash.train.config import TrainConfig
 from dflash.train.config.schema import updated
@@ -63,14 +69,65 @@ def run_steady(cfg: TrainConfig, warmup: int, steps: int, guard: Callable[[], Ab
     return trainer
 
 
-@contextmanager
-def cuda_sync_errors() -> Iterator[None]:
-    """Every synchronising CUDA call raises while active (torch.cuda.set_sync_debug_mode("error"))."""
-    import torch
+#: the pipeline's worker threads (dflash/train/run/pipeline.py names them): a step must never wait for the
+#: device in any of them; the main thread reads the metric sums once per telemetry interval, on purpose
+WORKER_THREADS = re.compile(r"batch-producer|target-\d+|drafter-\d+")
+SYNC_MESSAGE = "synchronizing CUDA operation"
 
-    before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(before)
+
+class CudaSyncLog:
+    """While active, every synchronising CUDA call is recorded with the thread that made it and where.
+
+    torch's sync debug mode is one setting for the whole process: "error" would also raise in the
+    trainer's main thread, whose once-per-interval read of the device-side metric sums synchronises by
+    design (dflash/train/device/metrics.py), and end the run there instead of saying whether a worker
+    synchronised. "warn" makes each sync a warning in the thread that made it, which this log takes
+    (every one, not once per place) instead of printing it. Without CUDA nothing synchronises and the
+    mode is left alone; the log is then empty.
+    """
+
+    def __init__(self, frames: int = 4) -> None:
+        self.frames = frames
+        self.by_thread: dict[str, list[str]] = {}  # thread name -> where each sync was made
+        self._lock = threading.Lock()
+        self._warnings: warnings.catch_warnings | None = None
+        self._mode_before: int | None = None
+
+    def workers(self) -> dict[str, list[str]]:
+        """The syncs made in the pipeline's worker threads: what a steady step must never do."""
+        return {t: w for t, w in self.by_thread.items() if WORKER_THREADS.fullmatch(t)}
+
+    def others(self) -> dict[str, list[str]]:
+        return {t: w for t, w in self.by_thread.items() if not WORKER_THREADS.fullmatch(t)}
+
+    def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if SYNC_MESSAGE not in str(message):
+            return self._shown(message, category, filename, lineno, file, line)
+        stack = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(stack[-self.frames:]))
+        with self._lock:
+            self.by_thread.setdefault(threading.current_thread().name, []).append(where)
+
+    def __enter__(self) -> CudaSyncLog:
+        import torch
+
+        self._warnings = warnings.catch_warnings()  # restores filters and showwarning for every thread
+        self._warnings.__enter__()
+        warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}")
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+        self._shown = warnings.showwarning
+        warnings.showwarning = self._show
+        if torch.cuda.is_available():
+            self._mode_before = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        if self._mode_before is not None:
+            torch.cuda.set_sync_debug_mode(self._mode_before)
+            self._mode_before = None
+        if self._warnings is not None:
+            self._warnings.__exit__(*exc)
+            self._warnings = None

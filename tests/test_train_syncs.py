@@ -26,7 +26,7 @@ import torch
 from test_model_helpers import make_target_dir, make_tokenizer, one_thread  # noqa: F401
 from test_train_pipeline import _cfg, _write_data
 
-from dflash.testing import run_steady
+from dflash.testing import CudaSyncLog, run_steady
 
 WORKERS = ("target-", "drafter-")
 
@@ -126,3 +126,31 @@ def test_each_thread_binds_the_first_gpu_it_touches_and_host_threads_none() -> N
     assert thread_device(cpu, g1) == g1  # a CPU target still copies to the drafter's GPU
     assert resolve("cpu") == cpu and resolve("cuda:1") == g1
 
+
+
+def test_the_sync_log_names_the_thread_that_synchronised_and_where() -> None:
+    """torch's sync debug mode is process-wide: the log takes each sync warning in the thread that raised
+    it, so a worker's sync is told apart from the main thread's once-per-interval read of the metrics
+    (on CUDA torch raises these warnings; here the same message is raised by hand, from named threads)."""
+    import warnings
+
+    def synchronise() -> None:
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+
+    def worker(name: str) -> threading.Thread:
+        return threading.Thread(target=lambda: [synchronise() for _ in range(2)], name=name)
+
+    before = (warnings.showwarning, list(warnings.filters))
+    with CudaSyncLog() as log:
+        threads = [worker("drafter-0"), worker("dflash-telemetry")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        synchronise()
+        with pytest.warns(UserWarning, match="something else"):  # other warnings go on as before
+            warnings.warn("something else", UserWarning, stacklevel=1)
+    assert (warnings.showwarning, list(warnings.filters)) == before  # put back for every thread
+    assert list(log.workers()) == ["drafter-0"] and len(log.workers()["drafter-0"]) == 2  # each one, not once
+    assert set(log.others()) == {"dflash-telemetry", threading.current_thread().name}
+    assert all("synchronise" in w for ws in log.by_thread.values() for w in ws)  # where: the calling function
