@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_masks.py
 	$(BIN)/python scripts/bench_rollback.py
 	$(BIN)/python scripts/bench_cache.py
+	$(BIN)/python scripts/bench_target_memory.py
 
 # speculators' own code for tests/test_speculators_interop.py, beside this venv's torch and without vLLM:
 # --no-deps, since its pins would replace this venv's datasets/transformers; the few imports it needs follow.

@@ -187,6 +187,14 @@ def test_taps_embedding_and_head_are_where_the_target_has_them(targets, family):
     plain = load_target(t.path, layer_ids=list(range(t.num_layers)))
     torch.testing.assert_close(plain.tap_states(ids), torch.cat(every, -1))
     torch.testing.assert_close(taps, torch.cat([every[i] for i in t.layer_ids], -1))
+    # the trainer's forward keeps the tap layers' outputs alone, not every layer's (output_hidden_states)
+    decoded: list = []
+    probe = t.model.get_decoder().register_forward_hook(lambda m, a, o: decoded.append(o.hidden_states))
+    try:
+        t.tap_states(ids, final=True)
+    finally:
+        probe.remove()
+    assert decoded == [None]
     for i in range(t.num_layers - 1):
         torch.testing.assert_close(out.hidden_states[i + 1], every[i])
     embed, head = t.frozen_head("cpu")
