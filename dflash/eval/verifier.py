@@ -6,7 +6,7 @@ drafts. How the rest is taken back depends on the layer:
 
 * full attention, MLA: drop the last keys/values (``crop``);
 * sliding window: the window has already slid past positions a rollback needs again, so transformers
-  must keep them until the crop (``activate_past_recording``, on after the prefill); then ``crop``;
+  must keep them until the crop (``activate_past_recording``, on for each verify forward); then ``crop``;
 * linear attention (Gated DeltaNet: Qwen3.5, Qwen3-Next): the convolution state is recorded as above,
   but the recurrent state is one matrix per head that the block's forward overwrote with its state
   *after the whole block*. From transformers 5.25 a recording linear layer also keeps the state after
