@@ -25,8 +25,8 @@ them cold.
 
 Checks (see docs/gpu.md; ``--plan`` lists them with their budgets): prewarm, flex_uneven,
 host_gap, sync_free, thread_device, device_shares, flex_vs_sdpa, memory_recipe, throughput,
-checkpoint_1b, side_stream_copy, cuda_spans, ddp_resume, compile_count, verdicts, eval_lossless,
-mask_build, nvml.
+checkpoint_1b, side_stream_copy, cuda_spans, ddp_resume, compile_count, verdicts, launch_bound,
+eval_lossless, mask_build, nvml.
 """
 
 from __future__ import annotations
@@ -516,6 +516,103 @@ def check_verdicts(ctx: Ctx) -> dict:
     return {"ok": ok, "target_heavy": heavy_t, "drafter_heavy": heavy_d}
 
 
+def _tiny_kernel_pipeline(ctx: Ctx, seconds: float, window_s: float) -> dict:
+    """A target thread launching many tiny kernels (one 16-float add each: ~2 us on the GPU, several times
+    that to launch from Python) in its target_forward span and a drafter thread waiting for it, judged
+    over `seconds` of `window_s` windows by the published verdict with the NVML sample of each window."""
+    import queue
+
+    import torch
+
+    from dflash.telemetry import ProfileStats
+    from dflash.telemetry.verdict.published import RecentWindows
+    from dflash.telemetry.wire.system import SystemSampler
+    from dflash.telemetry.wire.vocab import Role
+
+    dev = torch.device(ctx.device)
+    index = (dev.index or 0) if ctx.cuda else None
+    stats, stop, handoff = ProfileStats(), threading.Event(), queue.Queue(maxsize=2)
+
+    def bind() -> None:  # as the trainer's workers: their device, a stream of their own
+        if ctx.cuda:
+            torch.cuda.set_device(dev)
+            torch.cuda.set_stream(torch.cuda.Stream(dev))
+
+    def target() -> None:
+        bind()
+        w, x = stats.worker("target-0", Role.TARGET, index), torch.zeros(16, device=dev)
+        while not stop.is_set():
+            with w.cuda_span("target_forward"):
+                for _ in range(200):
+                    x.add_(1.0)
+            with w.span("hs_queue_put"):
+                with contextlib.suppress(queue.Full):
+                    handoff.put(x, timeout=0.1)
+
+    def drafter() -> None:
+        bind()
+        w, y = stats.worker("drafter-0", Role.DRAFTER, index), torch.zeros(16, device=dev)
+        while not stop.is_set():
+            with w.span("hs_queue_wait"):
+                try:
+                    x = handoff.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+            with w.cuda_span("drafter_forward"):
+                y.add_(x)
+
+    threads = [threading.Thread(target=f, name=f.__name__ + "-0", daemon=True) for f in (target, drafter)]
+    sampler, recent = SystemSampler(nvml=ctx.cuda), RecentWindows(span_s=seconds)
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(window_s)  # warm-up: the first launches and the allocator's first blocks
+        sampler.sample({})  # NVML's per-process samples count from here
+        stats.drain()
+        for _ in range(round(seconds / window_s)):
+            time.sleep(window_s)
+            recent.add(stats.drain(), sampler.sample({}))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=5)
+        sampler.close()
+    b = recent.judge()
+    return {"verdict": b.verdict, "reason": b.reason, "evidence": b.evidence, "gpu_busy": recent.gpu_busy()}
+
+
+def _churn(seconds: float) -> dict:
+    """The caching allocator emptied after every allocation (empty_cache in the loop): its driver calls a
+    second from the counts the trainer reads (dflash.train.device.memory.segment_calls)."""
+    import torch
+
+    from dflash.telemetry.verdict.churn import CHURN_HIGH
+    from dflash.train.device.memory import segment_calls
+
+    before, t0 = segment_calls(torch.cuda.memory_stats()), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        block = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        del block
+        torch.cuda.empty_cache()
+    after, dt = segment_calls(torch.cuda.memory_stats()), time.perf_counter() - t0
+    rate = (after[0] - before[0] + after[1] - before[1]) / dt
+    return {"calls_per_s": round(rate, 1), "limit_per_s": CHURN_HIGH,
+            "keys": "num_device_alloc" in torch.cuda.memory_stats(), "high": rate >= CHURN_HIGH}
+
+
+@check(budget_s=7)
+def check_launch_bound(ctx: Ctx) -> dict:
+    """Launch-bound, provoked: many tiny kernels from a target thread keep it busy while its GPU idles
+    between them, and the published verdict (NVML's kernel time over 3 s) says launch-bound; then the
+    allocator emptied after every allocation reads as churn. On the CPU the same pipeline runs with
+    host spans: no device time, so no launch-bound (what it says instead is reported)."""
+    out = _tiny_kernel_pipeline(ctx, seconds=1.0 if ctx.smoke else 3.0, window_s=0.25 if ctx.smoke else 0.5)
+    if not ctx.cuda:
+        return {"ok": None, **out, "note": "ran on CPU: launch-bound needs CUDA events and NVML"}
+    out["churn"] = _churn(1.0)
+    return {"ok": out["verdict"] == "launch-bound" and out["churn"]["high"], **out}
+
+
 @check(budget_s=8)
 def check_nvml(ctx: Ctx) -> dict:
     """NVML sample of this GPU under load: fields present, the GPU found as this process's cuda:0 by
@@ -958,7 +1055,7 @@ def check_thread_device(ctx: Ctx) -> dict:
 IMPORTANCE = (
     "prewarm", "flex_uneven", "host_gap", "sync_free", "thread_device", "device_shares",
     "flex_vs_sdpa", "memory_recipe", "throughput", "checkpoint_1b", "side_stream_copy",
-    "cuda_spans", "ddp_resume", "compile_count", "verdicts", "eval_lossless", "mask_build", "nvml",
+    "cuda_spans", "ddp_resume", "compile_count", "verdicts", "launch_bound", "eval_lossless", "mask_build", "nvml",
 )
 CHECKS = {name: _REGISTERED[name] for name in IMPORTANCE}
 assert len(CHECKS) == len(_REGISTERED), "a registered check is missing from IMPORTANCE"

@@ -74,6 +74,11 @@ def test_cpu_smoke_runs_every_check_without_errors(tmp_path: Path) -> None:
     assert checks["nvml"]["status"] == "skip" and "NVML" in checks["nvml"]["reason"]
     assert checks["sync_free"]["status"] == "skip" and checks["sync_free"]["steady_steps"] == 3
     assert checks["throughput"]["pipelined_tokens_per_s"] > 0 and checks["throughput"]["sync_tokens_per_s"] > 0
+    # the tiny-kernel pipeline ran and was judged; on the CPU its spans have no device time, so it cannot be
+    # launch-bound (the GPU run expects that verdict from NVML's kernel time)
+    launch = checks["launch_bound"]
+    assert launch["status"] == "skip" and launch["evidence"]["targets"] == 1 and launch["evidence"]["drafters"] == 1
+    assert "device_time" not in launch["evidence"] and launch["verdict"] != "launch-bound" and launch["gpu_busy"] == {}
 
 
 def test_isolated_check_reports_through_a_child_process(tmp_path: Path) -> None:
@@ -173,7 +178,7 @@ def test_plan_lists_every_check_by_importance_within_the_total_budget() -> None:
     names = [c["name"] for c in plan["checks"]]
     assert names[0] == "prewarm"  # fills the shared compile cache before anything compiles
     assert {"flex_uneven", "device_shares", "memory_recipe", "host_gap", "checkpoint_1b", "thread_device",
-            "sync_free", "flex_vs_sdpa", "throughput"} <= set(names)
+            "sync_free", "flex_vs_sdpa", "throughput", "launch_bound"} <= set(names)
     assert len(names) == len(set(names))
     # with each forked child's start allowance the budgets fit the total, which leaves a 15-minute lease
     # room for the machine's start and one rerun (docs/gpu.md)

@@ -116,6 +116,60 @@ def test_host_syncs_and_collectives_win_inside_a_forward() -> None:
     assert classify(step) == "h2d"
 
 
+# Native stacks as `py-spy record --native` writes them (no GPU here: constructed to that shape, from
+# py-spy's native_stack_trace.rs): outermost first, Python frames where the interpreter evaluated them,
+# native frames named by their demangled C++ function without parameters, filed under their shared library.
+TORCH_LIB = "/x/site-packages/torch/lib"
+PY_BINDING = ("THPVariable_add", f"{TORCH_LIB}/libtorch_python.so")
+DISPATCH = ("at::_ops::add_Tensor::call", f"{TORCH_LIB}/libtorch_cpu.so")
+CUDA_OP = [("at::(anonymous namespace)::wrapper_CUDA_add_Tensor", f"{TORCH_LIB}/libtorch_cuda.so"),
+           ("at::native::add_kernel", f"{TORCH_LIB}/libtorch_cuda.so"),
+           ("at::native::gpu_kernel_impl<at::native::CUDAFunctor_add<float> >", f"{TORCH_LIB}/libtorch_cuda.so")]
+CUDART = "/x/site-packages/nvidia/cuda_runtime/lib/libcudart.so.12"
+LIBCUDA = "/usr/lib/x86_64-linux-gnu/libcuda.so.1"
+C10_CUDA = f"{TORCH_LIB}/libc10_cuda.so"
+ALLOC = "c10::cuda::CUDACachingAllocator::Native::"
+
+
+def native(*inner: tuple[str, str]) -> list[tuple[str, str]]:
+    """A target thread's forward down to `inner`, the innermost native frames."""
+    return [("Pipeline._target", PIPE), ("TargetStage.__call__", "/x/site-packages/dflash/train/run/stages.py"),
+            ("HFTarget.hidden_states", "/x/site-packages/dflash/targets/hf.py"), ("Module._call_impl", MODULE),
+            ("forward", "/x/transformers/models/qwen3/modeling_qwen3.py"),
+            PY_BINDING, DISPATCH, *inner]
+
+
+def test_native_frames_sort_into_launch_sync_allocator_and_collective() -> None:
+    launch = native(*CUDA_OP, ("at::native::launch_vectorized_kernel", f"{TORCH_LIB}/libtorch_cuda.so"),
+                    ("cudaLaunchKernel", CUDART), ("cuLaunchKernel", LIBCUDA))
+    assert classify(launch) == "kernel_launch"
+    assert classify(native(*CUDA_OP, ("cudaLaunchKernel_ptsz", CUDART), ("0x7f3a9c2d41e0", LIBCUDA))) \
+        == "kernel_launch"  # an unexported driver function py-spy could not name, below the launch
+    assert classify(native(*CUDA_OP)) == "kernel_launch"  # the op's host side before its launch
+    assert classify(native(("cudaGraphLaunch", CUDART), ("cuGraphLaunch", LIBCUDA))) == "kernel_launch"
+    assert classify(native(("c10::cuda::CUDAStream::query", C10_CUDA), ("cudaEventRecord", CUDART))) \
+        == "kernel_launch"
+    grow = native(("at::native::empty_cuda", f"{TORCH_LIB}/libtorch_cuda.so"),
+                  (ALLOC + "NativeCachingAllocator::malloc", C10_CUDA),
+                  (ALLOC + "DeviceCachingAllocator::malloc", C10_CUDA),
+                  (ALLOC + "(anonymous namespace)::ExpandableSegment::map", C10_CUDA),
+                  ("cuMemMap", LIBCUDA))
+    assert classify(grow) == "allocator"
+    assert classify(native(("cudaFree", CUDART))) == "allocator"
+    # a sync inside the allocator (freeing blocks whose events must complete) is the allocator's cost
+    assert classify(native((ALLOC + "DeviceCachingAllocator::synchronize_and_free_events", C10_CUDA),
+                           ("cudaEventSynchronize", CUDART))) == "allocator"
+    for sync in ("cudaStreamSynchronize", "cuStreamSynchronize", "cudaDeviceSynchronize"):
+        assert classify(native(("at::native::_local_scalar_dense_cuda", f"{TORCH_LIB}/libtorch_cuda.so"),
+                               (sync, CUDART if sync.startswith("cuda") else LIBCUDA))) == "host_sync", sync
+    nccl = [("c10d::ProcessGroupNCCL::allreduce", f"{TORCH_LIB}/libtorch_cuda.so"),
+            ("ncclAllReduce", "/x/nvidia/nccl/lib/libnccl.so.2"), ("cudaLaunchKernel", CUDART)]
+    assert classify(native(*nccl)) == "collective_wait"  # an NCCL kernel's launch is the collective's
+    # the same op on the CPU stays the stage's compute: at::native alone does not mean CUDA
+    assert classify(native(("at::native::add_kernel", f"{TORCH_LIB}/libtorch_cpu.so"))) == "target_forward"
+    assert classify(native()) == "target_forward"  # without --native: the stage, as before
+
+
 def test_the_heads_gradient_inside_the_forward_is_forward() -> None:
     """dflash's chunked LM head takes each chunk's gradient inside its forward span: the trainer times it as
     drafter_forward, so the sampler must too; the real backward through the same file stays backward."""
@@ -169,6 +223,47 @@ def test_verdict_cpu_starved_and_gil_bound_need_their_evidence() -> None:
         == verdicts.BALANCED.name
     calm = Observed(busy, {"MainThread": 0.2}, process_cpu=100.0, machine=QUIET)
     assert judge(calm).verdict == verdicts.BALANCED.name
+
+
+def test_verdict_launch_bound_when_a_stage_mostly_feeds_its_gpu() -> None:
+    """With native frames: the training thread (or the target thread a drafter waits for) spends most of
+    its samples launching kernels or in the allocator; syncs do not count (the GPU has work then)."""
+    launching = {"MainThread": tally(kernel_launch=0.45, allocator=0.15, drafter_forward=0.2, drafter_backward=0.1,
+                                     optimizer_step=0.05)}
+    b = judge(Observed(launching, {"MainThread": 0.95}, process_cpu=100.0, machine=QUIET))
+    assert b.verdict == verdicts.LAUNCH_BOUND.name
+    assert b.evidence["launching.kernel_launch"] == pytest.approx(0.45) and b.evidence["launching.allocator"] \
+        == pytest.approx(0.15)
+    assert "the training thread (MainThread) spends 45% of its samples launching kernels" in b.reason
+    assert "(balanced by its samples)" in b.reason and "CUDA graphs" in b.reason
+    # below half of its samples, or in syncs instead (the thread waits for a GPU that has work): balanced
+    fed = {"MainThread": tally(kernel_launch=0.3, allocator=0.1, drafter_forward=0.4, drafter_backward=0.15)}
+    assert judge(Observed(fed, {"MainThread": 0.95}, machine=QUIET)).verdict == verdicts.BALANCED.name
+    syncing = {"MainThread": tally(host_sync=0.6, kernel_launch=0.2, drafter_forward=0.1, drafter_backward=0.05)}
+    assert judge(Observed(syncing, {"MainThread": 0.95}, machine=QUIET)).verdict == verdicts.BALANCED.name
+    # a thread kept off its core leaves its GPU idle too: the machine is the cause, CPU-starved wins
+    assert judge(Observed(launching, {"MainThread": 0.2}, process_cpu=20.0, machine=BUSY)).verdict \
+        == verdicts.CPU_STARVED.name
+    # input-bound stays: the GPU idles because nothing comes in
+    starving = {"MainThread": tally(batch_queue_wait=0.3, kernel_launch=0.55, drafter_forward=0.1)}
+    assert judge(Observed(starving, {"MainThread": 0.7}, machine=QUIET)).verdict == verdicts.INPUT_BOUND.name
+
+
+def test_a_drafter_waiting_for_hidden_states_is_explained_by_its_launching_target() -> None:
+    """dflash train sampled with --native: the drafter thread waits for hidden states, which alone says
+    nothing (unknown); when the target thread that feeds it is in launches, that is the verdict."""
+    waiting = tally(hs_queue_wait=0.6, drafter_forward=0.2, drafter_backward=0.1, optimizer_step=0.05)
+    target = tally(kernel_launch=0.55, allocator=0.1, target_forward=0.25, hs_queue_put=0.02)
+    b = judge(Observed({"drafter-0": waiting, "target-0": target}, {}, machine=QUIET))
+    assert b.verdict == verdicts.LAUNCH_BOUND.name and "a target thread (target-0)" in b.reason
+    assert "(unknown by its samples)" in b.reason and b.evidence["training.hs_queue_wait"] == pytest.approx(0.6)
+    calm = tally(kernel_launch=0.1, target_forward=0.8, hs_queue_put=0.02)
+    assert judge(Observed({"drafter-0": waiting, "target-0": calm}, {}, machine=QUIET)).verdict \
+        == verdicts.UNKNOWN.name
+    # a training thread waiting for the other ranks: a target thread in launches explains nothing of that
+    ranks = tally(collective_wait=0.6, drafter_forward=0.2, drafter_backward=0.1)
+    assert judge(Observed({"drafter-0": ranks, "target-0": target}, {}, machine=QUIET)).verdict \
+        == verdicts.UNKNOWN.name
 
 
 def test_verdict_says_when_it_cannot_judge() -> None:

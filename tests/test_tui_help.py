@@ -33,6 +33,7 @@ def test_the_help_lists_every_key_and_term():
     verdicts = dict(sections["bottleneck verdicts"])
     assert {"data-bound", "target-bound", "drafter-bound", "balanced", "unknown", "hysteresis"} <= set(verdicts)
     assert ">= 20%" in verdicts["target-bound"] and "less than 5%" in verdicts["unknown"]
+    assert ">= 50% of its time" in verdicts["launch-bound"] and "at most 50% of that" in verdicts["launch-bound"]
 
 
 async def test_question_mark_opens_help_and_escape_closes_every_overlay():

@@ -281,6 +281,7 @@ class ProfileStats:
         self._drain_lock = threading.Lock()
         self._workers: dict[str, Worker] = {}
         self._roles: dict[str, Role] = {}
+        self._devices: dict[str, int] = {}
         self._pending: dict[str, dict[str, Reservoir]] = {}
         self._unresolved: dict[str, list[tuple[str, Any, Any]]] = {}
         self._device_counts: list[tuple[str, Any, Any]] = []  # see count_device
@@ -305,13 +306,17 @@ class ProfileStats:
 
     # --- recording ------------------------------------------------------------------------------------
 
-    def worker(self, name: str, role: Role | None = None) -> Worker | _NullWorker:
+    def worker(self, name: str, role: Role | None = None, device: int | None = None) -> Worker | _NullWorker:
         """The handle for `name` (the same object for the same name). A pipeline worker names its
-        `role` the first time: the verdict groups workers by it, never by their names."""
+        `role` the first time: the verdict groups workers by it, never by their names; and, when it
+        computes on a GPU, that GPU's CUDA ordinal (`device`), so the verdict can read the GPU its
+        kernels run on (launch-bound)."""
         if not self.enabled:
             return _NullWorker(name)
         if role is not None:
             self._roles[name] = Role(role)
+        if device is not None:
+            self._devices[name] = int(device)
         w = self._workers.get(name)
         if w is None:
             with self._lock:
@@ -451,6 +456,7 @@ class ProfileStats:
             inflight=inflight,
             since_done=since_done,
             roles={w: str(r) for w, r in self._roles.items()},
+            devices=dict(self._devices),
         )
 
     def _take_window(self, now: float) -> _Window:

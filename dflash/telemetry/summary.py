@@ -56,6 +56,8 @@ class Summary:
     since_done: dict[str, float] = field(default_factory=dict)
     #: worker -> its pipeline role (dflash.telemetry.wire.vocab.Role), as the worker registered it
     roles: dict[str, str] = field(default_factory=dict)
+    #: worker -> the CUDA ordinal its stage computes on, as the worker registered it (host workers absent)
+    devices: dict[str, int] = field(default_factory=dict)
     #: set by the publisher on the run's last window (monitors end what they have in force)
     final: bool = False
     #: filled in by the publisher: stalled workers (watchdog) and deviating timings (anomalies)
@@ -157,6 +159,7 @@ def to_snapshot(
         stalls=summary.stalls,
         anomalies=summary.anomalies,
         roles=summary.roles,
+        devices=summary.devices,
     )
 
 

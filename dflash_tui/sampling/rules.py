@@ -7,12 +7,16 @@ of the stack matches its `function` (py-spy's qualified name, ``Queue.get``, ``M
 full match) and `file` (searched in the frame's file: a source path, or a native library), and, when it
 names one, an outer frame of that frame matches `inside` (a queue's `get` is a batch wait inside the
 target loop, a hidden-state wait inside the drafter's). Specific rules come first (dflash's own stages,
-checkpoints, evaluation), then what a host sync or a collective looks like wherever it happens, then
+checkpoints, evaluation), then the host's CUDA plumbing (the allocator, a host sync, a collective, a
+kernel launch) wherever it happens, then
 the generic stages of any PyTorch trainer, and idle waits last.
 
 Categories are the vocabulary's (dflash.telemetry.wire.vocab): the trainer's own where they fit (a
 generic trainer's forward reads `drafter_forward`: the model being trained), and the sampled-only ones
-(`collective_wait`, `host_sync`, `idle_wait`) where the trainer has none. docs/sampling.md lists them
+(`collective_wait`, `host_sync`, `idle_wait`, and from native frames `kernel_launch` and `allocator`)
+where the trainer has none. A native frame's function is the demangled C++ name without its parameters
+(`c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc`); its file is the shared
+library (`libcuda.so.1`) or, where the library carries line tables, the source file. docs/sampling.md lists them
 with what each rule means; a change here is checked against the recorded stacks in tests/fixtures/stacks.
 """
 
@@ -77,7 +81,13 @@ RULES: tuple[Rule, ...] = (
     Rule("hs_queue_put", function=r"put", file=_PIPELINE, inside=r"Pipeline\._target"),
     Rule("hs_queue_wait", function=r"get", file=_PIPELINE, inside=r"Pipeline\._drafter"),
     Rule("batch_queue_put", function=r"put", file=_PIPELINE, inside=r"Pipeline\._producer"),
-    # --- the host waiting for the device, and for the other ranks (native frames need --native) -------
+    # --- the host's CUDA plumbing and waits (native frames: py-spy --native) --------------------------
+    # The caching allocator first: a sync or a free inside it (a retry, releasing the cache) is its cost.
+    Rule("allocator", function=r"c10::(cuda::CUDACachingAllocator|CachingDeviceAllocator)::.*"
+         r"|at::cuda::(CachingHostAllocator|HostAlloc).*|cuMem(Map|Unmap|Create|Release|SetAccess|Address\w+)\w*"
+         r"|cuMem(Alloc|Free|HostAlloc|HostRegister)\w*|cuda(Malloc|Free|HostAlloc|HostRegister)\w*",
+         why="native: the caching allocator (malloc, ExpandableSegment::map/unmap, emptying the cache) and the "
+         "driver's cuMemMap/cudaMalloc and their frees"),
     Rule("host_sync", function=r"(.*\.)?synchronize", file=r"torch/cuda/",
          why="torch.cuda.synchronize, Stream/Event.synchronize"),
     Rule("host_sync", function=r"(cuda|cu)(Stream|Device|Event|Ctx)Synchronize.*|cudaMemcpy|cuMemcpyDtoH.*"
@@ -85,6 +95,15 @@ RULES: tuple[Rule, ...] = (
     Rule("collective_wait", file=r"torch/distributed/distributed_c10d\.py|torch/distributed/_functional_coll",
          why="torch.distributed all_reduce, barrier, broadcast, ..."),
     Rule("collective_wait", function=r"c10d::.*|nccl.*|.*ProcessGroup.*::.*wait.*", why="native: NCCL, c10d"),
+    # Feeding the GPU: after the syncs and collectives (an NCCL kernel's launch is the collective's), what
+    # is left of a thread inside the CUDA runtime, the driver or torch's CUDA library is launch work.
+    Rule("kernel_launch", function=r"(cu|cuda)(Graph)?Launch\w*", why="native: a kernel launch (cudaLaunchKernel, "
+         "cuLaunchKernel, a CUDA graph's launch)"),
+    Rule("kernel_launch", function=r"(cu|cuda)(EventRecord|StreamWaitEvent|Memcpy\w*Async|Memset\w*Async)\w*",
+         why="native: the rest of feeding a stream: event records, stream waits, asynchronous copies"),
+    Rule("kernel_launch", file=r"libtorch_cuda\.so|libcudart\.so|libcuda\.so|libcublas(Lt)?\.so|libcudnn"
+         r"|aten/src/ATen/(native/)?cuda/|c10/cuda/",
+         why="native: the host's part of a CUDA op (dispatch, argument checks, TensorIterator, launch setup)"),
     # --- dflash's target stage -----------------------------------------------------------------------
     Rule("cache_read", function=r".*\.hidden_states", file=r"dflash/targets/cache\.py"),
     Rule("target_forward", function=r".*\.hidden_states", file=r"dflash/targets/"),

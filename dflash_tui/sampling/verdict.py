@@ -9,10 +9,13 @@ that looks busy was on a core. From that:
 * CPU-starved: as the trainer judges it (vocabulary thresholds), from sampled busy shares;
 * GIL-bound: the training thread looks busy but is off the CPU for half that time or more while other
   threads hold the GIL, in a process on about one core;
-* balanced: it waits on nothing for THRESHOLD or more.
+* balanced: it waits on nothing for THRESHOLD or more;
+* launch-bound (native frames only): the training thread, or a target thread, spends LAUNCH_SHARE or more
+  of its samples launching kernels or in the caching allocator: its GPU waits on it.
 
 A training thread waiting on something else (a pipeline queue, the other ranks) is "unknown", with what
-it waits on: which stage feeds that queue, or which rank is slow, is not in its own stacks. Too few
+it waits on: which stage feeds that queue, or which rank is slow, is not in its own stacks - except
+dflash's own drafter waiting for hidden states while a target thread in view is launch-bound. Too few
 samples, or no training thread, is "unknown" too. docs/sampling.md has the rules and their evidence.
 """
 
@@ -25,7 +28,7 @@ from dflash.telemetry.wire import verdicts as V
 from dflash.telemetry.wire.protocol import Bottleneck, MachineSample
 from dflash.telemetry.wire.table import busy_share
 from dflash.telemetry.wire.verdicts import GIL_MAX_CPU, GIL_MIN_CPU, MIN_TRACKED, THRESHOLD
-from dflash.telemetry.wire.vocab import WAIT_SUFFIXES, Role
+from dflash.telemetry.wire.vocab import ALLOCATOR, KERNEL_LAUNCH, WAIT_SUFFIXES, Role
 from dflash_tui.sampling.tally import Tally, margin
 
 #: fewer samples of the training thread than this and there is nothing to judge (a share is then known
@@ -34,6 +37,10 @@ MIN_SAMPLES = 30
 #: the training thread is GIL-bound when, of its busy time, at least this share was spent off the CPU
 #: while another thread held the GIL
 GIL_WAIT_SHARE = 0.5
+#: a thread is launch-bound when at least this share of its samples are in kernel launches or the caching
+#: allocator (native frames): most of its time goes to feeding its GPU, which therefore waits on it. Host
+#: syncs do not count: a thread waiting in a synchronize waits for a GPU that has work queued
+LAUNCH_SHARE = 0.5
 #: the categories that make a thread the training thread, and a data thread
 TRAINING = ("drafter_backward", "optimizer_step", "drafter_forward")
 DATA = ("batch_build", "batch_queue_put")
@@ -102,15 +109,17 @@ def judge(o: Observed) -> Bottleneck:
                     "naming its loop would say so: docs/sampling.md)")
         else:
             what = f"in {cat}, and what it waits for (another stage, another rank) is not in its own stacks"
-        return verdict(V.UNKNOWN, f"cannot judge from samples: the training thread ({main}) waits "
-                       f"{waits[cat]:.0%} {what}")
+        unknown = verdict(V.UNKNOWN, f"cannot judge from samples: the training thread ({main}) waits "
+                          f"{waits[cat]:.0%} {what}")
+        # dflash's drafter waiting for hidden states: the target threads that feed it are in view
+        return (_launch_bound(unknown, o, roles, main, feeders=True) or unknown) if cat == "hs_queue_wait" else unknown
     else:
         top = sorted(((st.share, c) for c, st in stats.items() if not c.endswith(WAIT_SUFFIXES)), reverse=True)[:3]
         doing = ", ".join(f"{c} {s:.0%}" for s, c in top)
         raw = verdict(V.BALANCED, f"the training thread ({main}) works {busy:.0%} of its samples ({doing}) and "
                       f"waits on no input for {THRESHOLD:.0%}; whether a GPU is the limit needs device time, which "
                       "sampling does not see")
-    return _cpu_starved(raw, o, roles) or _gil_bound(raw, o, main, busy) or raw
+    return _cpu_starved(raw, o, roles) or _gil_bound(raw, o, main, busy) or _launch_bound(raw, o, roles, main) or raw
 
 
 def _cpu_starved(raw: Bottleneck, o: Observed, roles: Mapping[str, Role | None]) -> Bottleneck | None:
@@ -155,3 +164,36 @@ def _gil_bound(raw: Bottleneck, o: Observed, main: str, busy: float) -> Bottlene
                       f"{o.thread_cpu[main]:.0%} of the time, while other threads hold the GIL {o.gil_held - own:.0%} "
                       f"of it: it waits for the interpreter lock ({raw.verdict} by its samples); move Python work off "
                       "the other threads, or into processes")
+
+
+def _launch_bound(raw: Bottleneck, o: Observed, roles: Mapping[str, Role | None], main: str,
+                  feeders: bool = False) -> Bottleneck | None:
+    """The training thread (or, with `feeders`, only a target thread feeding it) spends most of its samples
+    launching kernels or in the caching allocator: its GPU waits on it. Needs native frames (`--native`):
+    without them no sample is in either category."""
+    if raw.verdict == V.INPUT_BOUND.name:  # as the trainer's rule: a GPU idle because nothing comes in
+        return None
+    threads = [w for w, r in roles.items() if r == Role.TARGET or (w == main and not feeders)]
+    found = []
+    for w in threads:
+        t = o.tallies[w]
+        plumbing = t.share(KERNEL_LAUNCH) + t.share(ALLOCATOR)
+        if t.samples >= MIN_SAMPLES and plumbing >= LAUNCH_SHARE:
+            found.append((plumbing, w))
+    if not found:
+        return None
+    _, w = max(found)
+    t = o.tallies[w]
+    launch, alloc, sync = t.share(KERNEL_LAUNCH), t.share(ALLOCATOR), t.share("host_sync")
+    evidence = {**raw.evidence, "launching.kernel_launch": round(launch, 4), "launching.allocator": round(alloc, 4),
+                "launching.host_sync": round(sync, 4), "launching.sample_count": float(t.samples)}
+    who = "the training thread" if w == main else "a target thread"
+    also = (f", and synchronises {sync:.0%} (each sync drains the queue, so the GPU idles while the next launches "
+            "are made)") if sync >= THRESHOLD else ""
+    churn = ("; allocator time that stays high is a cache emptied and refilled (empty_cache, a memory fraction)"
+             if alloc >= THRESHOLD else "")
+    return Bottleneck(verdict=V.LAUNCH_BOUND.name, scope=o.scope, evidence=evidence,
+                      reason=f"{who} ({w}) spends {launch:.0%} of its samples launching kernels and {alloc:.0%} in the "
+                      f"caching allocator (native frames){also}: its GPU waits on it ({raw.verdict} by its samples); "
+                      "capture the step in CUDA graphs (torch.compile mode='reduce-overhead'), run larger batches or "
+                      f"fuse small ops{churn}")

@@ -40,6 +40,8 @@ def anomaly_line(a: Anomaly, compact: bool = False) -> str:
     """The trainer's message, or (80 columns) the same without the time it began."""
     if a.message and not compact:
         return a.message
+    if a.stat.endswith("_per_s"):  # a rate against its limit (the allocator's churn), not a duration
+        return f"{a.worker}/{a.category} {a.stat} {a.value:.0f}/s ({a.ratio:.1f}x the {a.baseline:.0f}/s limit)"
     return (f"{a.worker}/{a.category} {a.stat} {a.ratio:.1f}x baseline ({fmt.seconds(a.value)} vs "
             f"{fmt.seconds(a.baseline)})")
 

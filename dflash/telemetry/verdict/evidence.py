@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dflash.telemetry.wire import verdicts as V
-from dflash.telemetry.wire.protocol import Bottleneck, CategoryStats
+from dflash.telemetry.wire.protocol import Bottleneck, CategoryStats, SystemSample
 from dflash.telemetry.wire.table import busy_share
 from dflash.telemetry.wire.vocab import DRAFTER_BUSY, TARGET_BUSY, Role, roles_of
 
@@ -136,6 +136,40 @@ def cpu_starved(b: Bottleneck, cpu: CpuFigures | None) -> Bottleneck:
                 "machine.other_cores": round(cpu.others_cores, 2), "machine.idle_cores": round(cpu.idle_cores, 2),
                 "machine.cores": float(cpu.cores)}
     return _overlaid(b, V.CPU_STARVED, evidence)
+
+
+def launch_bound(b: Bottleneck, gpu_busy: Mapping[str, float] | None) -> Bottleneck:
+    """The verdict, turned into "launch-bound" when the bounding stage's thread is busy while its GPU idles:
+    the GPU waits on the host launching kernels, so more GPUs would not help and fewer, bigger kernels
+    would. `gpu_busy`: each stage's ("target", "drafter") GPU kernel share (`stage_gpu_busy`)."""
+    if not gpu_busy or b.verdict == V.UNKNOWN.name:
+        return b
+    evidence = {**b.evidence, **{f"{stage}.gpu_busy": round(v, 4) for stage, v in gpu_busy.items()}}
+    return _overlaid(b, V.LAUNCH_BOUND, evidence)
+
+
+def gpu_kernel_shares(system: SystemSample | None) -> dict[int, float]:
+    """CUDA ordinal -> share of the window the trainer's kernels ran on that GPU, from NVML: the process's
+    own utilisation where NVML keeps it, else the whole GPU's (which can only be higher: a bound that keeps
+    the launch-bound rule sound). GPUs the trainer does not see, and MIG instances (no utilisation), are absent."""
+    out: dict[int, float] = {}
+    for g in system.gpus if system is not None else ():
+        util = g.process_util if g.process_util is not None else g.util_percent
+        if g.cuda_index is not None and util is not None:
+            out[g.cuda_index] = min(1.0, max(0.0, util / 100.0))
+    return out
+
+
+def stage_gpu_busy(roles: Mapping[str, str] | None, devices: Mapping[str, int],
+                   gpu: Mapping[int, float]) -> dict[str, float]:
+    """Each stage's GPU kernel share: the mean over its workers on a GPU (`devices`, as they registered) of
+    their GPU's share (`gpu`, by CUDA ordinal). Where stages share a GPU each one reads both stages'
+    kernels: an upper bound of its own."""
+    per: dict[Role, list[float]] = {Role.TARGET: [], Role.DRAFTER: []}
+    for worker, role in roles_of(devices, roles).items():
+        if role in per and devices[worker] in gpu:
+            per[role].append(gpu[devices[worker]])
+    return {role.value: _mean(values) for role, values in per.items() if values}
 
 
 def _overlaid(b: Bottleneck, overlay: V.Verdict, evidence: dict[str, float]) -> Bottleneck:

@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 import msgspec
 
 from dflash.telemetry.summary import Summary, WorkerStats
-from dflash.telemetry.verdict.evidence import CpuFigures, analyze, cpu_starved, gil_bound
+from dflash.telemetry.verdict.evidence import (
+    CpuFigures,
+    analyze,
+    cpu_starved,
+    gil_bound,
+    gpu_kernel_shares,
+    launch_bound,
+    stage_gpu_busy,
+)
 from dflash.telemetry.wire.protocol import (
     Bottleneck,
     CategoryStats,
@@ -30,6 +38,7 @@ from dflash.telemetry.wire.verdicts import (
     CPU_STARVED,
     DATA_BOUND,
     DRAFTER_BOUND,
+    GIL_BOUND,
     HOLD_WINDOWS,
     INPUT_BOUND,
     TARGET_BOUND,
@@ -55,6 +64,8 @@ class _Window:
     #: worker -> its thread's CPU percent
     thread_cpu: dict[str, float] = field(default_factory=dict)
     machine: MachineSample | None = None
+    #: CUDA ordinal -> share of the window the trainer's kernels ran on that GPU (NVML)
+    gpu: dict[int, float] = field(default_factory=dict)
 
 
 def _mean(pairs: list[tuple[float, float]]) -> float | None:
@@ -84,12 +95,14 @@ class RecentWindows:
         self.span_s = span_s
         self._windows: deque[_Window] = deque()
         self._roles: dict[str, str] = {}
+        self._devices: dict[str, int] = {}
         self._steps: float | None = None
 
     def add(self, summary: Summary, system: SystemSample | None) -> None:
         if summary.window_s <= 0:
             return
         self._roles = summary.roles or self._roles
+        self._devices = summary.devices or self._devices
         steps, before = summary.counters.get("steps"), self._steps
         self._steps = steps
         threads = {t.name: t.cpu_percent for t in system.threads} if system is not None else {}
@@ -99,7 +112,7 @@ class RecentWindows:
             contention=summary.gauges.get(Gauge.GIL_CONTENTION),
             process_cpu=system.cpu_percent if system is not None else None,
             thread_cpu={w: threads[w] for w in summary.workers if w in threads},
-            machine=system.machine if system is not None else None))
+            machine=system.machine if system is not None else None, gpu=gpu_kernel_shares(system)))
         # keep the newest windows that cover the span (the oldest one may start before it)
         while (len(self._windows) > 1
                and sum(w.seconds for w in self._windows) - self._windows[0].seconds >= self.span_s):
@@ -136,6 +149,12 @@ class RecentWindows:
             load1=last.load1,
             steal_cores=_mean([(s, x.steal_percent / 100.0) for s, x in m if x.steal_percent is not None]))
 
+    def gpu_busy(self) -> dict[str, float]:
+        """Each stage's GPU kernel share over the span (NVML, weighted like the shares), for launch-bound."""
+        seen = {i for w in self._windows for i in w.gpu}
+        gpu = {i: _mean([(w.seconds, w.gpu[i]) for w in self._windows if i in w.gpu]) or 0.0 for i in seen}
+        return stage_gpu_busy(self._roles, self._devices, gpu)
+
     def steps(self) -> float | None:
         """Training steps made in the span (None: the run counts no steps)."""
         steps = [w.steps for w in self._windows if w.steps is not None]
@@ -151,7 +170,8 @@ class RecentWindows:
         raw = analyze(workers, self._roles, threshold=threshold, steps=self.steps())
         contention = _mean([(w.seconds, w.contention) for w in self._windows if w.contention is not None])
         process = _mean([(w.seconds, w.process_cpu) for w in self._windows if w.process_cpu is not None])
-        return msgspec.structs.replace(refine(raw, self.cpu_figures(workers), contention, process), scope=self.scope())
+        refined = refine(raw, self.cpu_figures(workers), contention, process, self.gpu_busy())
+        return msgspec.structs.replace(refined, scope=self.scope())
 
     def clear(self) -> None:
         """Forget the span (a phase change: what came before says nothing about what comes next)."""
@@ -191,11 +211,16 @@ class SteadyVerdict:
                                                   f"{self._wins} of {self.hold} in a row needed to change")
 
 
-def refine(raw: Bottleneck, cpu: CpuFigures | None, contention: float | None, process_cpu: float | None) -> Bottleneck:
+def refine(raw: Bottleneck, cpu: CpuFigures | None, contention: float | None, process_cpu: float | None,
+           gpu_busy: Mapping[str, float] | None = None) -> Bottleneck:
     """The stage verdict, turned CPU-starved where the machine kept the workers off the cores, else
-    GIL-bound where the probe and the CPU time agree; all figures over the same time."""
+    GIL-bound where the probe and the CPU time agree, else launch-bound where the bounding stage's GPU
+    waits on its thread (the overlays in OVERLAY_ORDER); all figures over the same time."""
     starved = cpu_starved(raw, cpu)
-    return starved if starved.verdict == CPU_STARVED.name else gil_bound(raw, contention, process_cpu)
+    if starved.verdict == CPU_STARVED.name:
+        return starved
+    gil = gil_bound(raw, contention, process_cpu)
+    return gil if gil.verdict == GIL_BOUND.name else launch_bound(raw, gpu_busy)
 
 
 @dataclass
@@ -212,8 +237,14 @@ class RunCpu:
     contention: tuple[float, float] = (0.0, 0.0)  # (seconds with a reading, sum of reading x seconds)
     process: float = 0.0
     last: MachineSample | None = None
+    #: CUDA ordinal -> (seconds with a reading, sum of its kernel share x seconds)
+    gpu: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     def add(self, summary: Summary, system: SystemSample | None) -> None:
+        if system is not None and summary.window_s > 0 and not evaluating(summary.gauges):
+            for i, share in gpu_kernel_shares(system).items():
+                seen, total = self.gpu.get(i, (0.0, 0.0))
+                self.gpu[i] = (seen + summary.window_s, total + share * summary.window_s)
         m = system.machine if system is not None else None
         if system is None or m is None or m.cores <= 0 or summary.window_s <= 0 or evaluating(summary.gauges):
             return
@@ -243,6 +274,10 @@ class RunCpu:
                          steal_cores=None if self.steal is None else self.steal / s)
         seen, total = self.contention
         return cpu, total / seen if seen > 0 else None, self.process / s
+
+    def gpu_busy(self, roles: Mapping[str, str] | None, devices: Mapping[str, int]) -> dict[str, float]:
+        """Each stage's GPU kernel share over the run's training windows (NVML)."""
+        return stage_gpu_busy(roles, devices, {i: total / seen for i, (seen, total) in self.gpu.items() if seen > 0})
 
 
 class PublishedVerdict:
@@ -277,7 +312,8 @@ class PublishedVerdict:
     def final(self, summary: Summary) -> Bottleneck:
         """The whole run's verdict, the machine's view and the GIL probe over its training windows."""
         b = whole_run(summary.cumulative, summary.roles, summary.counters.get("steps"))
-        self.current = msgspec.structs.replace(refine(b, *self.run.figures()), scope=b.scope)
+        gpu = self.run.gpu_busy(summary.roles, summary.devices)
+        self.current = msgspec.structs.replace(refine(b, *self.run.figures(), gpu), scope=b.scope)
         return self.current
 
 

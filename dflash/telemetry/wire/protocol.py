@@ -312,6 +312,9 @@ class Snapshot(msgspec.Struct, tag_field="type", tag="snapshot", omit_defaults=T
     #: worker -> its pipeline role ("target", "drafter", "data": dflash.telemetry.wire.vocab.Role); empty in
     #: recordings written before roles were on the wire
     roles: dict[str, str] = {}
+    #: worker -> the CUDA ordinal (`cuda:N`) its stage computes on, as it registered it; workers on the host
+    #: are absent. With the GPUs' `cuda_index` it says whose GPU a stage's kernels run on (launch-bound)
+    devices: dict[str, int] = {}
     #: set when the figures were sampled from outside (`dflash-top --pid`), not timed by a trainer
     sampling: Sampling | None = None
 

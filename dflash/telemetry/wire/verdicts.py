@@ -3,8 +3,8 @@ tracker key), what it means (the help screen), its style on screen, the rule tha
 evidence and the reason it gives.
 
 `dflash.telemetry.verdict.evidence` gathers the evidence (per-role shares of wall time, device time, the
-machine's view) and returns the first stage verdict whose rule holds, then lets the two overlays
-(GIL-bound, CPU-starved) take over where theirs hold; a check that a shown verdict follows from its own
+machine's view) and returns the first stage verdict whose rule holds, then lets the overlays (CPU-starved,
+GIL-bound, launch-bound: OVERLAY_ORDER) take over where theirs hold; a check that a shown verdict follows from its own
 evidence (`agrees_with_evidence`) evaluates the same rule, so the two can never drift apart. A new verdict
 is one entry here plus the evidence it needs. Torch-free: dflash-top reads the names, meanings and
 styles; the rules run wherever evidence is (the trainer, `dflash stats`, replays).
@@ -39,6 +39,17 @@ STARVED_RATIO = 0.5
 #: by other processes using at least this many cores, with fewer than this many left idle
 STARVED_OTHERS_CORES = 0.5
 STARVED_IDLE_CORES = 0.5
+#: launch-bound: a stage's thread works (in spans that are not queue waits) at least this share of its wall
+#: time - a thread that waits more is fed or drained by another stage, which is then the limit ...
+LAUNCH_BUSY = 0.5
+#: ... while the GPU it computes on ran the trainer's kernels (NVML's kernel time) at most this fraction of
+#: that busy share: the GPU idles at least half the time its thread works for it. Not CUDA events: an
+#: event pair times the stream from the span's start to its last kernel's end, idle gaps included, so
+#: when the GPU waits on its thread the events follow the thread (the first GPU run: target_forward 3.34 s
+#: host and 3.34 s device). A factor of two, because NVML counts a sample period in which any kernel ran
+#: (it overstates a stage of tiny kernels, never understates it) and on a GPU the stages share it counts
+#: the other stage's kernels too: a GPU that reads idle half the time really was
+LAUNCH_GPU_RATIO = 0.5
 #: the style of a verdict this table does not know (a newer trainer's): plain, and visibly not one of ours
 UNRECOGNISED_STYLE = "bold reverse"
 
@@ -189,6 +200,40 @@ def _starved_why(e: Evidence, under: str) -> str:
             "other jobs) or use fewer threads (--threads-per-worker)")
 
 
+#: the stages a device-judged stage verdict names, for launch-bound to explain (data- and input-bound are
+#: not explained by the GPU: their stages idle because nothing comes in)
+_JUDGED = {"target-bound": ("target",), "drafter-bound": ("drafter",), "balanced": ("target", "drafter")}
+
+
+def launch_bound_stages(e: Evidence) -> list[str]:
+    """The stages ("target", "drafter") whose GPU waits on their thread: judged on device time, named (or,
+    when balanced, allowed) by the stage verdict, with the thread busy LAUNCH_BUSY or more and the stage's
+    GPU running kernels at most LAUNCH_GPU_RATIO of that busy share."""
+    if not _device(e):
+        return []
+    out = []
+    for stage in _JUDGED.get(first_stage_verdict(e).name, ()):
+        gpu, busy = e.get(f"{stage}.gpu_busy"), min(1.0, _f(e, f"{stage}.busy"))
+        if gpu is not None and busy >= LAUNCH_BUSY and gpu <= LAUNCH_GPU_RATIO * busy:
+            out.append(stage)
+    return out
+
+
+def _launch(e: Evidence) -> bool:
+    return bool(launch_bound_stages(e))
+
+
+def _launch_why(e: Evidence, under: str) -> str:
+    said = [f"the {s} stage's thread is busy {min(1.0, _f(e, f'{s}.busy')):.0%} of the time while its GPU runs "
+            f"kernels only {_f(e, f'{s}.gpu_busy'):.0%} (NVML; CUDA events put it at "
+            f"{_f(e, f'{s}.device_busy'):.0%}, idle gaps between its kernels included)" for s in launch_bound_stages(e)]
+    return (f"{'; '.join(said)}: the GPU waits on its host thread - kernel launches, the allocator, host work "
+            f"between them - so the stage ({under} by device time) is limited by its host, not by its GPU; "
+            "capture the step in CUDA graphs (torch.compile mode='reduce-overhead'), run larger batches (fewer, "
+            "bigger kernels) or fuse small ops, and `dflash-top --pid PID --native` shows whether its thread "
+            "sits in launches, syncs or the allocator")
+
+
 # --- the table -------------------------------------------------------------------------------------
 
 
@@ -243,17 +288,22 @@ CPU_STARVED = Verdict("CPU-starved", "the workers are busy far longer than they 
                       "well below their busy time) while other processes use the machine's cores: the "
                       "machine, not the pipeline, limits throughput.",
                       "bold white on dark_red", _starved, _starved_why, overlay=True)
+LAUNCH_BOUND = Verdict("launch-bound", f"a stage's thread is busy >= {LAUNCH_BUSY:.0%} of its time while its GPU "
+                       f"runs kernels (NVML) at most {LAUNCH_GPU_RATIO:.0%} of that: the GPU waits on its host "
+                       "thread (kernel launches, the allocator); CUDA graphs, larger batches or fewer small ops "
+                       "help, more GPUs do not.", "bold white on blue3", _launch, _launch_why, overlay=True)
 
 #: every verdict, in the order help and exports list them
 VERDICTS: dict[str, Verdict] = {v.name: v for v in (DATA_BOUND, INPUT_BOUND, TARGET_BOUND, DRAFTER_BOUND,
-                                                    GIL_BOUND, CPU_STARVED, BALANCED, UNKNOWN)}
+                                                    GIL_BOUND, CPU_STARVED, LAUNCH_BOUND, BALANCED, UNKNOWN)}
 #: the stage verdicts in the order they are tried: the first whose rule holds is the verdict (a slow
 #: data stage starves the targets and, through them, the drafters too, so data-bound comes first);
 #: balanced holds whenever none before it does
 STAGE_ORDER: tuple[Verdict, ...] = (UNKNOWN, DATA_BOUND, INPUT_BOUND, TARGET_BOUND, DRAFTER_BOUND, BALANCED)
 #: the overlays, strongest first: CPU-starved wins over GIL-bound, whose probe (a sleeping thread's
-#: lateness) also counts waiting for a core
-OVERLAY_ORDER: tuple[Verdict, ...] = (CPU_STARVED, GIL_BOUND)
+#: lateness) also counts waiting for a core; both win over launch-bound, since a thread kept off a core or
+#: queued for the GIL also leaves its GPU idle, and the cause is then the machine or the lock
+OVERLAY_ORDER: tuple[Verdict, ...] = (CPU_STARVED, GIL_BOUND, LAUNCH_BOUND)
 
 
 def first_stage_verdict(evidence: Evidence) -> Verdict:

@@ -27,8 +27,12 @@ SELECTOR = "selector"
 OBJECTIVE_CATEGORIES = ("verifier_logits", SELECTOR)
 #: what only a sampled view (`dflash-top --pid`, stacks read from outside) tells apart: a thread in a
 #: collective (torch.distributed, waiting for the other ranks), one waiting for the device on the host
-#: (a stream/event synchronize, `.item()`: seen with native frames), one with nothing to do
-SAMPLED_CATEGORIES = ("collective_wait", "host_sync", "idle_wait")
+#: (a stream/event synchronize, `.item()`: seen with native frames), one with nothing to do; and, with
+#: native frames, a thread feeding the GPU rather than waiting for it: launching kernels (the CUDA
+#: runtime and driver, torch's CUDA ops on the host) or in the caching allocator (mapping and freeing
+#: segments)
+KERNEL_LAUNCH, ALLOCATOR = "kernel_launch", "allocator"
+SAMPLED_CATEGORIES = ("collective_wait", "host_sync", "idle_wait", KERNEL_LAUNCH, ALLOCATOR)
 #: categories that are not training: time spent in them pauses the pipeline
 PAUSE_CATEGORIES = ("eval",)
 #: a category named with one of these waits (on a queue, for a file not yet written): time a worker is
@@ -111,6 +115,28 @@ class Counter(StrEnum):
     SUPERVISED_TOKENS = "supervised_tokens"
     #: sample files of a hidden-states cache that did not read and were skipped (each warned once)
     BAD_SAMPLES = "bad_samples"
+
+
+#: the caching allocator's driver calls per second on CUDA device i, gauges `cuda<i>_<name>` (device_gauge):
+#: segments mapped or allocated (cuMemMap, cudaMalloc) and unmapped or freed (cuMemUnmap, cudaFree). A cache
+#: in steady state makes none; the main thread reads them once per telemetry interval, never a worker
+SEGMENT_MAPS_PER_S = "segment_maps_per_s"
+SEGMENT_FREES_PER_S = "segment_frees_per_s"
+
+
+def device_gauge(index: int, name: str) -> str:
+    """The gauge `name` of CUDA device `index` (`cuda0_segment_maps_per_s`)."""
+    return f"cuda{index}_{name}"
+
+
+def device_gauges(gauges: Mapping[str, float], name: str) -> dict[int, float]:
+    """Each CUDA device's value of the per-device gauge `name`, by device index."""
+    out = {}
+    for key, value in gauges.items():
+        head, sep, tail = key.partition("_")
+        if sep and tail == name and head.startswith("cuda") and head[4:].isdigit():
+            out[int(head[4:])] = value
+    return out
 
 
 #: an objective term's gauge is this prefix and the term's name (`loss_ce`, `loss_kl`): each term of the

@@ -35,6 +35,14 @@ def resolve(spec: str) -> torch.device:
     return dev
 
 
+def cuda_ordinal(device: torch.device) -> int | None:
+    """A device's CUDA ordinal (``cuda:N`` -> N), None on the host: what a worker registers with its
+    telemetry, so the verdict knows whose GPU a stage's kernels run on."""
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def thread_device(*devices: torch.device) -> torch.device | None:
     """The device a thread that touches ``devices`` binds to: the first CUDA one (a CPU target feeding
     a CUDA drafter still copies to that GPU), or None when all are on the host."""

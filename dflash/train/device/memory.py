@@ -231,16 +231,33 @@ class AllocatorRetries:
                 "one empties the cache and waits for the GPU; lower --batch-size or --num-anchors")
 
 
+#: the caching allocator's driver calls in ``torch.cuda.memory_stats``: "num_device_alloc" counts cuMemMap
+#: (expandable segments) and cudaMalloc, "num_device_free" cuMemUnmap and cudaFree (torch 2.5 and later);
+#: before those, the segments allocated and freed ("segment.all.allocated"/"freed": cudaMalloc/cudaFree only)
+DEVICE_CALLS = (("num_device_alloc", "num_device_free"), ("segment.all.allocated", "segment.all.freed"))
+
+
+def segment_calls(stats: dict[str, Any]) -> tuple[int, int]:
+    """(segments mapped or allocated, unmapped or freed) since the start, from one ``memory_stats`` reading."""
+    for maps, frees in DEVICE_CALLS:
+        if maps in stats and frees in stats:
+            return int(stats[maps]), int(stats[frees])
+    return 0, 0
+
+
 def allocator_gauges(devices: list[torch.device]) -> dict[int, dict[str, int]]:
-    """The caching allocator's counters per CUDA device in `devices` (none on the host: N/A there)."""
+    """The caching allocator's counters per CUDA device in `devices` (none on the host: N/A there), with
+    its driver calls (`segment_maps`, `segment_frees`, cumulative: ``segment_calls``) for the churn rates."""
     out = {}
     for d in devices:
         if d.type != "cuda":
             continue
         m = torch.cuda.memory_stats(d)
         i = d.index if d.index is not None else torch.cuda.current_device()
+        maps, frees = segment_calls(m)
         out[i] = {"allocated_bytes": m.get("allocated_bytes.all.current", 0),
                   "reserved_bytes": m.get("reserved_bytes.all.current", 0),
-                  "alloc_retries": m.get("num_alloc_retries", 0)}
+                  "alloc_retries": m.get("num_alloc_retries", 0),
+                  "segment_maps": maps, "segment_frees": frees}
     return out
 

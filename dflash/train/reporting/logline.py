@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dflash.telemetry.wire.vocab import term_gauge
+from dflash.telemetry.verdict.churn import ChurnRates
+from dflash.telemetry.wire.vocab import SEGMENT_FREES_PER_S, SEGMENT_MAPS_PER_S, device_gauge, term_gauge
 from dflash.train.config import TrainConfig
 from dflash.train.control import Interval
 from dflash.train.device.memory import AllocatorRetries, allocator_gauges
@@ -33,6 +34,9 @@ class LogLines:
         self.latest, self.verdict, self.report = latest, verdict, report
         self.cuda = list(dict.fromkeys(d for d in devices if d.type == "cuda"))
         self.retries = AllocatorRetries()  # an event each time the allocator had to retry (CUDA only)
+        # segment maps and frees per second (CUDA only): a harvest at each log line as well as each interval
+        # must not make a rate of a few milliseconds, so readings closer than half an interval are skipped
+        self.churn = ChurnRates(min_dt_s=cfg.telemetry.telemetry_interval / 2)
         self.clock = clock
         self.logs = Interval(cfg.run.log_every, clock)
         self.tables = Interval(cfg.run.log_table_every, clock)
@@ -113,8 +117,13 @@ class LogLines:
             for name, value in t["measured"].items():  # what the objective's terms measure (DFlash2's selector)
                 s.metric(name, value)
         for i, counters in allocator_gauges(self.cuda).items():
+            # the driver calls go out as rates (the churn monitor reads those), not as running counts
+            maps, frees = counters.pop("segment_maps"), counters.pop("segment_frees")
             for name, value in counters.items():
                 self.stats.gauge(f"cuda{i}_{name}", value)
+            if (rates := self.churn.rates(i, self.clock(), maps, frees)) is not None:
+                self.stats.gauge(device_gauge(i, SEGMENT_MAPS_PER_S), rates[0])
+                self.stats.gauge(device_gauge(i, SEGMENT_FREES_PER_S), rates[1])
             if (line := self.retries.rose(i, counters["alloc_retries"])) is not None:
                 self.report.event("anomaly", line, device=f"cuda:{i}", retries=counters["alloc_retries"])
 

@@ -90,11 +90,13 @@ class Monitoring:
     def _monitors(self) -> list:
         """The judges the telemetry server runs on each window (the watchdog unless --stall-timeout 0)."""
         from dflash.telemetry.verdict.anomalies import AnomalyDetector
+        from dflash.telemetry.verdict.churn import ChurnMonitor
         from dflash.telemetry.verdict.gil import GilProbe
         from dflash.telemetry.verdict.watchdog import Watchdog
 
         cfg = self.cfg
-        monitors: list = [AnomalyDetector(emit=self.report.event)]
+        # the churn monitor adds its anomalies to those the detector sets on the window: it runs after it
+        monitors: list = [AnomalyDetector(emit=self.report.event), ChurnMonitor(emit=self.report.event)]
         if cfg.telemetry.gil_probe:
             monitors.append(GilProbe())
         if cfg.health.stall_timeout == 0:

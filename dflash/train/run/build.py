@@ -26,7 +26,7 @@ from dflash.telemetry.wire.vocab import Counter, Role
 from dflash.train import distributed
 from dflash.train.checkpoint import rng
 from dflash.train.config import ConfigError, TrainConfig
-from dflash.train.device.binding import resolve
+from dflash.train.device.binding import cuda_ordinal, resolve
 from dflash.train.device.memory import RecipeError, size_to_device
 from dflash.train.distributed import Dist
 from dflash.train.health.faults import FaultPlan
@@ -123,7 +123,8 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     embed, lm_head = first.frozen_head(drafter_device)
     objective, verifier_head = make_objective(cfg, model, first, lm_head, drafter_device)
     ddp = distributed.wrap_ddp(model, drafter_device, stats, cfg.distributed.bucket_mb) if dist.enabled else None
-    worker = stats.worker("drafter-0", Role.DRAFTER) if cfg.pipeline.enabled else stats.worker("trainer")
+    worker = (stats.worker("drafter-0", Role.DRAFTER, cuda_ordinal(drafter_device)) if cfg.pipeline.enabled
+              else stats.worker("trainer"))
     drafter = DrafterStage(model, embed, lm_head, drafter_device, worker, generator, optim=cfg.optim,
                            num_anchors=cfg.model.num_anchors, nonfinite_limit=cfg.health.nonfinite_limit,
                            objective=objective, ddp=ddp, faults=faults, verifier_head=verifier_head)
@@ -133,7 +134,8 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     for i, dev in enumerate(devices if cfg.pipeline.enabled else devices[:1]):
         name = f"target-{i}" if cfg.pipeline.enabled else "trainer"
         role = Role.TARGET if cfg.pipeline.enabled else None  # one thread doing both stages has no role
-        targets.append(TargetStage(replicas[dev], drafter_device, stats.worker(name, role), name, faults=faults,
+        tel = stats.worker(name, role, cuda_ordinal(dev) if role is not None else None)
+        targets.append(TargetStage(replicas[dev], drafter_device, tel, name, faults=faults,
                                    index=i, final=objective.needs_verifier))
     try:
         # the saved config holds what ran
