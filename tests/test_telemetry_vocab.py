@@ -49,6 +49,15 @@ def test_the_tui_colours_the_trainers_categories_in_pipeline_order() -> None:
     # the trainer's own categories first, in pipeline order, then the ones only a sampled view tells apart
     assert palette.KNOWN == [*CATEGORIES, *SAMPLED_CATEGORIES]
     assert [palette.category_order(c)[0] for c in CATEGORIES] == list(range(len(CATEGORIES)))
+    # each known category its own colour while the palette has enough; one more shares a colour instead of
+    # indexing past the palette (which raised)
+    colours = [palette.category_color(c) for c in [*palette.KNOWN, "x"]]
+    assert len(set(colours[:-1])) == min(len(palette.KNOWN), len(palette._COLORS))
+    palette.KNOWN.append("a_seventeenth_category")
+    try:
+        assert palette.category_color("a_seventeenth_category").startswith("#")
+    finally:
+        palette.KNOWN.pop()
 
 
 def _cat(share: float) -> P.CategoryStats:

@@ -31,8 +31,8 @@ STATE_STYLE = {
 
 
 def category_color(name: str) -> str:
-    if name in KNOWN:
-        return _COLORS[KNOWN.index(name)]
+    if name in KNOWN:  # distinct while the palette has a colour for each; a later one shares, never fails
+        return _COLORS[KNOWN.index(name) % len(_COLORS)]
     return _COLORS[zlib.crc32(name.encode()) % len(_COLORS)]
 
 
