@@ -683,7 +683,8 @@ def device_peak(ctx: Ctx) -> float | None:
 @check(budget_s=40)
 def check_throughput(ctx: Ctx) -> dict:
     """Qwen3-8B-shaped target (random weights), the recipe drafter (5 layers, 512 anchors, block 16),
-    4096-token sequences: tokens/s pipelined vs --pipeline off, and MFU against the bf16 dense peak."""
+    4096-token sequences: tokens/s pipelined vs --pipeline off, and MFU against the GPU's dense bf16 peak,
+    each step's FLOPs as the trainer counts them (dflash/train/device/flops.py)."""
     import torch
 
     layers = int(os.environ.get("GPU_CHECK_TARGET_LAYERS", "36"))
@@ -705,14 +706,14 @@ def check_throughput(ctx: Ctx) -> dict:
         out[f"{key}_step_s"] = round(dt, 4)
         out[f"{key}_mfu"] = round(flops / dt / peak, 4) if peak else None
     out["pipelined_over_sync"] = round(out["pipelined_tokens_per_s"] / out["sync_tokens_per_s"], 3)
-    out["step_tflop"] = round(flops / 1e12, 2)
+    out["step_tflop"] = float(f"{flops / 1e12:.4g}")
     out["peak_tflops"] = peak / 1e12 if peak else None
     from dflash.model import masks
 
     out["flex_fallback"] = masks._flex_failed  # a silent fall back to SDPA would make these SDPA's figures
     if ctx.cuda:
         out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
-    out["ok"] = masks._flex_failed is None
+    out["ok"] = masks._flex_failed is None and flops > 0  # 0: the trainer's FLOP count did not reach its steps
     return out
 
 
@@ -822,7 +823,7 @@ def check_memory_recipe(ctx: Ctx) -> dict:
                peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 1),
                device_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
                alloc_retries=int(mem.get("num_alloc_retries", 0)), ooms=int(mem.get("num_ooms", 0)),
-               mfu=round(flops / dt / peak, 4) if peak else None, step_tflop=round(flops / 1e12, 2))
+               mfu=round(flops / dt / peak, 4) if peak else None, step_tflop=float(f"{flops / 1e12:.4g}"))
     return {"ok": out["alloc_retries"] == 0 and out["ooms"] == 0, **out}
 
 
