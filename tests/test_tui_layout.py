@@ -273,8 +273,9 @@ def _with_gauges(frames: list, gauges: dict) -> list:
 async def test_the_header_shows_mfu_and_na_without_a_known_peak() -> None:
     """On a GPU with a known peak the trainer publishes `mfu`: the header shows it with the model TFLOP/s
     beside the tokens/s, and at 80 columns the TFLOP/s gives way before the MFU or any other number is
-    cut (the training clock at the end of the line goes whole, as the header crops it). On the host (no peak: `tflops` alone) it says `MFU n/a`, never a figure; a trainer that sends
-    neither (a recording from before, a target whose FLOPs are not counted) gets no MFU at all."""
+    cut (the training clock at the end of the line goes whole, as the header crops it). On the host (no
+    peak: `tflops` alone) it says `MFU n/a`, never a figure; a trainer that sends neither (a recording
+    from before, a target whose FLOPs are not counted) gets no MFU at all."""
     gpu = _with_gauges(synthetic.frames(80, workers=3, gpus=0), {"tflops": 407.4, "mfu": 0.412, "peak_tflops": 989.0})
     app = app_of(gpu)
     async with app.run_test(size=(160, 50)) as pilot:
