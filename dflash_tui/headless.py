@@ -17,8 +17,8 @@ import msgspec
 
 from dflash.telemetry.wire.protocol import CategoryStats, Cluster, training_shares
 from dflash.telemetry.wire.sockets import default_socket_dir, discover, group_jobs
-from dflash.telemetry.wire.table import category_table, evidence_text
-from dflash.telemetry.wire.vocab import TELEMETRY_THREADS
+from dflash.telemetry.wire.table import category_table, evidence_text, tflops
+from dflash.telemetry.wire.vocab import TELEMETRY_THREADS, Gauge
 from dflash_tui import fmt
 from dflash_tui.sampling.processes import torch_processes
 from dflash_tui.sources import AttachError, Connection, FrameSource, SourceUpdate, open_source, resolve
@@ -63,6 +63,9 @@ def summarize(state: RunState) -> dict[str, Any]:
         "uptime_s": state.uptime_s,
         "step": state.step,
         "tokens_per_s": state.tokens_rate,
+        #: the trainer's model TFLOP/s (last 10 s) and MFU (a fraction; None where it knows no peak)
+        "tflops": state.gauge(Gauge.TFLOPS),
+        "mfu": state.gauge(Gauge.MFU),
         "loss": state.loss_value,
         "tau": state.tau_value,
         #: "whole run" (a finished recording) or "last window" (a live trainer)
@@ -108,7 +111,9 @@ def render_text(s: dict[str, Any]) -> str:
     rank = f"  rank {s['rank']}/{s['world_size']}" if s.get("world_size", 1) and s["world_size"] > 1 else ""
     lines.append(f"run {s['run']}  pid {s['pid']}  host {s['host']}{rank}  uptime {fmt.clock(s['uptime_s'])}"
                  f"  step {s['step'] if s['step'] is not None else fmt.NA}")
-    lines.append(f"tokens/s {fmt.count(s['tokens_per_s'])}  loss {fmt.number(s['loss'])}"
+    mfu = "" if s.get("tflops") is None and s.get("mfu") is None else \
+        f"  MFU {fmt.percent(s['mfu']) if s.get('mfu') is not None else 'n/a'} {tflops(s.get('tflops'))} TFLOP/s"
+    lines.append(f"tokens/s {fmt.count(s['tokens_per_s'])}{mfu}  loss {fmt.number(s['loss'])}"
                  f"  sim tau {fmt.number(s['tau'])}  [{s['connection']}]")
     if s.get("sampling"):
         lines.append(sampling_line(s["sampling"]))

@@ -53,7 +53,6 @@ from typing import NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-H200_BF16_DENSE_FLOPS = 989e12  # H200 SXM bf16 dense tensor-core peak (the H100 SXM's; same chip)
 # The whole run's wall time (the parent's imports, each child's start and its check): with the lent
 # machine's start (~2 min) and the call around it this leaves 15 minutes of device time enough for one
 # rerun of what failed on a fresh machine (docs/gpu.md, "Time").
@@ -137,8 +136,9 @@ def make_parts(ctx: Ctx, target, drafter_layers: int, seq_len: int, num_anchors:
 
 
 def run_pipeline(source, tstage, dstage, cfg, stats, steps: int, pipeline: bool, on_step_extra=None,
-                 timeout_s: float = 120.0) -> list[float]:
-    """Runs the real Pipeline for ``steps`` steps; returns the host time at the end of every step."""
+                 timeout_s: float = 120.0, flops: list[float] | None = None) -> list[float]:
+    """Runs the real Pipeline for ``steps`` steps; returns the host time at the end of every step (and
+    appends each step's model FLOPs, as the trainer counts them, to ``flops``)."""
     from dflash.train.config.schema import updated
     from dflash.train.run.pipeline import Pipeline, TrainCounters
 
@@ -148,6 +148,8 @@ def run_pipeline(source, tstage, dstage, cfg, stats, steps: int, pipeline: bool,
         state.step += 1
         state.next_batch += 1
         stamps.append(time.perf_counter())
+        if flops is not None:
+            flops.append(r.flops)
         if on_step_extra is not None:
             on_step_extra(state.step)
         return state.step < steps
@@ -765,31 +767,21 @@ def check_eval_lossless(ctx: Ctx) -> dict:
             "tau": r.tau, "prompts": r.num_prompts}
 
 
-def step_flops(target, drafter_cfg, batch: int, seq: int, anchors: int) -> float:
-    """Model FLOPs of one training step (dense matmuls + attention; norms/elementwise left out).
+def device_peak(ctx: Ctx) -> float | None:
+    """The GPU's dense bf16 peak, FLOP/s, from the trainer's own table (None on the host or a GPU not in
+    it: no MFU then)."""
+    import torch
 
-    Target (forward only): 2 x non-embedding params x tokens + causal attention 2 x T^2 x (heads x
-    head_dim) per layer. Drafter (forward + backward = 3 x forward): per query 2 x layer params, per
-    (query, visible key) 4 x heads x head_dim, the context projection fc on T positions; the frozen
-    LM head on the supervised slots (forward, and backward to its input only: 2 x 2 x H x V).
-    """
-    tc = target.config
-    t_layer = sum(p.numel() for p in target.model.model.layers[0].parameters())
-    attn_dim = tc.num_attention_heads * (tc.head_dim or tc.hidden_size // tc.num_attention_heads)
-    fwd_t = batch * (2 * t_layer * tc.num_hidden_layers * seq + 2 * seq * seq * attn_dim * tc.num_hidden_layers)
-    q = anchors * drafter_cfg.block_size
-    d_layer = t_layer  # the drafter's layers have the target's shapes
-    visible = q * (seq / 2 + drafter_cfg.block_size)  # anchors spread over the sequence: half the context
-    fwd_d = batch * (2 * d_layer * drafter_cfg.num_layers * q + 4 * visible * attn_dim * drafter_cfg.num_layers
-                     + 2 * seq * tc.hidden_size * len(drafter_cfg.target_layer_ids) * tc.hidden_size)
-    head = batch * anchors * (drafter_cfg.block_size - 1) * 4 * tc.hidden_size * tc.vocab_size
-    return fwd_t + 3 * fwd_d + head
+    from dflash.train.device.flops import devices_peak
+
+    return devices_peak([torch.device(ctx.device)])[0]
 
 
 @check(budget_s=40)
 def check_throughput(ctx: Ctx) -> dict:
     """Qwen3-8B-shaped target (random weights), the recipe drafter (5 layers, 512 anchors, block 16),
-    4096-token sequences: tokens/s pipelined vs --pipeline off, and MFU against the bf16 dense peak."""
+    4096-token sequences: tokens/s pipelined vs --pipeline off, and MFU against the GPU's dense bf16 peak,
+    each step's FLOPs as the trainer counts them (dflash/train/device/flops.py)."""
     import torch
 
     layers = int(os.environ.get("GPU_CHECK_TARGET_LAYERS", "36"))
@@ -799,23 +791,26 @@ def check_throughput(ctx: Ctx) -> dict:
     parts = make_parts(ctx, target, 1 if ctx.smoke else 5, seq, n, bsz, samples=8)
     warm, steps = (1, 3) if ctx.smoke else (3, 12)
     out: dict = {"target_layers": target.num_layers, "seq_len": seq, "anchors": n, "batch": bsz}
-    flops = step_flops(target, parts[2].drafter.config, bsz, seq, n)
+    peak = device_peak(ctx)
     for mode in (True, False):
-        stamps = run_pipeline(*parts, steps=warm + steps, pipeline=mode, timeout_s=240)
+        counted: list[float] = []  # each step's model FLOPs, as the trainer counts them (train/device/flops.py)
+        stamps = run_pipeline(*parts, steps=warm + steps, pipeline=mode, timeout_s=240, flops=counted)
         _sync(ctx)
         dt = (stamps[-1] - stamps[warm - 1]) / steps
+        flops = sum(counted[warm:warm + steps]) / steps
         key = "pipelined" if mode else "sync"
         out[f"{key}_tokens_per_s"] = round(bsz * seq / dt, 1)
         out[f"{key}_step_s"] = round(dt, 4)
-        out[f"{key}_mfu"] = round(flops / dt / H200_BF16_DENSE_FLOPS, 4) if ctx.cuda else None
+        out[f"{key}_mfu"] = round(flops / dt / peak, 4) if peak else None
     out["pipelined_over_sync"] = round(out["pipelined_tokens_per_s"] / out["sync_tokens_per_s"], 3)
-    out["step_tflop"] = round(flops / 1e12, 2)
+    out["step_tflop"] = float(f"{flops / 1e12:.4g}")
+    out["peak_tflops"] = peak / 1e12 if peak else None
     from dflash.model import masks
 
     out["flex_fallback"] = masks._flex_failed  # a silent fall back to SDPA would make these SDPA's figures
     if ctx.cuda:
         out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
-    out["ok"] = masks._flex_failed is None
+    out["ok"] = masks._flex_failed is None and flops > 0  # 0: the trainer's FLOP count did not reach its steps
     return out
 
 
@@ -911,10 +906,11 @@ def check_memory_recipe(ctx: Ctx) -> dict:
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats()
     warm, steps = (1, 2) if ctx.smoke else (2, 5)
-    stamps = run_pipeline(*parts, steps=warm + steps, pipeline=True, timeout_s=240)
+    counted: list[float] = []
+    stamps = run_pipeline(*parts, steps=warm + steps, pipeline=True, timeout_s=240, flops=counted)
     _sync(ctx)
     dt = (stamps[-1] - stamps[warm - 1]) / steps
-    flops = step_flops(target, parts[2].drafter.config, bsz, seq, n)
+    flops, peak = sum(counted[warm:warm + steps]) / steps, device_peak(ctx)
     out = {"batch": bsz, "anchors": n, "seq_len": seq, "step_s": round(dt, 4),
            "tokens_per_s": round(bsz * seq / dt, 1)}
     if not ctx.cuda:
@@ -924,7 +920,7 @@ def check_memory_recipe(ctx: Ctx) -> dict:
                peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 1),
                device_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
                alloc_retries=int(mem.get("num_alloc_retries", 0)), ooms=int(mem.get("num_ooms", 0)),
-               mfu=round(flops / dt / H200_BF16_DENSE_FLOPS, 4))
+               mfu=round(flops / dt / peak, 4) if peak else None, step_tflop=float(f"{flops / 1e12:.4g}"))
     return {"ok": out["alloc_retries"] == 0 and out["ooms"] == 0, **out}
 
 

@@ -27,7 +27,7 @@ from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.config.schema import make_config, updated
 from dflash.train.distributed import Dist
 from dflash.train.run.build import build
-from dflash.train.run.stages import BatchSource
+from dflash.train.run.stages import Batch, BatchSource
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -271,8 +271,12 @@ def test_a_batch_with_a_skipped_row_trains_as_the_batch_without_it(cache, tmp_pa
         # unmasked, the row's zero states would be trained on: another loss (the check above can fail)
         kept = loss_and_grads(batch.input_ids, hb.hidden, batch.plan, batch.attention_mask)
         assert abs(float(kept[0]) - float(without[0])) > 1e-3
-        # the step counts the samples it trained on
-        assert drafter.step(hb, 0.0).samples == 3
+        # the step's model FLOPs are counted again without the row: those of the batch built without it
+        alone = Batch(batch.index, ids, attn, batch.loss_mask[keep, :width], plan=plan)
+        assert hb.batch.flops == parts.source.flops.of_batch(alone).total < batch.flops
+        # the step counts the samples it trained on, and the FLOPs of its batch
+        r = drafter.step(hb, 0.0)
+        assert r.samples == 3 and r.flops == hb.batch.flops
     finally:
         target.close()
         clean.close()

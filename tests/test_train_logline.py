@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from dflash.telemetry.verdict.evidence import analyze
@@ -195,3 +196,32 @@ def test_the_run_ends_with_its_table_even_when_the_last_line_came_before() -> No
     lines.write(final=True)
     assert [line.startswith("step ") for line in out].count(True) == 0
     assert any(line.startswith("bottleneck") for line in out), out
+
+
+def test_the_line_shows_model_tflops_and_mfu_against_the_peak_and_na_without_one() -> None:
+    """A step of 4 TFLOP a second: `4 TFLOP/s MFU 40.0%` against a 10 TFLOP/s peak, `MFU n/a` without a
+    known peak (the host), published as gauges too (MFU only with a peak); a run that counts no FLOPs (a
+    target the count refuses) shows neither."""
+    for peak, shown in ((10e12, "| 4 TFLOP/s MFU 40.0% |"), (None, "| 4 TFLOP/s MFU n/a |"), (None, None)):
+        now, out = [0.0], []
+        state, metrics, stats = TrainCounters(), StepMetrics(), _Stats()
+        pipeline = _Pipeline(now)
+        lines = LogLines(updated(TrainConfig(), log_every=10.0, telemetry_interval=1.0), state, stats, metrics,
+                         pipeline, latest=lambda: None, verdict=lambda whole_run=None: None,
+                         report=Reporter(out.append), devices=[torch.device("cpu")], clock=pipeline.clock,
+                         peak_flops=peak)
+        for t in range(1, 11):
+            _step(state, metrics, loss=2.0, tokens=100)
+            state.flops += 4e12 if shown else 0.0  # what on_step adds from each batch's count
+            now[0] = float(t)
+            lines.tick()
+        assert len(out) == 1, out
+        if shown is None:
+            assert "TFLOP/s" not in out[0] and "MFU" not in out[0] and "tflops" not in stats.values, out[0]
+            continue
+        assert shown in out[0] and out[0].index("tok/s") < out[0].index("TFLOP/s") < out[0].index("| lr "), out[0]
+        assert stats.values["tflops"] == pytest.approx(4.0)
+        if peak is None:
+            assert "mfu" not in stats.values and "peak_tflops" not in stats.values
+        else:
+            assert stats.values["mfu"] == pytest.approx(0.4) and stats.values["peak_tflops"] == 10

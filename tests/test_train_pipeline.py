@@ -81,6 +81,8 @@ def test_pipelined_run_streams_telemetry_and_checkpoints(setup, tmp_path):
     out = proc.stdout
     assert re.search(r"attach:    \S*dflash-top ", out) and str(socks) in out
     assert "step      6/6 (100%) | 0:" in out and "| ETA 0:00 |" in out and "sim_tau" in out and "tok/s" in out
+    # model FLOPs counted on the host, no peak known there: the TFLOP/s, and MFU n/a rather than a guess
+    assert "mfu:       n/a (no peak for cpu)" in out and re.search(r"tok/s \| [\d.e+-]+ TFLOP/s MFU n/a \| lr ", out)
     # the final evaluation is a phase of its own, announced, with progress per prompt
     assert "[phase] final evaluation: 2 prompts x 96 new tokens" in out
     assert "[final evaluation] prompt 0/2" in out and "[final evaluation] prompt 2/2 |" in out
@@ -118,6 +120,7 @@ def test_pipelined_run_streams_telemetry_and_checkpoints(setup, tmp_path):
     assert "target_forward" in last.cumulative["target-0"] and "hs_queue_wait" in last.cumulative["drafter-0"]
     assert len(last.metrics["per_position_acc"]) == 15
     assert last.gauges["max_steps"] == 6 and last.gauges["progress"] == 1.0 and last.gauges["train_time_s"] > 0
+    assert last.gauges["tflops"] > 0 and "mfu" not in last.gauges and "peak_tflops" not in last.gauges
     assert (last.gauges["eval_done"], last.gauges["eval_total"]) == (2, 2)  # the evaluation reached the stream
     events = [f for f in frames if type(f).__name__ == "Event"]
     assert any(e.kind == "checkpoint" for e in events) and any(e.kind == "eval" for e in events)

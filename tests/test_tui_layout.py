@@ -261,3 +261,41 @@ async def test_panels_scrolled_out_of_view_catch_up_when_scrolled_back() -> None
         await _until_screen(pilot, lambda lines: any("noted out of view" in r for r in box(lines, "events"))
                             if any("╭─ events" in x for x in lines) else False,
                             "the events box to show the note once scrolled into view")
+
+
+def _with_gauges(frames: list, gauges: dict) -> list:
+    import msgspec
+
+    return [msgspec.structs.replace(f, gauges={**f.gauges, **gauges}) if isinstance(f, Snapshot) else f
+            for f in frames]
+
+
+async def test_the_header_shows_mfu_and_na_without_a_known_peak() -> None:
+    """On a GPU with a known peak the trainer publishes `mfu`: the header shows it with the model TFLOP/s
+    beside the tokens/s, and at 80 columns the TFLOP/s gives way before the MFU or any other number is
+    cut (the training clock at the end of the line goes whole, as the header crops it). On the host (no
+    peak: `tflops` alone) it says `MFU n/a`, never a figure; a trainer that sends neither (a recording
+    from before, a target whose FLOPs are not counted) gets no MFU at all."""
+    gpu = _with_gauges(synthetic.frames(80, workers=3, gpus=0), {"tflops": 407.4, "mfu": 0.412, "peak_tflops": 989.0})
+    app = app_of(gpu)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await settle(pilot)
+        header = lines_of(app)[1]
+        assert re.search(r"tok/s \S+ \S+  MFU 41\.2% 407 TFLOP/s  loss [\d.]+  sim tau", header), header
+    app = app_of(gpu)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        header = lines_of(app)[1]
+        assert "  MFU 41.2%  loss " in header and "TFLOP/s" not in header, header
+        # the training clock, last on the line, is what a narrow terminal loses: whole, or not at all
+        assert re.search(r"sim tau [\d.]+\s*$", header), header
+    app = app_of(_with_gauges(synthetic.frames(80, workers=3, gpus=0), {"tflops": 0.0213}))
+    async with app.run_test(size=(160, 50)) as pilot:
+        await settle(pilot)
+        header = lines_of(app)[1]
+        assert "  MFU n/a 0.0213 TFLOP/s  loss " in header, header
+    app = app_of(synthetic.frames(80, workers=3, gpus=0))
+    async with app.run_test(size=(160, 50)) as pilot:
+        await settle(pilot)
+        header = lines_of(app)[1]
+        assert "tok/s" in header and "MFU" not in header and "TFLOP/s" not in header, header

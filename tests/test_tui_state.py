@@ -101,6 +101,26 @@ def test_once_summary_has_the_documented_keys() -> None:
     assert "bottleneck: unknown (no verdict yet)" in render_text({**s, "bottleneck": None})
 
 
+def test_once_says_the_mfu_and_na_without_a_peak() -> None:
+    """`dflash-top --once` carries the trainer's MFU and TFLOP/s as the header shows them: `MFU 41.2%` with
+    a known peak, `MFU n/a` without one (only `tflops` sent), nothing from a trainer that sends neither."""
+    import msgspec
+
+    for gauges, shown in (({"tflops": 407.4, "mfu": 0.412}, "  MFU 41.2% 407 TFLOP/s  loss "),
+                          ({"tflops": 0.0213}, "  MFU n/a 0.0213 TFLOP/s  loss "), ({}, None)):
+        state = RunState()
+        for f in synthetic.frames(5, workers=3, gpus=0):
+            is_snapshot = isinstance(f, protocol.Snapshot)
+            state.apply(msgspec.structs.replace(f, gauges={**f.gauges, **gauges}) if is_snapshot else f)
+        s = summarize(state)
+        assert (s["tflops"], s["mfu"]) == (gauges.get("tflops"), gauges.get("mfu"))
+        line = render_text(s).splitlines()[1]
+        if shown is None:
+            assert "MFU" not in line and "TFLOP/s" not in line, line
+        else:
+            assert line.startswith("tokens/s ") and shown in line, line
+
+
 def test_once_text_says_no_driver() -> None:
     state = RunState()
     for f in synthetic.frames(2):

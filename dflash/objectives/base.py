@@ -87,6 +87,10 @@ class Term(ABC):
     predicts_tokens: ClassVar[bool] = False
     #: the rates its TermValue carries, logged by name (a mean over the steps of a log interval)
     metrics: ClassVar[tuple[str, ...]] = ()
+    #: how many times it runs the frozen LM head over the supervised slots (a forward, or a gradient with
+    #: respect to the head's input, each 2 x hidden x vocabulary FLOPs a slot): the step's FLOP count
+    #: (dflash/train/device/flops.py) adds them up
+    head_passes: ClassVar[int] = 0
 
     def __init__(self, weight: float = 1.0) -> None:
         self.weight = weight
@@ -219,6 +223,7 @@ class TokenTerm(Term):
     (the drafter's top-1 token) and, where it has it, ``confidence`` (its probability of the label)."""
 
     predicts_tokens = True
+    head_passes = 2  # the drafter's logits, and their gradient with respect to its states (head.py)
 
     def __init__(self, weighting: PositionWeight, weight: float = 1.0) -> None:
         super().__init__(weight)

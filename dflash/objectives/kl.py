@@ -19,6 +19,7 @@ class KLToVerifier(TokenTerm):
 
     name = "kl"
     needs = frozenset({LABELS, VERIFIER})
+    head_passes = 3  # the token term's two, and the verifier's logits
 
     def chunk_loss(self, fwd: Forward):
         states, (row, pos) = fwd.verifier, fwd.verifier_positions()

@@ -116,6 +116,7 @@ class SelectorLoss(Term):
     name = "selector"
     needs = frozenset({LABELS})
     metrics = ("selector_recall", "selector_accuracy")
+    head_passes = 2  # the unary logits again, and their gradient with respect to the states
 
     def __init__(self, weight: float = 1.0, warmup: float = 0.0, ramp: float = 0.0) -> None:
         super().__init__(weight)

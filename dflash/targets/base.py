@@ -61,6 +61,9 @@ class Target(ABC):
     #: whether ``hidden_states`` may have to wait for its inputs to appear (a cache still being written):
     #: the stage then times ``wait_ready`` apart, as ``cache_wait``, so the verdict can name the producer
     waits_for_inputs: ClassVar[bool] = False
+    #: whether ``hidden_states`` runs the target's forward here (a transformers model) rather than reading
+    #: states an engine computed (a cache): only then do its FLOPs count in the step's (train/device/flops.py)
+    computes: ClassVar[bool] = True
 
     def __init__(self, tokenizer: Any, config: Any, layer_ids: list[int], embed_tokens: nn.Embedding,
                  lm_head: nn.Linear, path: Path | None = None, generation_config: Any = None):

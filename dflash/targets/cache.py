@@ -92,6 +92,7 @@ class CacheTarget(Target):
     """Tap-layer states read from a cache; no verifier (evaluation needs --eval-target)."""
 
     span_category = "cache_read"
+    computes = False
 
     def __init__(self, layout: CacheLayout, tokenizer: Any, config: Any, embed_tokens: nn.Embedding,
                  lm_head: nn.Linear, path: Path | None, reader: CacheReader, max_bad: int = 0):

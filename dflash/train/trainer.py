@@ -162,6 +162,7 @@ class Trainer:
         st.next_batch += 1
         st.tokens += r.tokens
         st.samples += r.samples
+        st.flops += r.flops
         st.last = r
         s.count(Counter.STEPS, 1)
         s.count(Counter.TOKENS, r.tokens)
@@ -241,7 +242,8 @@ class Trainer:
         """Main-thread loop: log, watch for a failed worker or a stall, then finish the run."""
         m = self.monitoring
         lines = LogLines(self.cfg, self.state, self.parts.stats, self.metrics, self.pipeline, m.latest, m.verdict,
-                         self.report, [self.parts.drafter_device, *(t.device for t in self.parts.targets)])
+                         self.report, [self.parts.drafter_device, *(t.device for t in self.parts.targets)],
+                         peak_flops=self.parts.peak_flops)
         while self.pipeline.running:
             time.sleep(0.05)
             if m.stall is not None:

@@ -1,7 +1,7 @@
 """The two header lines: who we are watching (run, host, pid, rank, uptime, connection; the bad samples a
-cache reader skipped, when there are any) and how it goes (step, tokens/s, loss with the objective's
-terms, simulated tau, labelled `sim tau`: the real one comes from evaluations). The connection state
-comes first so it survives an 80-column crop.
+cache reader skipped, when there are any) and how it goes (step, tokens/s, MFU and model TFLOP/s, loss
+with the objective's terms, simulated tau, labelled `sim tau`: the real one comes from evaluations). The
+connection state comes first so it survives an 80-column crop.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 from rich.text import Text
 
 from dflash.telemetry.wire.protocol import Sampling
+from dflash.telemetry.wire.table import tflops as tflops_text
+from dflash.telemetry.wire.vocab import Gauge
 from dflash_tui import fmt
 from dflash_tui.state import RunState
 from dflash_tui.widgets.base import TextPanel, cropped
@@ -42,10 +44,11 @@ def header_text(state: RunState, width: int = 200) -> Text:
     if sampling is not None:  # a process watched from outside: no steps, tokens or loss to show
         return t.append_text(sampling_text(sampling, width))
     # the sparkline is the first part that can go: a narrow terminal keeps every number whole instead
-    # (`trained 0:57/5:00`, not `trained 0:57/5:0`)
-    # and then the objective's terms beside the loss, the total staying
-    for spark_w, terms in ((12 if width >= 100 else 6, True), (0, True), (0, False)):
-        line = progress_line(state, spark_w, terms)
+    # (`trained 0:57/5:00`, not `trained 0:57/5:0`); then the model TFLOP/s beside the MFU, and then the
+    # objective's terms beside the loss, the total staying
+    spark = 12 if width >= 100 else 6
+    for spark_w, tflops, terms in ((spark, True, True), (0, True, True), (0, False, True), (0, False, False)):
+        line = progress_line(state, spark_w, terms, tflops)
         if line.cell_len <= width - 2:  # the header's padding
             break
     t.append_text(line)
@@ -69,10 +72,11 @@ def sampling_text(sm: Sampling, width: int = 200) -> Text:
     return t
 
 
-def progress_line(state: RunState, spark_w: int, terms: bool = True) -> Text:
-    """`step 320/1,000 32% ETA 1:25  tok/s 30.1K ▁▂▃  loss 3.99  sim tau 2.97  trained 0:40/5:00`: the
-    tau here is the simulated one (teacher-forced on training batches), so it says so. ``terms``: the
-    objective's terms after the loss (terms_text)."""
+def progress_line(state: RunState, spark_w: int, terms: bool = True, tflops: bool = True) -> Text:
+    """`step 320/1,000 32% ETA 1:25  tok/s 30.1K ▁▂▃  MFU 41.2% 407 TFLOP/s  loss 3.99  sim tau 2.97
+    trained 0:40/5:00`: the tau here is the simulated one (teacher-forced on training batches), so it says
+    so. ``terms``: the objective's terms after the loss (terms_text); ``tflops``: the model TFLOP/s after
+    the MFU (mfu_text)."""
     t = Text()
     step = state.step
     t.append("step ", style="dim").append(f"{step:,}" if step is not None else fmt.NA, style="bold")
@@ -85,6 +89,7 @@ def progress_line(state: RunState, spark_w: int, terms: bool = True) -> Text:
     spark = fmt.sparkline(state.tokens_per_s.values, spark_w, lo=0) if spark_w else ""
     if spark:
         t.append(" " + spark, style="green")
+    t.append_text(mfu_text(state, tflops))
     bad_loss = state.nonfinite("gauges.loss")
     t.append("  loss ", style="dim")
     t.append(bad_loss.upper(), style="bold white on red") if bad_loss else t.append(
@@ -93,6 +98,21 @@ def progress_line(state: RunState, spark_w: int, terms: bool = True) -> Text:
         t.append_text(terms_text(state.loss_terms))
     t.append("  sim tau ", style="dim").append(fmt.number(state.tau_value), style="bold")
     t.append_text(tail)
+    return t
+
+
+def mfu_text(state: RunState, tflops: bool = True) -> Text:
+    """`  MFU 41.2% 407 TFLOP/s` from the trainer's gauges (its model FLOPs per step against the devices'
+    dense bf16 peak); `  MFU n/a 0.0213 TFLOP/s` where it knows no peak (the host, an unknown GPU): the
+    FLOPs are counted, the utilisation would be a guess; nothing from a trainer that counts no FLOPs."""
+    t = Text()
+    mfu, rate = state.gauge(Gauge.MFU), state.gauge(Gauge.TFLOPS)
+    if mfu is None and rate is None:
+        return t
+    t.append("  MFU ", style="dim")
+    t.append(fmt.percent(mfu), style="bold") if mfu is not None else t.append("n/a", style="dim")
+    if tflops and rate is not None:
+        t.append(f" {tflops_text(rate)} TFLOP/s", style="dim")
     return t
 
 

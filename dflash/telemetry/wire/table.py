@@ -1,4 +1,4 @@
-"""The per-category table as plain text, and the one way durations are written.
+"""The per-category table as plain text, and the one way durations (and model TFLOP/s) are written.
 
 The trainer's log, `dflash stats` and `dflash-top --once` print the same table from here, and
 dflash-top's panels write their numbers with the same ``seconds``/``clock``, so a figure reads the
@@ -43,6 +43,14 @@ def clock(v: float | None, short: bool = False) -> str:
     h, rem = divmod(int(round(v)), 3600)
     m, sec = divmod(rem, 60)
     return f"{m}:{sec:02d}" if short and not h else f"{h}:{m:02d}:{sec:02d}"
+
+
+def tflops(v: float | None) -> str:
+    """Model TFLOP/s as the log line and dflash-top's header write them: whole past 100 (`407`), else
+    three significant digits (`31.6`, `0.0213` on a CPU)."""
+    if v is None or not math.isfinite(v):
+        return NA
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
 #: evidence keys that count things (workers, cores) rather than give a share of time

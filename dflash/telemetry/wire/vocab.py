@@ -101,6 +101,13 @@ class Gauge(StrEnum):
     GIL_CONTENTION = "gil_contention"
     GIL_WAIT_MS = "gil_wait_ms"
     NONFINITE_SKIPPED = "nonfinite_skipped"
+    #: model FLOPs the run achieves, in TFLOP/s over the last 10 s of training (dflash/train/device/flops.py
+    #: counts them per step from its real token counts), and where the devices' dense bf16 peak is known,
+    #: that peak in TFLOP/s and the MFU it makes (a fraction: 0.41 is 41%); no `mfu` on the host or an
+    #: unknown GPU, never a guessed peak
+    TFLOPS = "tflops"
+    MFU = "mfu"
+    PEAK_TFLOPS = "peak_tflops"
 
 
 class Counter(StrEnum):

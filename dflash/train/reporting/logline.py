@@ -15,6 +15,7 @@ from dflash.telemetry.verdict.churn import ChurnRates
 from dflash.telemetry.wire.vocab import SEGMENT_FREES_PER_S, SEGMENT_MAPS_PER_S, device_gauge, term_gauge
 from dflash.train.config import TrainConfig
 from dflash.train.control import Interval
+from dflash.train.device.flops import Utilisation, utilisation_text
 from dflash.train.device.memory import AllocatorRetries, allocator_gauges
 from dflash.train.device.metrics import StepMetrics, Totals
 from dflash.train.reporting import Reporter
@@ -26,10 +27,11 @@ from dflash.train.run.pipeline import Pipeline, TrainCounters
 class LogLines:
     def __init__(self, cfg: TrainConfig, state: TrainCounters, stats: Any, metrics: StepMetrics, pipeline: Pipeline,
                  latest: Callable[[], Any], verdict: Callable[[], Any], report: Reporter,
-                 devices: list, clock: Callable[[], float] = time.monotonic):
+                 devices: list, clock: Callable[[], float] = time.monotonic, peak_flops: float | None = None):
         """`latest`: the newest telemetry snapshot (or None); `verdict()`: the verdict dflash-top shows
         (the last 10 s, held) or None, and `verdict(summary)` the whole run's; `devices`: the run's
-        devices, for allocator gauges."""
+        devices, for allocator gauges; `peak_flops`: their dense bf16 peak, FLOP/s, for MFU (None: none
+        known, MFU n/a)."""
         self.cfg, self.state, self.stats, self.metrics, self.pipeline = cfg, state, stats, metrics, pipeline
         self.latest, self.verdict, self.report = latest, verdict, report
         self.cuda = list(dict.fromkeys(d for d in devices if d.type == "cuda"))
@@ -44,6 +46,8 @@ class LogLines:
         self.harvests = Interval(cfg.telemetry.telemetry_interval, clock)
         self._totals = Totals()  # harvested since the last log line
         self._tokens_at_log = state.tokens
+        self.utilisation = Utilisation(peak_flops)  # the gauges' model TFLOP/s and MFU, over the last 10 s
+        self._flops_at_log = state.flops
         self._logged_step = -1
         self._said_verdict: str | None = None  # the last verdict said with its reason
         self._start = (state.step, pipeline.clock())  # where this process began, for the rate and ETA
@@ -116,6 +120,8 @@ class LogLines:
                 s.metric(name, t[name])
             for name, value in t["measured"].items():  # what the objective's terms measure (DFlash2's selector)
                 s.metric(name, value)
+        for name, value in self.utilisation.gauges(self.clock(), self.state.flops).items():
+            self.stats.gauge(name, value)
         for i, counters in allocator_gauges(self.cuda).items():
             # the driver calls go out as rates (the churn monitor reads those), not as running counts
             maps, frees = counters.pop("segment_maps"), counters.pop("segment_frees")
@@ -136,8 +142,9 @@ class LogLines:
         st, r = self.state, self.state.last
         dt = max(1e-9, self.clock() - self.logs.last)
         tps = (st.tokens - self._tokens_at_log) / dt
+        flops = (st.flops - self._flops_at_log) / dt if st.flops > 0 else None  # None: FLOPs not counted
         self.logs.restart()
-        self._tokens_at_log = st.tokens
+        self._tokens_at_log, self._flops_at_log = st.tokens, st.flops
         new = r is not None and st.step != self._logged_step
         if not new and not (final and r is not None):
             return
@@ -150,15 +157,16 @@ class LogLines:
                                                                      summary.counters.get("steps"))
         if new:
             self._logged_step = st.step
-            self.line(tps, b, summary)
+            self.line(tps, b, summary, flops)
         if summary is not None and (final or self.cfg.run.log_table or self.tables.due()):
             self.tables.restart()
             self.table(summary, b)
         elif b is not None and b.verdict != self._said_verdict:
             self.say_verdict(b)  # a new verdict is said with its reason at once, not at the next table
 
-    def line(self, tps: float, b: Any, summary: Any) -> None:
-        """The one line of an interval (the means over its steps), and the trackers' scalars."""
+    def line(self, tps: float, b: Any, summary: Any, flops: float | None = None) -> None:
+        """The one line of an interval (the means over its steps; `flops`: its model FLOP/s, None where
+        they are not counted), and the trackers' scalars."""
         st, r = self.state, self.state.last
         self.harvest()
         m, self._totals = self._totals.summary(), Totals()  # means over the steps since the last line
@@ -168,13 +176,17 @@ class LogLines:
         selector = f"| sel recall {measured['selector_recall']:.3f} acc {measured['selector_accuracy']:.3f} " \
             if "selector_recall" in measured else ""
         self.report.log(f"{self.progress().text()} | loss {m['loss']:.3f} | acc {m['accuracy']:.3f} "
-                        f"| sim_tau {m['sim_tau']:.2f} {selector}| {tps:,.0f} tok/s | lr {r.lr:.2e} "
+                        f"| sim_tau {m['sim_tau']:.2f} {selector}| {tps:,.0f} tok/s "
+                        + (f"| {utilisation_text(flops, self.utilisation.peak)} " if flops is not None else "")
+                        + f"| lr {r.lr:.2e} "
                         f"| gnorm {m['grad_norm']:.2f} | {q}" + (f" | {b.verdict}" if b is not None else ""))
         if self.report.trackers is not None:
             self.report.trackers.log(st.step, interval_scalars(
                 loss=m["loss"], terms=m["terms"], accuracy=m["accuracy"], sim_tau=m["sim_tau"],
                 per_position=m["per_position_acc"],
                 tokens_per_s=tps, lr=r.lr, grad_norm=m["grad_norm"], verdict=b.verdict if b else None,
+                tflops=None if flops is None else flops / 1e12,
+                mfu=None if flops is None or self.utilisation.peak is None else flops / self.utilisation.peak,
                 measured=measured,
                 workers=summary.cumulative if summary is not None else None))
 

@@ -158,13 +158,15 @@ class Trackers:
 def interval_scalars(*, loss: float, accuracy: float, sim_tau: float, per_position: list[float], tokens_per_s: float,
                      lr: float, grad_norm: float, workers: Mapping[str, Mapping[str, Any]] | None,
                      verdict: str | None, terms: Mapping[str, float] | None = None,
-                     measured: Mapping[str, float] | None = None) -> dict[str, float]:
+                     measured: Mapping[str, float] | None = None, tflops: float | None = None,
+                     mfu: float | None = None) -> dict[str, float]:
     """One log interval as tracker scalars: training numbers, each objective term (``terms``, before its
     weight: ``train/loss_ce``) and the rates terms measure (``measured``: ``train/selector_recall``),
     acceptance per draft position, each worker's time share per category, and the bottleneck verdict
-    as a one-hot set."""
+    as a one-hot set; the model TFLOP/s and MFU where the trainer has them (``None``: left out)."""
     out = {"train/loss": loss, "train/accuracy": accuracy, "train/sim_tau": sim_tau,
            "train/tokens_per_s": tokens_per_s, "train/lr": lr, "train/grad_norm": grad_norm}
+    out.update({f"train/{k}": v for k, v in (("tflops", tflops), ("mfu", mfu)) if v is not None})
     out.update({f"train/{term_gauge(k)}": v for k, v in (terms or {}).items()})
     out.update({f"train/{k}": v for k, v in (measured or {}).items()})
     out.update({f"train/acceptance_{k}": a for k, a in enumerate(per_position, 1)})

@@ -27,6 +27,7 @@ from dflash.train import distributed
 from dflash.train.checkpoint import rng
 from dflash.train.config import ConfigError, TrainConfig
 from dflash.train.device.binding import cuda_ordinal, resolve
+from dflash.train.device.flops import FlopCount, FlopCountError, devices_peak
 from dflash.train.device.memory import RecipeError, size_to_device
 from dflash.train.distributed import Dist
 from dflash.train.health.faults import FaultPlan
@@ -54,6 +55,7 @@ class Components:
     data_path: Path
     samples: int
     bad_samples: list[str] = field(default_factory=list)  # a cache's files skipped so far, the line said of each
+    peak_flops: float | None = None  # the devices' dense bf16 peak, FLOP/s, that MFU is against (None: no MFU)
 
     @property
     def drafter_device(self) -> torch.device:
@@ -130,6 +132,8 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
                            objective=objective, ddp=ddp, faults=faults, verifier_head=verifier_head)
     log(f"objective: {objective.describe()}, position weight {cfg.objective.position_weight}; optimizer "
         f"{describe_optimizer(drafter.optimizer)}")
+    count, peak = count_flops(dcfg, first, objective,
+                              [drafter_device, *(devices if cfg.pipeline.enabled else devices[:1])], log)
     targets = []
     for i, dev in enumerate(devices if cfg.pipeline.enabled else devices[:1]):
         name = f"target-{i}" if cfg.pipeline.enabled else "trainer"
@@ -150,6 +154,9 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     source = BatchSource(samples, cfg.data.batch_size, cfg.data.seed, pad, dist.rank, dist.world_size,
                          block_size=dcfg.block_size, num_anchors=cfg.model.num_anchors, pin=cuda,
                          in_order_first=first.waits_for_inputs)
+    source.flops = count
+    for stage in targets:
+        stage.flops = count
     tell = event or (lambda kind, line, **data: log(f"[{kind}] {line}"))
     skipped: list[str] = []
 
@@ -163,7 +170,22 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
         t.on_bad_sample(bad_sample)
     limit_epochs(cfg, source.per_epoch, log)
     return Components(first, verifier, targets, drafter, dcfg, source, stats, generator, data_path, len(samples),
-                      skipped)
+                      skipped, peak)
+
+
+def count_flops(dcfg: Any, target: Target, objective: Objective, devices: list[torch.device],
+                log: Callable[[str], None]) -> tuple[FlopCount | None, float | None]:
+    """The run's per-step FLOP count (None: these shapes cannot be counted) and the peak MFU is against
+    (None: no MFU), said in one line: what the log and dflash-top will show."""
+    try:
+        count = FlopCount.for_run(dcfg, target, objective)
+    except FlopCountError as e:
+        log(f"mfu:       n/a: {e}, so neither MFU nor model TFLOP/s is shown")
+        return None, None
+    peak, what = devices_peak(devices if target.computes else devices[:1])
+    log(f"mfu:       against {what}; model FLOPs counted per step from its real tokens" if peak is not None
+        else f"mfu:       n/a ({what}); model TFLOP/s still counted per step from its real tokens")
+    return count, peak
 
 
 def make_objective(cfg: TrainConfig, model: Any, target: Target, lm_head: Any,

@@ -60,6 +60,7 @@ class TrainCounters:
     tokens: int = 0
     samples: int = 0
     train_time: float = 0.0  # seconds of training before this process (resume) plus this process's
+    flops: float = 0.0  # model FLOPs of this process's steps (not checkpointed: only their rate is read)
     last: StepResult | None = None
 
 

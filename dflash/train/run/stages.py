@@ -25,6 +25,7 @@ from dflash.objectives import Objective
 from dflash.objectives.optim import build_optimizer
 from dflash.targets.base import Target
 from dflash.train.config import OptimSettings
+from dflash.train.device.flops import FlopCount
 from dflash.train.distributed import explain_backward_error
 from dflash.train.health.faults import FaultPlan
 from dflash.train.health.nonfinite import NonFiniteGuard
@@ -40,6 +41,7 @@ class Batch:
     plan: BlockPlan | None = None  # the blocks the drafter trains on (see objective.plan_blocks)
     sample_ids: list[int] = field(default_factory=list)  # each row's index in the data set (a cache's key)
     skipped: list[int] = field(default_factory=list)  # rows masked out: their sample did not read (mask_rows)
+    flops: float = 0.0  # the model FLOPs of the step on this batch, counted where it is built (0: not counted)
 
     def pin_memory(self) -> Batch:
         """Page-locked copies: a non-blocking host-to-device copy from pageable memory is not
@@ -78,6 +80,9 @@ class BatchSource:
         self.rank, self.world_size = rank, world_size
         self.block_size, self.num_anchors, self.pin = block_size, num_anchors, pin
         self.in_order_first = in_order_first  # epoch 0 unshuffled: a cache still being written, in row order
+        #: counts each batch's model FLOPs (build sets it; None: not counted). Here, on the producer's
+        #: thread, with the rest of the host work a batch's data decides: the drafter's thread reads nothing
+        self.flops: FlopCount | None = None
         self.per_epoch = len(samples) // (batch_size * world_size)
         # (epoch, its order), replaced as one tuple: the batch producer and a reading-ahead target both ask
         self._cached: tuple[int, list[int]] = (-1, [])
@@ -117,15 +122,18 @@ class BatchSource:
         if self.block_size is not None and self.num_anchors is not None:
             plan = plan_blocks(ids, loss, self.block_size, self.num_anchors, self.anchor_generator(index))
         batch = Batch(index, ids, attn, loss, sum(len(r.input_ids) for r in rows), plan, list(picked))
+        if self.flops is not None and plan is not None:
+            batch.flops = self.flops.of_batch(batch).total
         return batch.pin_memory() if self.pin else batch
 
 
-def mask_rows(batch: Batch, rows: list[int]) -> Batch:
+def mask_rows(batch: Batch, rows: list[int], flops: FlopCount | None = None) -> Batch:
     """``batch`` with ``rows`` taken out of training (a cache's bad samples): their loss mask off and their
     blocks dropped from the plan, every other row's blocks and labels as they were. The tensors keep their
     shape (a step's sizes stay what memory was fitted to), and rows never see each other in the drafter's
     pass while every loss and weight is taken over the planned slots, so the step is the step on the batch
-    without those rows. Host work, done where the rows were found bad (the target's thread)."""
+    without those rows. Host work, done where the rows were found bad (the target's thread), the step's
+    FLOPs counted again with ``flops`` (the batch source's count)."""
     keep = torch.ones(batch.input_ids.shape[0], dtype=torch.bool)
     keep[rows] = False
     loss_mask = batch.loss_mask & keep[:, None]
@@ -138,7 +146,10 @@ def mask_rows(batch: Batch, rows: list[int]) -> Batch:
         loss_mask = loss_mask.pin_memory()
         plan = None if plan is None else plan.pin_memory()
     tokens = batch.num_tokens - int(batch.attention_mask[~keep].sum())
-    return replace(batch, loss_mask=loss_mask, plan=plan, num_tokens=tokens, skipped=sorted(set(rows)))
+    masked = replace(batch, loss_mask=loss_mask, plan=plan, num_tokens=tokens, skipped=sorted(set(rows)))
+    if flops is not None and plan is not None:
+        masked.flops = flops.of_batch(masked).total
+    return masked
 
 
 class TargetStage:
@@ -164,6 +175,7 @@ class TargetStage:
         if drafter_device.type == "cuda":
             self.copy_stream = torch.cuda.Stream(device=self.device if self.device.type == "cuda" else drafter_device)
         self.span = device_span(telemetry, self.device)
+        self.flops: FlopCount | None = None  # the batch source's, to count a batch again when rows are masked
 
     def __call__(self, batch: Batch) -> HiddenBatch:
         if self.target.waits_for_inputs:
@@ -173,7 +185,7 @@ class TargetStage:
             t0 = time.perf_counter()
             hidden = self.target.hidden_states(batch, final=True) if self.final else self.target.hidden_states(batch)
             if skipped := self.target.skipped_rows(batch):  # bad samples: zeros, never trained on
-                batch = mask_rows(batch, skipped)
+                batch = mask_rows(batch, skipped, self.flops)
             if self.faults is not None:
                 self.faults.delay(self.fault_stage, batch.index, time.perf_counter() - t0)
         with self.tel.span("pack_hidden"):
@@ -212,6 +224,7 @@ class StepResult:
     lr: float
     tokens: int
     samples: int
+    flops: float = 0.0  # the step's model FLOPs (its batch's, counted on the host; 0: not counted)
 
 
 def lr_at(progress: float, base_lr: float, warmup_ratio: float, min_ratio: float) -> float:
@@ -292,7 +305,7 @@ class DrafterStage:
                 self.guard.step(out.loss, grad_norm, b.index)  # skips a non-finite step, on the device
             self.optimizer.zero_grad(set_to_none=True)
         return StepResult(out=out, grad_norm=grad_norm.detach(), lr=lr, tokens=b.num_tokens,
-                          samples=rows - len(b.skipped))
+                          samples=rows - len(b.skipped), flops=b.flops)
 
     def loss(self, ids: torch.Tensor, hidden: torch.Tensor, plan: BlockPlan,
              attention_mask: torch.Tensor | None = None, span: Any = None) -> LossOutput:
