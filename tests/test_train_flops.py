@@ -291,6 +291,11 @@ def test_the_gauges_are_the_rate_over_the_last_ten_seconds_and_mfu_only_with_a_p
             assert gauges[Gauge.TFLOPS] == pytest.approx(20), t
     assert gauges[Gauge.MFU] == pytest.approx(0.2) and gauges[Gauge.PEAK_TFLOPS] == 100
     assert set(host) == {Gauge.TFLOPS} and host[Gauge.TFLOPS] == pytest.approx(20)
+    # steps made before the first reading count from the start given: a run shorter than one telemetry
+    # interval (all its FLOPs done by the first reading) read 0 without it
+    quick = Utilisation(peak=None, start=(0.0, 0.0))
+    assert quick.gauges(0.5, 12e12)[Gauge.TFLOPS] == pytest.approx(24)
+    assert Utilisation(peak=None).gauges(0.5, 12e12) == {}  # no start: nothing to measure from yet
     assert utilisation_text(20e12, 100e12) == "20 TFLOP/s MFU 20.0%"
     assert utilisation_text(2.13e10, None) == "0.0213 TFLOP/s MFU n/a"
     assert utilisation_text(407.4e12, 989e12) == "407 TFLOP/s MFU 41.2%"

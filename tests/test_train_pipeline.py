@@ -120,7 +120,11 @@ def test_pipelined_run_streams_telemetry_and_checkpoints(setup, tmp_path):
     assert "target_forward" in last.cumulative["target-0"] and "hs_queue_wait" in last.cumulative["drafter-0"]
     assert len(last.metrics["per_position_acc"]) == 15
     assert last.gauges["max_steps"] == 6 and last.gauges["progress"] == 1.0 and last.gauges["train_time_s"] > 0
-    assert last.gauges["tflops"] > 0 and "mfu" not in last.gauges and "peak_tflops" not in last.gauges
+    # model FLOP/s while it trained (a wall-time window: after a long final evaluation it reads 0, truly);
+    # on the CPU no peak, so no MFU
+    snapshots = [f for f in frames if type(f).__name__ == "Snapshot"]
+    assert max(f.gauges.get("tflops", 0.0) for f in snapshots) > 0
+    assert not any("mfu" in f.gauges or "peak_tflops" in f.gauges for f in snapshots)
     assert (last.gauges["eval_done"], last.gauges["eval_total"]) == (2, 2)  # the evaluation reached the stream
     events = [f for f in frames if type(f).__name__ == "Event"]
     assert any(e.kind == "checkpoint" for e in events) and any(e.kind == "eval" for e in events)

@@ -253,9 +253,12 @@ class Utilisation:
     tok/s: a step at the recipe's size takes about a telemetry interval, so one interval alone would read
     0 and then twice the rate."""
 
-    def __init__(self, peak: float | None, window_s: float = 10.0) -> None:
+    def __init__(self, peak: float | None, window_s: float = 10.0, start: tuple[float, float] | None = None) -> None:
+        """``start``: (clock, cumulative FLOPs) where the run (or this process's part of it) began, so that the
+        first reading has something to measure from: steps done before the first reading count too (a run
+        shorter than a telemetry interval read 0 without it)."""
         self.peak, self.window_s = peak, window_s
-        self._readings: deque[tuple[float, float]] = deque()
+        self._readings: deque[tuple[float, float]] = deque([start] if start is not None else [])
 
     def rate(self, now: float, total: float) -> float | None:
         """FLOP/s over the window ending ``now`` with ``total`` FLOPs done; None before a first step."""

@@ -46,7 +46,8 @@ class LogLines:
         self.harvests = Interval(cfg.telemetry.telemetry_interval, clock)
         self._totals = Totals()  # harvested since the last log line
         self._tokens_at_log = state.tokens
-        self.utilisation = Utilisation(peak_flops)  # the gauges' model TFLOP/s and MFU, over the last 10 s
+        # the gauges' model TFLOP/s and MFU over the last 10 s, measured from this process's start
+        self.utilisation = Utilisation(peak_flops, start=(clock(), state.flops))
         self._flops_at_log = state.flops
         self._logged_step = -1
         self._said_verdict: str | None = None  # the last verdict said with its reason
