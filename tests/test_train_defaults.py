@@ -32,6 +32,23 @@ def test_no_limit_means_one_epoch_in_a_fresh_run_dir(tmp_path, monkeypatch):
     assert make_config({}, {"max_time": 5}).run.epochs is None  # a given limit is the only one
 
 
+def test_ranks_under_torchrun_name_their_fresh_run_dir_after_the_job_and_refuse_a_job_without_one(tmp_path,
+                                                                                                    monkeypatch):
+    """Each rank makes its config alone: the job's run id is the name they all agree on. Without --rdzv-id
+    torchrun calls every job 'none' (multi-node launches with --master-addr or c10d): one directory for all
+    jobs, so it is refused and --run-dir asked for."""
+    from dflash.train.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    assert make_config({}, {}).run.run_dir == "runs/train-job-7"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    with pytest.raises(ConfigError, match="give --run-dir"):
+        make_config({}, {})
+    assert make_config({}, {"run_dir": "runs/mine"}).run.run_dir == "runs/mine"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU recipe is chosen only without CUDA")
 def test_without_cuda_the_cpu_recipe_is_chosen_and_said():
     recipe, line = hardware_recipe("tiny")

@@ -41,17 +41,27 @@ def setup(tmp_path_factory):
     return target, data
 
 
+def train_args(target: Path | str, data: Path | None, run_dir: Path, sock_dir: Path, *extra: str) -> list[str]:
+    """`dflash train`'s flags for a short multi-rank run of ``target`` on ``data`` (None: ``extra`` says where
+    its data is): small batches, one drafter layer, no evaluation, frequent logs and telemetry."""
+    return ["--target", str(target), *(["--data", str(data)] if data is not None else []),
+            "--run-dir", str(run_dir), "--batch-size", "4", "--num-anchors", "8", "--drafter-layers", "1",
+            "--eval-prompts", "0", "--threads-per-worker", "1", "--log-every", "0.5", "--telemetry-interval", "0.5",
+            "--socket-dir", str(sock_dir), "--checkpoint-every", "1e9", *extra]
+
+
+def rank_env(fault: str | None = None) -> dict[str, str]:
+    """A rank's environment: one thread per op, unbuffered output, the faults ``fault`` names (DFLASH_FAULT)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **({"DFLASH_FAULT": fault} if fault else {})}
+
+
 def _launch(target: Path | str, data: Path | None, run_dir: Path, sock_dir: Path, *extra: str,
             fault: str | None = None) -> subprocess.Popen:
-    """Two ranks training ``target`` on ``data`` (None: the run's ``extra`` says where its data is), with the
-    faults ``fault`` names injected (DFLASH_FAULT)."""
-    cmd = [sys.executable, "-m", "dflash", "train", "--nproc", "2", "--target", str(target),
-           *(["--data", str(data)] if data is not None else []),
-           "--run-dir", str(run_dir), "--batch-size", "4", "--num-anchors", "8", "--drafter-layers", "1",
-           "--eval-prompts", "0", "--threads-per-worker", "1", "--log-every", "0.5", "--telemetry-interval", "0.5",
-           "--socket-dir", str(sock_dir), "--checkpoint-every", "1e9", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **({"DFLASH_FAULT": fault} if fault else {})}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    """Two ranks on this machine (`--nproc 2`) training ``target`` (see train_args), with the faults ``fault``
+    names injected (DFLASH_FAULT)."""
+    cmd = [sys.executable, "-m", "dflash", "train", "--nproc", "2",
+           *train_args(target, data, run_dir, sock_dir, *extra)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=rank_env(fault))
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
@@ -141,15 +151,8 @@ def test_a_rank_with_nothing_to_learn_or_a_non_finite_step_stays_in_step_with_th
     is made non-finite (DFLASH_FAULT): the averaged gradient is then non-finite on both ranks, and both skip
     it. The replicas stay identical throughout."""
     cache = demo_cache(tmp_path, 25)
-    cfg = TrainConfig()
-    target = load_cache_target(cache, "tiny", [1, 3, 5], None, torch.device("cpu"), log=lambda s: None)
-    try:
-        samples = target.own_samples(256, 4)
-        first = BatchSource(samples, 4, cfg.data.seed, 0, rank=1, world_size=2).sample_ids(0)
-        rows = sorted(target.file_rows[j] for j in first)
-    finally:
-        target.close()
-    for row in rows:  # what the trainer's own BatchSource gives rank 1 first: the same class, seed and sizes
+    rows = sorted(cache_batch_rows(cache, [(1, 0)])[1, 0])
+    for row in rows:  # what the trainer's own BatchSource gives rank 1 first
         path = sample_path(cache, row)
         path.write_bytes(path.read_bytes()[:-64])
     run = tmp_path / "run"
@@ -166,6 +169,22 @@ def test_a_rank_with_nothing_to_learn_or_a_non_finite_step_stays_in_step_with_th
     assert sorted(int(re.search(r"hs_(\d+)\.safetensors", m).group(1)) for m in named) == rows, named
     for rank in (0, 1):  # the poisoned step skipped on both ranks, the empty one on neither
         assert [e.data["batch"] for e in events[rank] if e.kind == "nonfinite"] == [1], rank
+
+
+def cache_batch_rows(cache: Path, wanted: list[tuple[int, int]],
+                     world_size: int = 2) -> dict[tuple[int, int], list[int]]:
+    """For each (rank, batch index) in ``wanted``, the cache rows (file numbers) that batch trains on that rank
+    in a run of ``world_size`` ranks of the tiny target on ``cache`` with train_args' sizes: the trainer's own
+    BatchSource, seed and sample filter, so a test can name in advance which rank reads which file."""
+    cfg = TrainConfig()
+    target = load_cache_target(cache, "tiny", [1, 3, 5], None, torch.device("cpu"), log=lambda s: None)
+    try:
+        samples = target.own_samples(256, 4)
+        return {(rank, index): [target.file_rows[j] for j in BatchSource(
+                    samples, 4, cfg.data.seed, 0, rank=rank, world_size=world_size).sample_ids(index)]
+                for rank, index in wanted}
+    finally:
+        target.close()
 
 
 def _wait_for_training(proc: subprocess.Popen, socks: Path, timeout: float = 120) -> dict[int, int]:

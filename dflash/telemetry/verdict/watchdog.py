@@ -148,10 +148,12 @@ class Watchdog:
         native: bool = True,
         emit: EmitFn | None = None,
         on_stall: Callable[[Stall], None] | None = None,
+        rank: int | None = None,
     ) -> None:
         """`timeout`: fixed seconds for every worker (`--stall-timeout`); None derives it from history;
         0 is refused (the caller simply does not create a watchdog). `emit(kind, message, **data)`
-        publishes an event; `on_stall` is called once per new stall (e.g. `--on-stall exit`)."""
+        publishes an event; `on_stall` is called once per new stall (e.g. `--on-stall exit`). `rank`: this
+        process's global rank in a multi-rank run (None in a single process), put in the stack files' names."""
         if timeout is not None and timeout <= 0:
             raise ValueError("a watchdog timeout must be positive (0 means: no watchdog)")
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -160,6 +162,7 @@ class Watchdog:
         self.native = native
         self.emit = emit
         self.on_stall = on_stall
+        self.rank = rank
         self._maxima: dict[tuple[str, str], collections.deque[float]] = {}
         self._active: dict[str, Stall] = {}
         self._native_threads: list[threading.Thread] = []
@@ -268,6 +271,10 @@ class Watchdog:
         d = self.run_dir / "stalls"
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in worker)
+        if self.rank is not None:
+            # The ranks share one run directory and have the same worker names; a hung collective stalls
+            # them all within the same second, and without the rank one rank's stacks overwrote another's.
+            safe = f"r{self.rank}-{safe}"
         path = d / f"{stamp}-{safe}-python.txt"
         header = (f"{worker} stalled {where} for {elapsed:.1f} s (timeout {timeout:.1f} s, {basis}); "
                   f"pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(now))}\n\n")

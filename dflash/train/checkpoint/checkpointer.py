@@ -5,6 +5,7 @@ read back is `checkpoint.py`'s.
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,8 @@ def checkpoint_to_resume(run_dir: Path, dist: Dist, resume: bool, report: Report
         report.log("removed a partial checkpoint left by an interrupted write")
     distributed.barrier(dist, "waiting for rank 0 to tidy the run directory")
     existing = list_checkpoints(run_dir)
+    if dist.enabled:
+        same_run_dir(dist, run_dir, existing[-1].name if existing else None)
     if existing and not resume:
         raise TrainError(f"{run_dir} already holds checkpoints (newest {existing[-1].name}); "
                          "pass --resume to continue that run, or choose another --run-dir")
@@ -55,6 +58,25 @@ def checkpoint_to_resume(run_dir: Path, dist: Dist, resume: bool, report: Report
         return None
     report.log(f"--resume: using {found[0].name}")
     return found[1]
+
+
+def same_run_dir(dist: Dist, run_dir: Path, newest: str | None) -> None:
+    """Refuse to start when the ranks see different checkpoints in their run directories (``newest``: the
+    newest this rank sees). Every rank reads the run directory itself (`--resume` loads the checkpoint on
+    each), so the nodes of a job must share it. A node with a directory of its own (no shared filesystem,
+    or another path) started afresh while rank 0 resumed, and the ranks, on different steps, then hung in
+    mismatched collectives until --collective-timeout."""
+    views = distributed.gather(dist, (socket.gethostname(), str(run_dir.resolve()), newest))
+    other = next((r for r, v in enumerate(views) if v[2] != views[0][2]), None)
+    if other is None:
+        return
+
+    def sees(r: int) -> str:
+        host, path, name = views[r]
+        return f"rank {r} on {host} sees {name or 'no checkpoint'} in {path}"
+
+    raise TrainError(f"the ranks see different run directories: {sees(0)}, {sees(other)}; every node must see "
+                     "the same run directory (a shared filesystem, at the same path)")
 
 
 #: the default checkpoint interval: one minute per GB of checkpoint, never under a minute

@@ -41,6 +41,13 @@ def fresh_run_dir(root: Path = Path("runs")) -> str:
     directory once, before launching them)."""
     job = os.environ.get("TORCHELASTIC_RUN_ID")
     if job and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if job == "none":
+            # torchrun's default --rdzv-id (every multi-node job started without one): each such job would
+            # land in runs/train-none, and a later job's --resume would continue an earlier job's run.
+            from dflash.train.config import ConfigError
+
+            raise ConfigError("under torchrun without --rdzv-id every job's run id is 'none': give --run-dir "
+                              "(the same on every node), or a job id with torchrun --rdzv-id")
         return str(root / f"train-{job}")
     base = root / time.strftime("train-%Y%m%d-%H%M%S")
     path, n = base, 1

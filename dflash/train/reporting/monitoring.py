@@ -105,8 +105,10 @@ class Monitoring:
         def on_stall(st: Stall) -> None:  # publisher thread: only hand the stall to the main thread
             self.stall = st
 
+        d = self.dist
         self.watchdog = Watchdog(Path(cfg.run.run_dir).resolve(), cfg.health.stall_timeout or None,
-                                 emit=self.report.event, on_stall=on_stall if cfg.health.on_stall == "exit" else None)
+                                 emit=self.report.event, on_stall=on_stall if cfg.health.on_stall == "exit" else None,
+                                 rank=d.rank if d.enabled else None)
         return [*monitors, self.watchdog]
 
     def latest(self) -> Summary | None:
