@@ -5,6 +5,7 @@ constructed `memory_stats` counts, with torch's real key names (checked against 
 from __future__ import annotations
 
 import torch
+from test_train_logline import _Pipeline, _Stats
 
 from dflash.telemetry.summary import Summary
 from dflash.telemetry.verdict.anomalies import AnomalyDetector
@@ -43,24 +44,6 @@ def test_rates_from_cumulative_counts_read_at_irregular_times() -> None:
     assert r.rates(0, 15.0, 13, 6) == (10.0, 5.0)
 
 
-class _Stats:
-    def __init__(self) -> None:
-        self.values: dict[str, object] = {}
-
-    def gauge(self, name: str, value: object) -> None:
-        self.values[name] = value
-
-    metric = gauge
-
-
-class _Pipeline:
-    def clock(self) -> float:
-        return 0.0
-
-    def depths(self) -> tuple[int, int]:
-        return 0, 0
-
-
 def test_the_main_threads_harvest_publishes_rates_not_counts(monkeypatch) -> None:
     """The main thread reads the allocator once per telemetry interval (never a worker per step) and
     publishes the rates under the vocabulary's names; a log line's harvest a moment later adds no spike."""
@@ -75,7 +58,7 @@ def test_the_main_threads_harvest_publishes_rates_not_counts(monkeypatch) -> Non
     monkeypatch.setattr("dflash.train.reporting.logline.allocator_gauges", fake)
     now, stats = [0.0], _Stats()
     lines = LogLines(updated(TrainConfig(), telemetry_interval=1.0), TrainCounters(), stats, StepMetrics(),
-                     _Pipeline(), latest=lambda: None, verdict=lambda whole_run=None: None,
+                     _Pipeline([0.0]), latest=lambda: None, verdict=lambda whole_run=None: None,
                      report=Reporter(lambda line: None), devices=[torch.device("cuda", 0)], clock=lambda: now[0])
     maps, frees = device_gauge(0, SEGMENT_MAPS_PER_S), device_gauge(0, SEGMENT_FREES_PER_S)
     lines.harvest()

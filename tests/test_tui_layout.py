@@ -175,33 +175,36 @@ async def test_at_80x24_every_panel_shows_or_is_named_with_its_zoom_key() -> Non
         assert _hint(lines) is None
 
 
-def _with_terms(frames: list, **terms: float) -> list:
-    """The frames with the objective's term gauges a trainer publishes (`loss_<term>`) on every snapshot."""
+def _with_gauges(frames: list, gauges: dict) -> list:
+    """The frames with ``gauges`` added to every snapshot's."""
     import msgspec
 
-    extra = {f"loss_{k}": v for k, v in terms.items()}
-    return [msgspec.structs.replace(f, gauges={**f.gauges, **extra}) if isinstance(f, Snapshot) else f
+    return [msgspec.structs.replace(f, gauges={**f.gauges, **gauges}) if isinstance(f, Snapshot) else f
             for f in frames]
 
 
+def _with_terms(frames: list, **terms: float) -> list:
+    """The frames with the objective's term gauges a trainer publishes (`loss_<term>`) on every snapshot."""
+    return _with_gauges(frames, {f"loss_{k}": v for k, v in terms.items()})
+
+
+async def header_of(frames: list, size: tuple[int, int]) -> str:
+    """The header line dflash-top draws for ``frames`` on a screen of ``size``."""
+    app = app_of(frames)
+    async with app.run_test(size=size) as pilot:
+        await settle(pilot)
+        return lines_of(app)[1]
+
+
 async def test_the_header_names_the_objective_and_shows_its_terms() -> None:
-    app = app_of(_with_terms(synthetic.frames(80, workers=3, gpus=0), ce=2.1, selector=0.42))
-    async with app.run_test(size=(160, 50)) as pilot:
-        await settle(pilot)
-        header = lines_of(app)[1]
-        assert re.search(r"loss [\d.]+ \(ce 2\.1 \+ selector 0\.42\)  sim tau", header), header
+    header = await header_of(_with_terms(synthetic.frames(80, workers=3, gpus=0), ce=2.1, selector=0.42), (160, 50))
+    assert re.search(r"loss [\d.]+ \(ce 2\.1 \+ selector 0\.42\)  sim tau", header), header
     frames = _with_terms(synthetic.frames(80, workers=8, gpus=0), kl=2.5)
-    app = app_of(frames)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await settle(pilot)
-        header = lines_of(app)[1]
-        # at 80 columns the term's name gives way before any number is cut
-        assert re.search(r"trained \d+:\d\d\s*$", header), header
-    app = app_of(frames)
-    async with app.run_test(size=(100, 24)) as pilot:
-        await settle(pilot)
-        header = lines_of(app)[1]
-        assert re.search(r"loss [\d.]+ \(kl\)  sim tau", header), header
+    header = await header_of(frames, (80, 24))
+    # at 80 columns the term's name gives way before any number is cut
+    assert re.search(r"trained \d+:\d\d\s*$", header), header
+    header = await header_of(frames, (100, 24))
+    assert re.search(r"loss [\d.]+ \(kl\)  sim tau", header), header
 
 
 async def test_a_new_event_draws_what_a_full_layout_would() -> None:
@@ -263,13 +266,6 @@ async def test_panels_scrolled_out_of_view_catch_up_when_scrolled_back() -> None
                             "the events box to show the note once scrolled into view")
 
 
-def _with_gauges(frames: list, gauges: dict) -> list:
-    import msgspec
-
-    return [msgspec.structs.replace(f, gauges={**f.gauges, **gauges}) if isinstance(f, Snapshot) else f
-            for f in frames]
-
-
 async def test_the_header_shows_mfu_and_na_without_a_known_peak() -> None:
     """On a GPU with a known peak the trainer publishes `mfu`: the header shows it with the model TFLOP/s
     beside the tokens/s, and at 80 columns the TFLOP/s gives way before the MFU or any other number is
@@ -277,25 +273,13 @@ async def test_the_header_shows_mfu_and_na_without_a_known_peak() -> None:
     peak: `tflops` alone) it says `MFU n/a`, never a figure; a trainer that sends neither (a recording
     from before, a target whose FLOPs are not counted) gets no MFU at all."""
     gpu = _with_gauges(synthetic.frames(80, workers=3, gpus=0), {"tflops": 407.4, "mfu": 0.412, "peak_tflops": 989.0})
-    app = app_of(gpu)
-    async with app.run_test(size=(160, 50)) as pilot:
-        await settle(pilot)
-        header = lines_of(app)[1]
-        assert re.search(r"tok/s \S+ \S+  MFU 41\.2% 407 TFLOP/s  loss [\d.]+  sim tau", header), header
-    app = app_of(gpu)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await settle(pilot)
-        header = lines_of(app)[1]
-        assert "  MFU 41.2%  loss " in header and "TFLOP/s" not in header, header
-        # the training clock, last on the line, is what a narrow terminal loses: whole, or not at all
-        assert re.search(r"sim tau [\d.]+\s*$", header), header
-    app = app_of(_with_gauges(synthetic.frames(80, workers=3, gpus=0), {"tflops": 0.0213}))
-    async with app.run_test(size=(160, 50)) as pilot:
-        await settle(pilot)
-        header = lines_of(app)[1]
-        assert "  MFU n/a 0.0213 TFLOP/s  loss " in header, header
-    app = app_of(synthetic.frames(80, workers=3, gpus=0))
-    async with app.run_test(size=(160, 50)) as pilot:
-        await settle(pilot)
-        header = lines_of(app)[1]
-        assert "tok/s" in header and "MFU" not in header and "TFLOP/s" not in header, header
+    header = await header_of(gpu, (160, 50))
+    assert re.search(r"tok/s \S+ \S+  MFU 41\.2% 407 TFLOP/s  loss [\d.]+  sim tau", header), header
+    header = await header_of(gpu, (80, 24))
+    assert "  MFU 41.2%  loss " in header and "TFLOP/s" not in header, header
+    # the training clock, last on the line, is what a narrow terminal loses: whole, or not at all
+    assert re.search(r"sim tau [\d.]+\s*$", header), header
+    header = await header_of(_with_gauges(synthetic.frames(80, workers=3, gpus=0), {"tflops": 0.0213}), (160, 50))
+    assert "  MFU n/a 0.0213 TFLOP/s  loss " in header, header
+    header = await header_of(synthetic.frames(80, workers=3, gpus=0), (160, 50))
+    assert "tok/s" in header and "MFU" not in header and "TFLOP/s" not in header, header
