@@ -67,16 +67,69 @@ def _median(values: list[float]) -> float:
 
 
 @dataclass
-class _Track:
-    """One worker/category: a baseline per statistic and the current run of deviating windows."""
+class Sustained:
+    """The last ``sustain_s`` seconds of windows of one judged thing (a worker's category, a device's
+    allocator): whether it deviated in enough of them to begin an anomaly, and whether an anomaly in force
+    has been calm long enough to end (the rule of the module docstring, shared by every anomaly kind)."""
 
+    sustain_s: float
+    sustain_windows: int
+    share: float
+    end_s: float
+    #: (window start, window end, deviating, weight: e.g. the category's share of its worker's time)
+    recent: collections.deque[tuple[float, float, bool, float]] = field(default_factory=collections.deque)
+    #: when the deviating windows last fell to the end level (None: they have not)
+    calm_since: float | None = None
+
+    def add(self, t: float, window_s: float, deviating: bool, weight: float = 1.0) -> bool:
+        """Fold in the window ending at ``t``; whether the span is long enough to judge."""
+        recent = self.recent
+        recent.append((t - window_s, t, deviating, weight))
+        while recent and recent[0][1] <= t - self.sustain_s:
+            recent.popleft()
+        return len(recent) >= self.sustain_windows and t - recent[0][0] >= self.sustain_s
+
+    def begins(self, floor: float = 0.0) -> float | None:
+        """When an anomaly begins (the first deviating window's start) if this window deviates, enough of the
+        span did and its mean weight reaches ``floor``; else None."""
+        r = self.recent
+        if not r[-1][2] or sum(w[2] for w in r) / len(r) < self.share or sum(w[3] for w in r) / len(r) < floor:
+            return None
+        return next(w[0] for w in r if w[2])
+
+    def ends(self, t: float) -> bool:
+        """Whether an anomaly in force ends now: at most 1 - share of the span deviated for end_s on end."""
+        if sum(w[2] for w in self.recent) / len(self.recent) > 1.0 - self.share:
+            self.calm_since = None
+        elif self.calm_since is None:
+            self.calm_since = t
+        if self.calm_since is None or t - self.calm_since < self.end_s:
+            return False
+        self.calm_since = None
+        return True
+
+    def clear(self) -> None:
+        """Start the span anew (a phase change, the end of the run)."""
+        self.recent.clear()
+        self.calm_since = None
+
+
+def say(emit: Callable[..., None] | None, kind: str, message: str, **data: object) -> None:
+    """An anomaly's event: to ``emit`` (the trainer's events), else the log."""
+    if emit is None:
+        log.warning(message)
+    else:
+        emit(kind, message, **data)
+
+
+@dataclass
+class _Track:
+    """One worker/category: a baseline per statistic and its span of deviating windows."""
+
+    sustained: Sustained
     history: dict[str, collections.deque[float]] = field(default_factory=dict)
     deviating: dict[str, tuple[float, float]] = field(default_factory=dict)  # stat -> (value, baseline)
-    #: (window start, window end, deviating, share of the worker's time) of the last sustain_s seconds
-    recent: collections.deque[tuple[float, float, bool, float]] = field(default_factory=collections.deque)
     active: Anomaly | None = None
-    #: when the active anomaly's deviating windows last fell to the end level (None: they have not)
-    calm_since: float | None = None
 
 
 class AnomalyDetector:
@@ -119,7 +172,8 @@ class AnomalyDetector:
                     continue
                 track = self._tracks.get((worker, cat))
                 if track is None:
-                    track = self._tracks[(worker, cat)] = _Track()
+                    track = self._tracks[(worker, cat)] = _Track(
+                        Sustained(self.sustain_s, self.sustain_windows, self.share, self.end_s))
                 self._judge(worker, cat, track, {s: getattr(st, s) for s in STATS}, t, summary.window_s, st.share)
         if summary.final:
             self.finish()
@@ -135,10 +189,7 @@ class AnomalyDetector:
                 med, mad = base
                 if v > med * self.ratio and v > med + self.mads * _MAD_SCALE * mad and v - med >= self.min_abs_s:
                     deviating[stat] = (v, med)
-        recent = track.recent
-        recent.append((t - window_s, t, bool(deviating), share_of_time))
-        while recent and recent[0][1] <= t - self.sustain_s:
-            recent.popleft()
+        judged = track.sustained.add(t, window_s, bool(deviating), share_of_time)
         if deviating:
             track.deviating = deviating
         else:
@@ -148,28 +199,21 @@ class AnomalyDetector:
                 if hist is None:
                     hist = track.history[stat] = collections.deque(maxlen=self.history)
                 hist.append(v)
-        span = t - recent[0][0]
-        if len(recent) < self.sustain_windows or span < self.sustain_s:
+        if not judged:
             return
-        share = sum(r[2] for r in recent) / len(recent)
-        weight = sum(r[3] for r in recent) / len(recent)
         if track.active is None:
-            if deviating and share >= self.share and weight >= self.floor:
-                self._begin(worker, cat, track, next(r[0] for r in recent if r[2]))
+            if (since := track.sustained.begins(self.floor)) is not None:
+                self._begin(worker, cat, track, since)
             return
         if deviating:
             self._refresh(track)
-        if share > 1.0 - self.share:
-            track.calm_since = None
-        elif track.calm_since is None:
-            track.calm_since = t
-        if track.calm_since is not None and t - track.calm_since >= self.end_s:
+        if track.sustained.ends(t):
             self._end(worker, cat, track)
 
     def finish(self, why: str = "the run ended") -> None:
         """End every anomaly in force (a phase change, the end of the run) and start their spans anew."""
         for (worker, cat), track in self._tracks.items():
-            track.recent.clear()
+            track.sustained.clear()
             if track.active is not None:
                 self._end(worker, cat, track, why)
 
@@ -193,13 +237,10 @@ class AnomalyDetector:
     def _end(self, worker: str, cat: str, track: _Track, why: str | None = None) -> None:
         a = track.active
         assert a is not None
-        track.active, track.calm_since = None, None
+        track.active = None
         text = f"ended: {why}" if why else f"back to its baseline ({seconds(a.baseline)} {a.stat})"
         self._say("anomaly_end", f"{worker}/{cat} {text}", worker=worker, category=cat, stat=a.stat,
                   baseline=round(a.baseline, 6))
 
     def _say(self, kind: str, message: str, **data: object) -> None:
-        if self.emit is None:
-            log.warning(message)
-        else:
-            self.emit(kind, message, **data)
+        say(self.emit, kind, message, **data)

@@ -13,20 +13,19 @@ Two halves, one per thread. The main thread reads torch's cumulative counts (`nu
 `ChurnRates` turns them into the per-device gauges `cuda<i>_segment_maps_per_s` and
 `cuda<i>_segment_frees_per_s` (dflash.telemetry.wire.vocab). The publisher thread's `ChurnMonitor` reads
 those gauges from each window and holds an anomaly on the snapshot (`anomalies`: dflash-top's banner,
-`--once`, Prometheus) while their sum stays at or above CHURN_HIGH, judged like the timing anomalies
-(dflash.telemetry.verdict.anomalies): a share of the windows of a sustained span, ended with hysteresis, at
-a phase change and with the run. Torch-free.
+`--once`, Prometheus) while their sum stays at or above CHURN_HIGH, judged by the timing anomalies' rule
+(dflash.telemetry.verdict.anomalies.Sustained): a share of the windows of a sustained span, ended with
+hysteresis, at a phase change and with the run. Torch-free.
 """
 
 from __future__ import annotations
 
-import collections
-import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dflash.telemetry.summary import Summary
+from dflash.telemetry.verdict.anomalies import Sustained, say
 from dflash.telemetry.wire.protocol import Anomaly
 from dflash.telemetry.wire.vocab import (
     ALLOCATOR,
@@ -36,7 +35,6 @@ from dflash.telemetry.wire.vocab import (
 )
 from dflash.telemetry.wire.vocab import evaluating as in_evaluation
 
-log = logging.getLogger("dflash.telemetry")
 
 #: segment maps + frees per second on one device from which the allocator is churning. A steady cache makes
 #: none; warm-up and a longer batch make a burst that is over within a window or two, which the sustain
@@ -78,10 +76,8 @@ class ChurnRates:
 
 @dataclass
 class _Device:
-    #: (window start, window end, high) of the last SUSTAIN_S seconds
-    recent: collections.deque[tuple[float, float, bool]] = field(default_factory=collections.deque)
+    sustained: Sustained
     active: Anomaly | None = None
-    calm_since: float | None = None
 
 
 class ChurnMonitor:
@@ -111,7 +107,10 @@ class ChurnMonitor:
         frees = device_gauges(summary.gauges, SEGMENT_FREES_PER_S)
         t = summary.t
         for index in sorted(maps.keys() | frees.keys()):
-            dev = self._devices.setdefault(index, _Device())
+            dev = self._devices.get(index)
+            if dev is None:
+                dev = self._devices[index] = _Device(
+                    Sustained(self.sustain_s, self.sustain_windows, self.share, self.end_s))
             self._judge(index, dev, maps.get(index, 0.0), frees.get(index, 0.0), t, summary.window_s)
         if summary.final:
             self.finish()
@@ -120,31 +119,22 @@ class ChurnMonitor:
 
     def _judge(self, index: int, dev: _Device, maps: float, frees: float, t: float, window_s: float) -> None:
         rate = maps + frees
-        recent = dev.recent
-        recent.append((t - window_s, t, rate >= self.high))
-        while recent and recent[0][1] <= t - self.sustain_s:
-            recent.popleft()
-        if len(recent) < self.sustain_windows or t - recent[0][0] < self.sustain_s:
+        if not dev.sustained.add(t, window_s, rate >= self.high):
             return
-        share = sum(r[2] for r in recent) / len(recent)
         if dev.active is None:
-            if rate >= self.high and share >= self.share:
-                self._begin(index, dev, maps, frees, next(r[0] for r in recent if r[2]))
+            if (since := dev.sustained.begins()) is not None:
+                self._begin(index, dev, maps, frees, since)
             return
         if rate >= self.high:
             a = dev.active
             a.value, a.ratio = rate, rate / self.high
-        if share > 1.0 - self.share:
-            dev.calm_since = None
-        elif dev.calm_since is None:
-            dev.calm_since = t
-        if dev.calm_since is not None and t - dev.calm_since >= self.end_s:
+        if dev.sustained.ends(t):
             self._end(index, dev)
 
     def finish(self, why: str = "the run ended") -> None:
         """End every anomaly in force (a phase change, the end of the run) and start their spans anew."""
         for index, dev in self._devices.items():
-            dev.recent.clear()
+            dev.sustained.clear()
             if dev.active is not None:
                 self._end(index, dev, why)
 
@@ -160,13 +150,10 @@ class ChurnMonitor:
                   maps_per_s=round(maps, 2), frees_per_s=round(frees, 2))
 
     def _end(self, index: int, dev: _Device, why: str | None = None) -> None:
-        dev.active, dev.calm_since = None, None
+        dev.active = None
         text = f"ended: {why}" if why else f"calm again (under {self.high:.0f} segment maps and frees a second)"
         self._say("anomaly_end", f"cuda:{index} allocator churn {text}", device=f"cuda:{index}",
                   category=ALLOCATOR, stat=STAT)
 
     def _say(self, kind: str, message: str, **data: object) -> None:
-        if self.emit is None:
-            log.warning(message)
-        else:
-            self.emit(kind, message, **data)
+        say(self.emit, kind, message, **data)
