@@ -35,7 +35,6 @@ from dflash.telemetry.wire.vocab import (
 )
 from dflash.telemetry.wire.vocab import evaluating as in_evaluation
 
-
 #: segment maps + frees per second on one device from which the allocator is churning. A steady cache makes
 #: none; warm-up and a longer batch make a burst that is over within a window or two, which the sustain
 #: rule lets pass. Five driver calls a second for ten seconds is a cache emptied and refilled every step or
