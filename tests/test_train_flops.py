@@ -56,7 +56,6 @@ from dflash.train.device.flops import (
     causal_pairs,
     devices_peak,
     peak_tflops,
-    utilisation_text,
 )
 from dflash.train.run.stages import Batch, DrafterStage, HiddenBatch
 
@@ -296,6 +295,6 @@ def test_the_gauges_are_the_rate_over_the_last_ten_seconds_and_mfu_only_with_a_p
     quick = Utilisation(peak=None, start=(0.0, 0.0))
     assert quick.gauges(0.5, 12e12)[Gauge.TFLOPS] == pytest.approx(24)
     assert Utilisation(peak=None).gauges(0.5, 12e12) == {}  # no start: nothing to measure from yet
-    assert utilisation_text(20e12, 100e12) == "20 TFLOP/s MFU 20.0%"
-    assert utilisation_text(2.13e10, None) == "0.0213 TFLOP/s MFU n/a"
-    assert utilisation_text(407.4e12, 989e12) == "407 TFLOP/s MFU 41.2%"
+    assert Utilisation(peak=100e12).text(20e12) == "20 TFLOP/s MFU 20.0%"
+    assert Utilisation(peak=None).text(2.13e10) == "0.0213 TFLOP/s MFU n/a"
+    assert Utilisation(peak=989e12).text(407.4e12) == "407 TFLOP/s MFU 41.2%"

@@ -41,6 +41,8 @@ from dflash.telemetry.wire.verdicts import (
     GIL_BOUND,
     HOLD_WINDOWS,
     INPUT_BOUND,
+    LAUNCH_BOUND,
+    OVERLAY_ORDER,
     TARGET_BOUND,
     THRESHOLD,
     UNKNOWN,
@@ -216,11 +218,14 @@ def refine(raw: Bottleneck, cpu: CpuFigures | None, contention: float | None, pr
     """The stage verdict, turned CPU-starved where the machine kept the workers off the cores, else
     GIL-bound where the probe and the CPU time agree, else launch-bound where the bounding stage's GPU
     waits on its thread (the overlays in OVERLAY_ORDER); all figures over the same time."""
-    starved = cpu_starved(raw, cpu)
-    if starved.verdict == CPU_STARVED.name:
-        return starved
-    gil = gil_bound(raw, contention, process_cpu)
-    return gil if gil.verdict == GIL_BOUND.name else launch_bound(raw, gpu_busy)
+    overlays = {CPU_STARVED.name: lambda: cpu_starved(raw, cpu),
+                GIL_BOUND.name: lambda: gil_bound(raw, contention, process_cpu),
+                LAUNCH_BOUND.name: lambda: launch_bound(raw, gpu_busy)}
+    for overlay in OVERLAY_ORDER:  # the table's order, strongest first
+        refined = overlays[overlay.name]()
+        if refined.verdict == overlay.name:
+            return refined
+    return raw
 
 
 @dataclass

@@ -276,12 +276,15 @@ class Utilisation:
         if rate is None:
             return {}
         out = {Gauge.TFLOPS: rate / 1e12}
-        if self.peak is not None:
-            out.update({Gauge.MFU: rate / self.peak, Gauge.PEAK_TFLOPS: self.peak / 1e12})
+        if (mfu := self.mfu(rate)) is not None:
+            out.update({Gauge.MFU: mfu, Gauge.PEAK_TFLOPS: self.peak / 1e12})
         return out
 
+    def mfu(self, flops_per_s: float) -> float | None:
+        """``flops_per_s`` as a share of the peak (None: no known peak)."""
+        return flops_per_s / self.peak if self.peak else None
 
-def utilisation_text(flops_per_s: float, peak: float | None) -> str:
-    """The log line's part: `312 TFLOP/s MFU 31.6%`, or `0.0213 TFLOP/s MFU n/a` without a known peak."""
-    mfu = f"{flops_per_s / peak:.1%}" if peak else "n/a"
-    return f"{tflops(flops_per_s / 1e12)} TFLOP/s MFU {mfu}"
+    def text(self, flops_per_s: float) -> str:
+        """The log line's part: `312 TFLOP/s MFU 31.6%`, or `0.0213 TFLOP/s MFU n/a` without a known peak."""
+        mfu = self.mfu(flops_per_s)
+        return f"{tflops(flops_per_s / 1e12)} TFLOP/s MFU {'n/a' if mfu is None else f'{mfu:.1%}'}"

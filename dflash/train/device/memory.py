@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from dflash.train import distributed
+from dflash.train.device.binding import cuda_ordinal
 
 #: the share of free memory a step may plan to fill: the rest absorbs what saved tensors do not show
 #: (backward's transient gradients, one chunk of logits, allocator fragmentation)
@@ -253,7 +254,7 @@ def allocator_gauges(devices: list[torch.device]) -> dict[int, dict[str, int]]:
         if d.type != "cuda":
             continue
         m = torch.cuda.memory_stats(d)
-        i = d.index if d.index is not None else torch.cuda.current_device()
+        i = cuda_ordinal(d)
         maps, frees = segment_calls(m)
         out[i] = {"allocated_bytes": m.get("allocated_bytes.all.current", 0),
                   "reserved_bytes": m.get("reserved_bytes.all.current", 0),

@@ -15,7 +15,7 @@ from dflash.telemetry.verdict.churn import ChurnRates
 from dflash.telemetry.wire.vocab import SEGMENT_FREES_PER_S, SEGMENT_MAPS_PER_S, device_gauge, term_gauge
 from dflash.train.config import TrainConfig
 from dflash.train.control import Interval
-from dflash.train.device.flops import Utilisation, utilisation_text
+from dflash.train.device.flops import Utilisation
 from dflash.train.device.memory import AllocatorRetries, allocator_gauges
 from dflash.train.device.metrics import StepMetrics, Totals
 from dflash.train.reporting import Reporter
@@ -178,7 +178,7 @@ class LogLines:
             if "selector_recall" in measured else ""
         self.report.log(f"{self.progress().text()} | loss {m['loss']:.3f} | acc {m['accuracy']:.3f} "
                         f"| sim_tau {m['sim_tau']:.2f} {selector}| {tps:,.0f} tok/s "
-                        + (f"| {utilisation_text(flops, self.utilisation.peak)} " if flops is not None else "")
+                        + (f"| {self.utilisation.text(flops)} " if flops is not None else "")
                         + f"| lr {r.lr:.2e} "
                         f"| gnorm {m['grad_norm']:.2f} | {q}" + (f" | {b.verdict}" if b is not None else ""))
         if self.report.trackers is not None:
@@ -187,7 +187,7 @@ class LogLines:
                 per_position=m["per_position_acc"],
                 tokens_per_s=tps, lr=r.lr, grad_norm=m["grad_norm"], verdict=b.verdict if b else None,
                 tflops=None if flops is None else flops / 1e12,
-                mfu=None if flops is None or self.utilisation.peak is None else flops / self.utilisation.peak,
+                mfu=None if flops is None else self.utilisation.mfu(flops),
                 measured=measured,
                 workers=summary.cumulative if summary is not None else None))
 

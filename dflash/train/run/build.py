@@ -140,7 +140,7 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
         role = Role.TARGET if cfg.pipeline.enabled else None  # one thread doing both stages has no role
         tel = stats.worker(name, role, cuda_ordinal(dev) if role is not None else None)
         targets.append(TargetStage(replicas[dev], drafter_device, tel, name, faults=faults,
-                                   index=i, final=objective.needs_verifier))
+                                   index=i, final=objective.needs_verifier, flops=count))
     try:
         # the saved config holds what ran
         cfg.data.batch_size, cfg.model.num_anchors = size_to_device(
@@ -153,10 +153,7 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     # a followed cache is written in row order: its first pass reads the rows in that order too
     source = BatchSource(samples, cfg.data.batch_size, cfg.data.seed, pad, dist.rank, dist.world_size,
                          block_size=dcfg.block_size, num_anchors=cfg.model.num_anchors, pin=cuda,
-                         in_order_first=first.waits_for_inputs)
-    source.flops = count
-    for stage in targets:
-        stage.flops = count
+                         in_order_first=first.waits_for_inputs, flops=count)
     tell = event or (lambda kind, line, **data: log(f"[{kind}] {line}"))
     skipped: list[str] = []
 

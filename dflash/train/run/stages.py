@@ -73,16 +73,16 @@ class BatchSource:
 
     def __init__(self, samples: list[Sample], batch_size: int, seed: int, pad_id: int, rank: int = 0,
                  world_size: int = 1, block_size: int | None = None, num_anchors: int | None = None,
-                 pin: bool = False, in_order_first: bool = False):
+                 pin: bool = False, in_order_first: bool = False, flops: FlopCount | None = None):
+        """``flops``: counts each batch's model FLOPs (None: not counted). Here, on the producer's thread, with
+        the rest of the host work a batch's data decides: the drafter's thread reads nothing."""
         if len(samples) < batch_size * world_size:
             batch_size = max(1, len(samples) // world_size)
         self.samples, self.batch_size, self.seed, self.pad_id = samples, batch_size, seed, pad_id
         self.rank, self.world_size = rank, world_size
         self.block_size, self.num_anchors, self.pin = block_size, num_anchors, pin
         self.in_order_first = in_order_first  # epoch 0 unshuffled: a cache still being written, in row order
-        #: counts each batch's model FLOPs (build sets it; None: not counted). Here, on the producer's
-        #: thread, with the rest of the host work a batch's data decides: the drafter's thread reads nothing
-        self.flops: FlopCount | None = None
+        self.flops = flops
         self.per_epoch = len(samples) // (batch_size * world_size)
         # (epoch, its order), replaced as one tuple: the batch producer and a reading-ahead target both ask
         self._cached: tuple[int, list[int]] = (-1, [])
@@ -158,9 +158,10 @@ class TargetStage:
     is on the drafter's device (or on its way there)."""
 
     def __init__(self, target: Target, drafter_device: torch.device, telemetry, name: str = "target-0",
-                 faults: FaultPlan | None = None, index: int = 0, final: bool = False):
+                 faults: FaultPlan | None = None, index: int = 0, final: bool = False, flops: FlopCount | None = None):
         """`final`: append the target's final state to the taps (the objective compares with the
-        verifier's distribution)."""
+        verifier's distribution); `flops`: the batch source's count, to count a batch again when rows are
+        masked."""
         self.target, self.drafter_device, self.tel, self.name = target, drafter_device, telemetry, name
         self.final = final
         self.faults = faults  # DFLASH_FAULT injection (tests and drills); None in a normal run
@@ -175,7 +176,7 @@ class TargetStage:
         if drafter_device.type == "cuda":
             self.copy_stream = torch.cuda.Stream(device=self.device if self.device.type == "cuda" else drafter_device)
         self.span = device_span(telemetry, self.device)
-        self.flops: FlopCount | None = None  # the batch source's, to count a batch again when rows are masked
+        self.flops = flops
 
     def __call__(self, batch: Batch) -> HiddenBatch:
         if self.target.waits_for_inputs:
