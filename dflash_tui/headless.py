@@ -17,7 +17,7 @@ import msgspec
 
 from dflash.telemetry.wire.protocol import CategoryStats, Cluster, training_shares
 from dflash.telemetry.wire.sockets import default_socket_dir, discover, group_jobs
-from dflash.telemetry.wire.table import category_table, evidence_text, tflops
+from dflash.telemetry.wire.table import category_table, evidence_text
 from dflash.telemetry.wire.vocab import TELEMETRY_THREADS, Gauge
 from dflash_tui import fmt
 from dflash_tui.sampling.processes import torch_processes
@@ -26,6 +26,7 @@ from dflash_tui.state import RunState
 from dflash_tui.widgets.alerts import stall_line
 from dflash_tui.widgets.bottleneck import machine_line
 from dflash_tui.widgets.cluster import cluster_summary, cluster_text
+from dflash_tui.widgets.header import mfu_text
 
 
 def summarize(state: RunState) -> dict[str, Any]:
@@ -111,8 +112,7 @@ def render_text(s: dict[str, Any]) -> str:
     rank = f"  rank {s['rank']}/{s['world_size']}" if s.get("world_size", 1) and s["world_size"] > 1 else ""
     lines.append(f"run {s['run']}  pid {s['pid']}  host {s['host']}{rank}  uptime {fmt.clock(s['uptime_s'])}"
                  f"  step {s['step'] if s['step'] is not None else fmt.NA}")
-    mfu = "" if s.get("tflops") is None and s.get("mfu") is None else \
-        f"  MFU {fmt.percent(s['mfu']) if s.get('mfu') is not None else 'n/a'} {tflops(s.get('tflops'))} TFLOP/s"
+    mfu = mfu_text(s.get("mfu"), s.get("tflops")).plain
     lines.append(f"tokens/s {fmt.count(s['tokens_per_s'])}{mfu}  loss {fmt.number(s['loss'])}"
                  f"  sim tau {fmt.number(s['tau'])}  [{s['connection']}]")
     if s.get("sampling"):

@@ -89,7 +89,7 @@ def progress_line(state: RunState, spark_w: int, terms: bool = True, tflops: boo
     spark = fmt.sparkline(state.tokens_per_s.values, spark_w, lo=0) if spark_w else ""
     if spark:
         t.append(" " + spark, style="green")
-    t.append_text(mfu_text(state, tflops))
+    t.append_text(mfu_text(state.gauge(Gauge.MFU), state.gauge(Gauge.TFLOPS), tflops))
     bad_loss = state.nonfinite("gauges.loss")
     t.append("  loss ", style="dim")
     t.append(bad_loss.upper(), style="bold white on red") if bad_loss else t.append(
@@ -101,12 +101,12 @@ def progress_line(state: RunState, spark_w: int, terms: bool = True, tflops: boo
     return t
 
 
-def mfu_text(state: RunState, tflops: bool = True) -> Text:
-    """`  MFU 41.2% 407 TFLOP/s` from the trainer's gauges (its model FLOPs per step against the devices'
-    dense bf16 peak); `  MFU n/a 0.0213 TFLOP/s` where it knows no peak (the host, an unknown GPU): the
-    FLOPs are counted, the utilisation would be a guess; nothing from a trainer that counts no FLOPs."""
+def mfu_text(mfu: float | None, rate: float | None, tflops: bool = True) -> Text:
+    """`  MFU 41.2% 407 TFLOP/s` from the trainer's `mfu` and `tflops` gauges (its model FLOPs per step
+    against the devices' dense bf16 peak); `  MFU n/a 0.0213 TFLOP/s` where it knows no peak (the host, an
+    unknown GPU): the FLOPs are counted, the utilisation would be a guess; nothing from a trainer that
+    counts no FLOPs."""
     t = Text()
-    mfu, rate = state.gauge(Gauge.MFU), state.gauge(Gauge.TFLOPS)
     if mfu is None and rate is None:
         return t
     t.append("  MFU ", style="dim")
