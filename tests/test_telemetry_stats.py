@@ -447,3 +447,96 @@ def test_cumulative_percentiles_stay_uniform_over_a_long_run() -> None:
     # cumulative percentiles may lag by up to 5% of growth (documented), hence the wide p95 band
     assert 200 - 30 <= cum.p50 <= 200 + 25
     assert 345 <= cum.p95 <= 395
+
+
+class _Clock:
+    """perf_counter for stats.py, moved by the test: shares and totals come out exact."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import dflash.telemetry.stats as st
+
+        self.now = 100.0
+        monkeypatch.setattr(st, "_perf", lambda: self.now)
+
+    def spend(self, worker, category: str, seconds: float) -> None:
+        with worker.span(category):
+            self.now += seconds
+
+
+def test_a_step_records_each_category_once_as_its_spans_sum(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock(monkeypatch)
+    s = ProfileStats()
+    w = s.worker("drafter-0")
+    s.drain()
+    with w.step():  # the pass, then the head chunk by chunk with the verifier's logits in between
+        for secs in (1.0, 0.25, 0.25):
+            clock.spend(w, "drafter_forward", secs)
+            clock.spend(w, "verifier_logits", 0.5)
+        clock.spend(w, "drafter_backward", 2.0)
+    with w.step():
+        clock.spend(w, "drafter_forward", 3.0)
+    clock.spend(w, "drafter_forward", 0.5)  # outside a step: a sample of its own, as before
+    cats = s.drain().workers["drafter-0"]
+    fwd = cats["drafter_forward"]
+    assert (fwd.n, fwd.total, fwd.max, fwd.p50) == (3, 5.0, 3.0, 1.5)
+    assert (cats["verifier_logits"].n, cats["verifier_logits"].total) == (1, 1.5)
+    assert (cats["drafter_backward"].n, cats["drafter_backward"].total) == (1, 2.0)
+    with w.step(), pytest.raises(RuntimeError, match="do not nest"), w.step():
+        pass
+
+
+def test_a_step_under_way_is_booked_in_the_windows_its_spans_ran_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's time is held until it ends, but each window's share is the time spent in it, and the
+    shares add up to the step's sample: nothing is booked twice, open spans inside the step included."""
+    clock = _Clock(monkeypatch)
+    s = ProfileStats()
+    w = s.worker("drafter-0")
+    s.drain()
+    windows = []
+    with w.step():
+        clock.spend(w, "drafter_forward", 1.0)
+        clock.now += 1.0
+        windows.append(s.drain())  # 1 s held of a 2 s window
+        with w.span("drafter_forward"):
+            clock.now += 1.0
+            windows.append(s.drain())  # open all window long
+            clock.now += 0.5
+        clock.now += 0.5
+        windows.append(s.drain())  # the open span's last 0.5 s, now held
+    clock.now += 1.0
+    windows.append(s.drain())  # the step's sample arrives: all of it booked already
+    shares = [win.workers["drafter-0"]["drafter_forward"].share for win in windows]
+    assert shares == pytest.approx([0.5, 1.0, 0.5, 0.0])
+    assert [win.workers["drafter-0"]["drafter_forward"].n for win in windows] == [0, 0, 0, 1]
+    assert windows[-1].workers["drafter-0"]["drafter_forward"].total == pytest.approx(2.5)
+    assert sum(sh * win.window_s for sh, win in zip(shares, windows, strict=True)) == pytest.approx(2.5)
+
+
+def test_a_steps_device_time_is_the_sum_of_its_spans_once_all_complete(monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[_FakeEvent] = []
+
+    class Ev(_FakeEvent):
+        def __init__(self, enable_timing: bool = False) -> None:
+            super().__init__(enable_timing)
+            events.append(self)
+
+    fake = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(is_initialized=lambda: True, is_current_stream_capturing=lambda: False, Event=Ev)
+    )
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    s = ProfileStats()
+    w = s.worker("drafter-0")
+    with w.step():
+        for _ in range(3):
+            with w.cuda_span("drafter_forward", stream="s"):
+                pass
+    assert s.pending_cuda() == 1  # one sample: the step's three pairs
+    for e in events[:4]:  # the first two spans done, the third still running
+        e.done = True
+    summ = s.drain()
+    assert summ.workers["drafter-0"]["drafter_forward"].n == 1
+    assert summ.workers["drafter-0"]["drafter_forward"].device is None
+    for e in events:
+        e.done = True
+    dev = s.drain().workers["drafter-0"]["drafter_forward"].device
+    assert dev is not None and dev.n == 1 and dev.total == pytest.approx(3 * 0.005)

@@ -118,6 +118,8 @@ def test_pipelined_run_streams_telemetry_and_checkpoints(setup, tmp_path):
     # the last snapshot judges the whole run, grouping the workers by the roles they registered
     assert last.bottleneck.scope.startswith("whole run") and last.roles["batch-producer"] == "data"
     assert "target_forward" in last.cumulative["target-0"] and "hs_queue_wait" in last.cumulative["drafter-0"]
+    # per step, not per span: the pass and the LM head's chunks are one drafter_forward sample a step
+    assert last.cumulative["drafter-0"]["drafter_forward"].n == 6
     assert len(last.metrics["per_position_acc"]) == 15
     assert last.gauges["max_steps"] == 6 and last.gauges["progress"] == 1.0 and last.gauges["train_time_s"] > 0
     # model FLOP/s while it trained (a wall-time window: after a long final evaluation it reads 0, truly);
@@ -170,6 +172,7 @@ def test_sync_mode_trains_in_one_thread(setup, tmp_path):
     snaps = [f for f in frames if type(f).__name__ == "Snapshot"]
     assert set(snaps[-1].cumulative) == {"trainer"}
     assert {"target_forward", "drafter_forward", "drafter_backward"} <= set(snaps[-1].cumulative["trainer"])
+    assert snaps[-1].cumulative["trainer"]["drafter_forward"].n == 3  # one sample a step (its spans' sum)
 
 
 def test_worker_exception_stops_everything_promptly(setup, tmp_path, capsys):

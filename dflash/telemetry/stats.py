@@ -20,6 +20,11 @@ Design (why it is shaped like this):
   publish what each worker is doing now and to book a span that crosses windows in each window for the
   time it spent there (so a worker inside one 10 s call reads 100% busy in every window, not 0% nine
   times and 1000% once).
+* A step's totals (`Worker.step()`): a category timed in several spans within one step of a worker
+  (the drafter's pass, then its LM head chunk by chunk) is recorded as one sample per step, its spans'
+  sum, so n counts steps and p50/p95/max describe steps. Until the step ends its spans' time is
+  *held* on the worker, and a drain books the time held so far in its window (as it books an open
+  span), so the window shares stay where the time was spent.
 """
 
 from __future__ import annotations
@@ -114,6 +119,10 @@ class _Span:
         dt = _perf() - self._t0.pop()
         # Worker.add, inlined here and in _CudaSpan: one more Python call would cost every span
         w = self._w
+        held = w._held
+        if held is not None:
+            held[self._cat] = held.get(self._cat, 0.0) + dt
+            return
         buf = w._buf
         buf.append((self._cat, dt))
         if len(buf) >= w._fold_at:
@@ -153,12 +162,51 @@ class _CudaSpan:
         w = self._w
         w._open_cuda.remove(self)
         pair = self._ev
+        held = w._held
         if pair is not None:
             pair[1].record(self._stream)
-            w._cuda.append((self._cat, pair[0], pair[1]))
+            if held is None:
+                w._cuda.append((self._cat, (pair,)))
+            else:
+                w._held_cuda.setdefault(self._cat, []).append(pair)
             self._ev = None
+        if held is not None:
+            held[self._cat] = held.get(self._cat, 0.0) + dt
+            return
         buf = w._buf
         buf.append((self._cat, dt))
+        if len(buf) >= w._fold_at:
+            w._stats._fold(w)
+
+
+class _Step:
+    """A worker's step (`Worker.step()`): its spans' times are summed per category and recorded as one
+    sample each when it ends (device time likewise, from all the step's event pairs of the category)."""
+
+    __slots__ = ("_w",)
+
+    def __init__(self, w: Worker) -> None:
+        self._w = w
+
+    def __enter__(self) -> _Step:
+        w = self._w
+        if w._held is not None:
+            raise RuntimeError(f"worker {w.name!r}: steps do not nest")
+        w._held_cuda = {}
+        w._held_start = _perf()
+        w._held = {}  # last: a span ending from here on is held
+        return self
+
+    def __exit__(self, et: object, ev: object, tb: object) -> None:
+        w = self._w
+        held, cuda = w._held, w._held_cuda
+        # First, so that a drain from here on sees no held time: what it has booked of this step it then
+        # carries to the samples below, whichever window they land in (the order of an ended span).
+        w._held = None
+        for cat, pairs in cuda.items():
+            w._cuda.append((cat, tuple(pairs)))
+        buf = w._buf
+        buf.extend((held or {}).items())
         if len(buf) >= w._fold_at:
             w._stats._fold(w)
 
@@ -183,17 +231,35 @@ class Worker:
     shares, which is what the bottleneck analysis reads.
     """
 
-    __slots__ = ("name", "_buf", "_cuda", "_stats", "_fold_at", "created", "_spans", "_open_cuda")
+    __slots__ = ("name", "_buf", "_cuda", "_stats", "_fold_at", "created", "_spans", "_open_cuda", "_held",
+                 "_held_cuda", "_held_start", "_step")
 
     def __init__(self, name: str, stats: ProfileStats, fold_at: int) -> None:
         self.name = name
         self._buf: list[tuple[str, float]] = []
-        self._cuda: list[tuple[str, Any, Any]] = []
+        # (category, its event pairs): one pair per span, all of a category's pairs for a step
+        self._cuda: list[tuple[str, tuple[tuple[Any, Any], ...]]] = []
         self._stats = stats
         self._fold_at = fold_at
         self.created = _perf()
         self._spans: dict[str, _Span] = {}
         self._open_cuda: list[_CudaSpan] = []
+        # within a step: category -> seconds of its ended spans, and their CUDA event pairs (None: no step)
+        self._held: dict[str, float] | None = None
+        self._held_cuda: dict[str, list[tuple[Any, Any]]] = {}
+        self._held_start = 0.0
+        self._step = _Step(self)
+
+    def held(self) -> tuple[float, dict[str, float]] | None:
+        """(start, category -> seconds) of the step under way: the time its ended spans hold until it ends;
+        None between steps. Safe from any thread (a dict copy is one atomic operation)."""
+        held = self._held
+        return None if held is None else (self._held_start, dict(held))
+
+    def step(self) -> _Step:
+        """One step: `with w.step(): ...` records each category timed inside it once, as the sum of its
+        spans there (steps do not nest)."""
+        return self._step
 
     def open_spans(self) -> list[tuple[str, float]]:
         """(category, perf_counter start) of every span open now, oldest first. Safe from any thread:
@@ -243,6 +309,9 @@ class _NullWorker:
     def cuda_span(self, category: str, stream: Any = None) -> _NullSpan:
         return _NULL_SPAN
 
+    def step(self) -> _NullSpan:
+        return _NULL_SPAN
+
 
 @dataclass
 class _Window:
@@ -253,6 +322,7 @@ class _Window:
     workers: list[Worker]
     raw: dict[str, list]
     opened: dict[str, list[tuple[str, float]]]
+    held: dict[str, tuple[float, dict[str, float]] | None]
     pending: dict[str, dict[str, Reservoir]]
     unresolved: dict[str, list]
     counters: dict[str, float]
@@ -283,8 +353,8 @@ class ProfileStats:
         self._roles: dict[str, Role] = {}
         self._devices: dict[str, int] = {}
         self._pending: dict[str, dict[str, Reservoir]] = {}
-        self._unresolved: dict[str, list[tuple[str, Any, Any]]] = {}
-        self._device_counts: list[tuple[str, Any, Any]] = []  # see count_device
+        self._unresolved: dict[str, list[tuple[str, tuple[tuple[Any, Any], ...]]]] = {}
+        self._device_counts: list[tuple[str, tuple[tuple[Any, Any], ...]]] = []  # see count_device
         self._dropped = 0
         self._cum: dict[str, dict[str, Reservoir]] = {}
         self._cum_dev: dict[str, dict[str, Reservoir]] = {}
@@ -297,7 +367,7 @@ class ProfileStats:
         self._fold_rng = random.Random(0xF01D)
         self._window_start = _perf()
         # open spans seen at the previous drain: (worker, category, start) -> seconds booked so far
-        self._booked: dict[tuple[str, str, float], float] = {}
+        self._booked: dict[tuple[str, str, float, bool], float] = {}
         # (worker, category) -> booked seconds of spans that have ended but whose sample has not been
         # drained yet: taken off the window share of the sample when it arrives, so no time counts twice
         self._carry: dict[tuple[str, str], float] = {}
@@ -357,7 +427,7 @@ class ProfileStats:
         before the device has done it, such as an NCCL all-reduce."""
         if self.enabled:
             with self._lock:
-                self._device_counts.append((name, start, end))
+                self._device_counts.append((name, ((start, end),)))
                 over = len(self._device_counts) - CUDA_BACKLOG
                 if over > 0:
                     del self._device_counts[:over]
@@ -436,8 +506,9 @@ class ProfileStats:
             self._resolve_device_counts()
             win = self._take_window(now)
             device = self._resolve_window_cuda(win)
-            inflight, since_done = self._book_open(win.workers, win.opened, win.raw, win.pending, now, win.start, t)
-            out_workers = {w.name: self._window_stats(w, win, device.get(w.name, {}), now) for w in win.workers}
+            inflight, since_done, held = self._book_open(win, now, t)
+            out_workers = {w.name: self._window_stats(w, win, device.get(w.name, {}), held.get(w.name, {}), now)
+                           for w in win.workers}
             out_cum = {w.name: self._cumulative_stats(w.name, now - w.created) for w in win.workers}
             rates = {k: (v - self._last_counters.get(k, 0)) / win.seconds if win.seconds > 0 else 0.0
                      for k, v in win.counters.items()}
@@ -468,6 +539,7 @@ class ProfileStats:
             # after the buffers: a span that ends in between is then "ended" here and its sample
             # arrives in a later window, which the carry handles (the other order would book it twice)
             opened = {w.name: w.open_spans() for w in workers}
+            held = {w.name: w.held() for w in workers}
             for w in workers:
                 self._park_cuda(w.name, _take(w._cuda))
             pending, self._pending = self._pending, {}
@@ -477,7 +549,7 @@ class ProfileStats:
         gauges = dict(self._gauges)
         metrics = {k: (list(v) if isinstance(v, list) else v) for k, v in self._metrics.items()}
         start, self._window_start = self._window_start, now
-        return _Window(workers=workers, raw=raw, opened=opened, pending=pending, unresolved=unresolved,
+        return _Window(workers=workers, raw=raw, opened=opened, held=held, pending=pending, unresolved=unresolved,
                        counters=counters, gauges=gauges, metrics=metrics, dropped=dropped, start=start,
                        seconds=now - start)
 
@@ -495,10 +567,11 @@ class ProfileStats:
                     self._park_cuda(name, pairs + newer)
         return device
 
-    def _window_stats(self, w: Worker, win: _Window, dev: dict[str, list[float]], now: float
-                      ) -> dict[str, CategoryStats]:
+    def _window_stats(self, w: Worker, win: _Window, dev: dict[str, list[float]], held: dict[str, float],
+                      now: float) -> dict[str, CategoryStats]:
         """One worker's categories over the window (host time, device time, share of its wall time),
-        folded into its cumulative reservoirs as they go."""
+        folded into its cumulative reservoirs as they go. ``held``: seconds a step under way came to hold
+        in this window, per category (booked as ended time: its spans did end)."""
         name, rng = w.name, self._rng
         wall = now - max(win.start, w.created)
         accs: dict[str, Reservoir] = win.pending.get(name, {})
@@ -527,10 +600,12 @@ class ProfileStats:
                 cats[cat] = CategoryStats(n=0, total=0.0, mean=0.0, p50=0.0, p95=0.0, max=0.0, device=dstats)
                 continue
             cats[cat] = acc.stats(wall, dstats)
-            cats[cat].share = self._window_share(name, cat, acc.total, open_part.pop(cat, 0.0), wall)
+            cats[cat].share = self._window_share(name, cat, acc.total + held.pop(cat, 0.0),
+                                                 open_part.pop(cat, 0.0), wall)
             cum.setdefault(cat, Reservoir(CUM_RESERVOIR)).merge(acc, rng)
-        for cat, part in open_part.items():  # open all window long, or ended without a sample yet
-            share = self._window_share(name, cat, 0.0, part, wall)
+        # open all window long, ended without a sample yet, or held by a step under way
+        for cat in dict.fromkeys([*open_part, *held]):
+            share = self._window_share(name, cat, held.get(cat, 0.0), open_part.get(cat, 0.0), wall)
             if cat in cats:
                 cats[cat].share = share
             else:
@@ -551,31 +626,36 @@ class ProfileStats:
                                          device=d.device_stats(life))
         return out
 
-    def _book_open(
-        self,
-        workers: list[Worker],
-        opened: dict[str, list[tuple[str, float]]],
-        raw: dict[str, list],
-        pending: dict[str, dict[str, Reservoir]],
-        now: float,
-        window_start: float,
-        t: float,
-    ) -> tuple[dict[str, OpenSpan], dict[str, float]]:
-        """What each worker is doing now, how long since it last completed a span, and the carry of
-        spans that ended since the previous drain (their booked time comes off their sample's window).
-        Drain lock held."""
-        booked: dict[tuple[str, str, float], float] = {}
+    def _book_open(self, win: _Window, now: float, t: float
+                   ) -> tuple[dict[str, OpenSpan], dict[str, float], dict[str, dict[str, float]]]:
+        """What each worker is doing now, how long since it last completed a span, the carry of spans and
+        steps that ended since the previous drain (their booked time comes off their sample's window),
+        and per worker and category the seconds a step under way came to hold since then. Drain lock held."""
+        # (worker, category, start, held): an open span by its start, or the time a step holds
+        booked: dict[tuple[str, str, float, bool], float] = {}
         inflight: dict[str, OpenSpan] = {}
         since_done: dict[str, float] = {}
-        for w in workers:
+        held_now: dict[str, dict[str, float]] = {}
+        for w in win.workers:
             name = w.name
-            spans = opened[name]
+            spans = win.opened[name]
             for cat, t0 in spans:
-                booked[(name, cat, t0)] = now - max(t0, w.created)
+                booked[(name, cat, t0, False)] = now - max(t0, w.created)
             if spans:
                 cat, t0 = spans[-1]  # the innermost: the latest to start
                 inflight[name] = OpenSpan(category=cat, start=t - (now - t0), elapsed=now - t0, depth=len(spans))
-            if raw[name] or pending.get(name):
+            step = win.held[name]
+            grew = False
+            if step is not None:
+                start, held = step
+                mine = held_now[name] = {}
+                for cat, secs in held.items():
+                    key = (name, cat, start, True)
+                    booked[key] = secs
+                    if (more := secs - self._booked.get(key, 0.0)) > 0:
+                        mine[cat] = more
+                        grew = True
+            if win.raw[name] or win.pending.get(name) or grew:
                 self._last_done[name] = now
             since_done[name] = now - self._last_done.setdefault(name, w.created)
         for key, secs in self._booked.items():
@@ -583,7 +663,7 @@ class ProfileStats:
                 ck = (key[0], key[1])
                 self._carry[ck] = self._carry.get(ck, 0.0) + secs
         self._booked = booked
-        return inflight, since_done
+        return inflight, since_done, held_now
 
     def _window_share(self, name: str, cat: str, ended: float, open_part: float, wall: float) -> float:
         """Share of the window: time of the spans that ended in it, less what earlier windows already
@@ -602,21 +682,22 @@ class ProfileStats:
 
     @staticmethod
     def _resolve_cuda(
-        unresolved: dict[str, list[tuple[str, Any, Any]]],
+        unresolved: dict[str, list[tuple[str, tuple[tuple[Any, Any], ...]]]],
     ) -> tuple[dict[str, dict[str, list[float]]], dict[str, list], int]:
-        """Device seconds for finished event pairs; unfinished pairs are returned to be retried."""
+        """Device seconds for finished samples (one event pair, or a step's pairs of one category: their
+        sum); unfinished ones are returned to be retried."""
         device: dict[str, dict[str, list[float]]] = {}
         still: dict[str, list] = {}
         dropped = 0
-        for name, pairs in unresolved.items():
+        for name, samples in unresolved.items():
             keep = []
-            for pair in pairs:
-                cat, start, end = pair
+            for sample in samples:
+                cat, pairs = sample
                 try:
-                    if not end.query():
-                        keep.append(pair)
+                    if not all(end.query() for _, end in pairs):
+                        keep.append(sample)
                         continue
-                    ms = start.elapsed_time(end)
+                    ms = sum(start.elapsed_time(end) for start, end in pairs)
                 except Exception:
                     # e.g. an event from a context that no longer exists: nothing to report
                     dropped += 1
@@ -627,6 +708,7 @@ class ProfileStats:
         return device, still, dropped
 
     def pending_cuda(self) -> int:
-        """CUDA span pairs not yet resolved (for tests and the bench)."""
+        """CUDA samples (a span's event pair, or a step's pairs of one category) not yet resolved (for tests
+        and the bench)."""
         with self._lock:
             return sum(len(v) for v in self._unresolved.values()) + sum(len(w._cuda) for w in self._workers.values())

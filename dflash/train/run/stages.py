@@ -265,7 +265,13 @@ class DrafterStage:
 
     def step(self, hb: HiddenBatch, progress: float) -> StepResult:
         """One training step that never waits for the device: every copy is non-blocking from pinned
-        memory, every shape is known on the host, and the metrics stay on the device."""
+        memory, every shape is known on the host, and the metrics stay on the device. Timed as one step:
+        the drafter's pass and its LM head's chunks are one ``drafter_forward`` sample (their sum), so the
+        category's n counts steps and its percentiles describe steps."""
+        with self.tel.step():
+            return self._step(hb, progress)
+
+    def _step(self, hb: HiddenBatch, progress: float) -> StepResult:
         b = hb.batch
         with self.tel.span("h2d"):
             if hb.ready is not None:
