@@ -31,8 +31,9 @@ from dflash.telemetry.wire.protocol import (
 )
 
 T0 = 1_760_000_000.0
-#: the trainer's categories and one of a custom stage's (shown after them, in its own colour)
-CATEGORIES = [*vocab.CATEGORIES, "loader_io"]
+#: the trainer's categories of a run whose targets keep pace (reorder_wait shows only behind a straggling
+#: one) and one of a custom stage's (shown after them, in its own colour)
+CATEGORIES = [*(c for c in vocab.CATEGORIES if c != "reorder_wait"), "loader_io"]
 #: typical share of wall time per category for each kind of worker
 _TARGET = {"target_forward": 0.62, "pack_hidden": 0.09, "hs_queue_put": 0.06, "batch_queue_wait": 0.04, "h2d": 0.05}
 _DRAFTER = {"hs_queue_wait": 0.31, "h2d": 0.04, "drafter_forward": 0.21, "drafter_backward": 0.27,

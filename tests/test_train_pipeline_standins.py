@@ -122,3 +122,49 @@ def test_progress_counts_on_the_clock_it_is_given():
     assert p.shutdown(timeout=1) == [] and p.failure is None
     assert seen == [0.0, 0.25, 0.5, 0.75]
     assert p.depths()[0] <= 2 and p.depths()[1] <= 2
+
+
+def test_a_straggling_target_bounds_what_the_drafter_holds():
+    """Two targets, one stuck on batch 3: the other may run ahead only reorder_window batches past the
+    drafter (waiting in reorder_wait, seen live), so the batches held for in-order consumption stay
+    bounded (unbounded, they were GPU-resident hidden states piling up); released, all train in order."""
+    stats = ProfileStats()
+    stuck, computed, consumed = threading.Event(), [], []
+
+    class Target:
+        def __init__(self, i: int):
+            self.name, self.device, self.tel = f"target-{i}", CPU, stats.worker(f"target-{i}")
+
+        def __call__(self, batch):
+            if batch.index == 3:
+                assert stuck.wait(30), "the stuck target was never released"
+            computed.append(batch.index)
+            return SimpleNamespace(batch=batch)
+
+    state = TrainCounters()
+    advance = _advance(state)
+
+    def on_step(r) -> bool:
+        advance(r)
+        return state.step < 12
+
+    def step(hidden, progress):
+        consumed.append(hidden.batch.index)
+        return SimpleNamespace()
+
+    drafter = SimpleNamespace(device=CPU, tel=stats.worker("drafter-0"), step=step)
+    cfg = _cfg()  # hs_queue_size 2, two targets: the window is 4
+    p = Pipeline(lambda i: SimpleNamespace(index=i), [Target(0), Target(1)], drafter, cfg.pipeline, cfg.run,
+                 stats, state, on_step)
+    p.start()
+    deadline = time.monotonic() + 30
+    while not any(cat == "reorder_wait" for w in ("target-0", "target-1")
+                  for cat, _ in stats.worker(w).open_spans()):
+        assert time.monotonic() < deadline and p.failure is None, f"no target waited; computed {computed}"
+        time.sleep(0.01)
+    assert consumed == [0, 1, 2] and max(computed) <= 3 + 4, computed
+    stuck.set()
+    for t in p.threads:
+        t.join(10)
+    assert p.shutdown(timeout=1) == [] and p.failure is None
+    assert consumed == list(range(12))

@@ -13,9 +13,10 @@ from enum import StrEnum
 
 # --- categories ------------------------------------------------------------------------------------
 
-#: the trainer's own timing categories, in pipeline order (also the TUI's display order)
+#: the trainer's own timing categories, in pipeline order (also the TUI's display order), then those added
+#: since (at the end: a category's colour is its place here, and colours stay what users learnt)
 CATEGORIES = ("batch_queue_wait", "target_forward", "pack_hidden", "hs_queue_put", "hs_queue_wait", "h2d",
-              "drafter_forward", "drafter_backward", "optimizer_step", "checkpoint", "eval")
+              "drafter_forward", "drafter_backward", "optimizer_step", "checkpoint", "eval", "reorder_wait")
 #: a hidden-states cache's: read in place of target_forward (cache_read), waited for when following a
 #: directory still being written (cache_wait), written by `dflash data cache` (cache_write)
 CACHE_CATEGORIES = ("cache_wait", "cache_read", "cache_write")

@@ -29,6 +29,7 @@ import torch
 
 from dflash.train import distributed
 from dflash.train.device.binding import cuda_ordinal
+from dflash.train.run.pipeline import reorder_window
 
 #: the share of free memory a step may plan to fill: the rest absorbs what saved tensors do not show
 #: (backward's transient gradients, one chunk of logits, allocator fragmentation)
@@ -200,9 +201,10 @@ def size_to_device(stage: Any, target: Any, target_devices: list[torch.device], 
         if stage.device.type != "cuda":
             return batch_size, num_anchors
         free = free_bytes(stage.device)
-    # hidden-state batches on the drafter's device at once: the queue's, the one in use, the one being
-    # copied over, and the one a target on the same device is producing
-    in_flight = hs_queue_size + 2 + (stage.device in target_devices)
+    # hidden-state batches on the drafter's device at once: the one in use and the reorder window after it
+    # (the queue's and one per target: the pipeline bounds it), and the one a target on the same device
+    # is producing
+    in_flight = 1 + reorder_window(hs_queue_size, len(target_devices)) + (stage.device in target_devices)
     # the taps, and the target's final state after them for an objective that needs the verifier
     width = (len(target.layer_ids) + (stage.verifier_head is not None)) * target.hidden_size
     fit, model = fit_to_device(stage, width, target.dtype, in_flight, seq_len=seq_len, batch_size=batch_size,

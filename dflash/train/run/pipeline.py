@@ -8,6 +8,11 @@ Bounded queues give back-pressure (a slow drafter stalls the targets rather than
 the time each worker spends blocked on them is exactly what tells the bottleneck: drafters waiting on
 ``hs_queue_wait`` mean the targets are too slow, targets blocked on ``hs_queue_put`` mean the drafter is.
 
+Targets may finish out of order (several of them, one slower); the drafter consumes in batch order,
+holding batches that overtook an earlier one. That reorder buffer is bounded: a target waits
+(``reorder_wait``) before computing a batch more than ``reorder_window`` past the one the drafter is on,
+so the hidden-state batches on the drafter's device never exceed what the memory plan counted.
+
 Any exception in a worker sets the shared stop flag; every blocking queue operation polls it, so the
 whole pipeline winds down within a fraction of a second and the main thread reports that worker's
 traceback. In sync mode (``pipeline = false``) one thread runs target forward and drafter step in turn.
@@ -64,6 +69,13 @@ class TrainCounters:
     last: StepResult | None = None
 
 
+def reorder_window(hs_queue_size: int, targets: int) -> int:
+    """How far past the batch the drafter is on a target may compute: the queue's batches plus one in
+    each target, which never throttles targets of equal speed, and bounds what the drafter holds (the
+    batch in use and at most this many after it) when one target straggles."""
+    return hs_queue_size + targets
+
+
 def put(q: queue.Queue, item, stop: threading.Event) -> None:
     while True:
         try:
@@ -104,6 +116,10 @@ class Pipeline:
         self.error: BaseException | None = None  # the exception behind `failure`
         self.batch_q: queue.Queue = queue.Queue(maxsize=settings.batch_queue_size)
         self.hs_q: queue.Queue = queue.Queue(maxsize=settings.hs_queue_size)
+        # the batch the drafter is on (or takes next): targets compute at most reorder_window past it
+        self.front = state.next_batch
+        self.window = reorder_window(settings.hs_queue_size, len(targets))
+        self.moved = threading.Condition()
         self.threads: list[threading.Thread] = []
 
     # --- workers --------------------------------------------------------------------------------------
@@ -150,6 +166,12 @@ class Pipeline:
             # spans, not measured-then-added: a worker blocked on a queue then shows as waiting, live
             with tel.span("batch_queue_wait"):
                 batch = get(self.batch_q, self.stop)
+            if batch.index > self.front + self.window:
+                with tel.span("reorder_wait"), self.moved:
+                    while batch.index > self.front + self.window:
+                        if self.stop.is_set():
+                            raise Stopped
+                        self.moved.wait(_POLL)
             hb = stage(batch)
             with tel.span("hs_queue_put"):
                 put(self.hs_q, hb, self.stop)
@@ -167,6 +189,9 @@ class Pipeline:
             hb = pending.pop(self.state.next_batch)
             if not self.on_step(self.drafter.step(hb, self.progress())):
                 self.stop.set()
+            with self.moved:
+                self.front = hb.batch.index + 1
+                self.moved.notify_all()
 
     def progress(self) -> float:
         """Fraction of the run done, by steps or by time, whichever is further along."""
