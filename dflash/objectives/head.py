@@ -37,9 +37,24 @@ Span = Callable[[str], Any]
 VERIFIER_CATEGORY = OBJECTIVE_CATEGORIES[0]
 
 
+#: float32 [chunk, vocab] tensors one chunk has alive at its peak, at most: its logits, their softmax (or
+#: log-softmax), the gradient with respect to them, and a loss to the verifier's distribution needs the
+#: verifier's logits and log-probabilities beside them
+CHUNK_LIVE = 5
+
+
 def chunk_rows(vocab: int) -> int:
-    """Rows per chunk for a head of ``vocab`` outputs (see CHUNK_BYTES)."""
+    """Rows per chunk for a head of ``vocab`` outputs (see CHUNK_BYTES): every pass of the LM head over
+    many rows (the token loss, the selector's) takes them this many at a time."""
     return max(MIN_CHUNK, CHUNK_BYTES // (4 * max(1, vocab)))
+
+
+def chunk_peak_bytes(vocab: int, rows: int | None = None) -> int:
+    """The most one chunk through a head of ``vocab`` outputs holds at once, beyond what autograd keeps:
+    what a step's memory plan adds for the head whatever its batch (one chunk at a time; ``rows``: a
+    step with fewer rows than a chunk)."""
+    chunk = chunk_rows(vocab) if rows is None else min(rows, chunk_rows(vocab))
+    return CHUNK_LIVE * chunk * vocab * 4
 
 
 class _RowGradients(torch.autograd.Function):

@@ -24,7 +24,10 @@ and **accuracy**, the share of those where the selector's best-scoring candidate
 (teacher-forced). Both are summed on the device with the step's other metrics and read once per interval.
 
 The head is applied again to the supervised rows here, chunk by chunk under activation checkpointing (the
-token loss keeps no logits), so the selector's cost is its own span of the step (``selector``).
+token loss keeps no logits), so the selector's cost is its own span of the step (``selector``). Its chunks
+are the token loss's (``head.chunk_rows``): one policy for the head, whose one chunk at a time is what the
+memory plan counts (``head.chunk_peak_bytes``). A chunk keeps no logits for backward either way (top-k
+keeps its indices), so the measuring forwards of the plan see a row's bytes as a full step keeps them.
 
 A DFlash2 drafter asks for this term (``objective_terms``); its weight and schedule are the run's
 ``--selector-loss-weight``, ``--selector-warmup`` and ``--selector-ramp``.
@@ -40,11 +43,9 @@ from torch import nn
 
 from dflash.objectives import register
 from dflash.objectives.base import LABELS, Forward, Term, TermValue
+from dflash.objectives.head import chunk_rows
 from dflash.objectives.positions import exp_weights
 from dflash.telemetry.wire.vocab import SELECTOR
-
-#: rows of [rows, vocab] logits the selector takes through the head at once
-CHUNK = 4096
 
 
 def predecessors(input_ids: torch.Tensor, anchors: torch.Tensor, sel: torch.Tensor, slot: torch.Tensor,
@@ -87,14 +88,15 @@ def _chunk_terms(selector: nn.Module, lm_head: nn.Module, h: torch.Tensor, label
 
 def selector_terms(selector: nn.Module, lm_head: nn.Module, h: torch.Tensor, labels: torch.Tensor,
                    before: torch.Tensor, weights: torch.Tensor,
-                   chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                   chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum over the covered slots of weight x the selector's cross-entropy, differentiable; float32
     [covered, correct] counts) for the supervised slots' drafter states ``h`` [S, H], their ``labels``,
     the tokens ``before`` them and their position ``weights``. ``selector`` is a CandidateSelector,
-    ``lm_head`` the target's frozen head as the target applies it. Chunks of ``chunk`` rows, each
-    recomputed in backward when it needs a gradient."""
+    ``lm_head`` the target's frozen head as the target applies it. Chunks of ``chunk`` rows (default: the
+    head's policy, ``chunk_rows``), each recomputed in backward when it needs a gradient."""
     if h.shape[0] == 0:
         return h.sum() * 0.0, torch.zeros(2, device=h.device)
+    chunk = chunk or chunk_rows(int(lm_head.weight.shape[0]))
     parts = []
     for i in range(0, h.shape[0], chunk):
         args = (h[i:i + chunk], labels[i:i + chunk], before[i:i + chunk], weights[i:i + chunk])

@@ -27,12 +27,13 @@ from typing import Any
 
 import torch
 
+from dflash.objectives.head import chunk_peak_bytes
 from dflash.train import distributed
 from dflash.train.device.binding import cuda_ordinal
 from dflash.train.run.pipeline import reorder_window
 
 #: the share of free memory a step may plan to fill: the rest absorbs what saved tensors do not show
-#: (backward's transient gradients, one chunk of logits, allocator fragmentation)
+#: (backward's transient gradients, allocator fragmentation); the head's chunk is counted in the plan
 HEADROOM = 0.9
 GIB = 1 << 30
 
@@ -173,7 +174,10 @@ def fit_to_device(stage: Any, hidden_width: int, hidden_dtype: torch.dtype, in_f
     block = stage.drafter.config.block_size
     model = measure_activations(stage, hidden_width, hidden_dtype, seq_len)
     hidden_per_sample = in_flight * seq_len * hidden_width * torch.empty((), dtype=hidden_dtype).element_size()
-    fixed = first_step_bytes(stage.drafter) + model.per_step
+    # the LM head's one chunk of logits at a time (and what a loss holds beside them): a step's transient
+    # peak that autograd never keeps, so the measuring forwards cannot see it
+    head = chunk_peak_bytes(int(stage.lm_head.weight.shape[0]))
+    fixed = first_step_bytes(stage.drafter) + model.per_step + head
     if free is None:
         free = free_bytes(stage.device)
     fit = fit_recipe(free, fixed, lambda a: model.sample_bytes(a, block) + hidden_per_sample,
