@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_rollback.py
 	$(BIN)/python scripts/bench_cache.py
 	$(BIN)/python scripts/bench_target_memory.py
+	$(BIN)/python scripts/bench_fp8_taps.py
 
 # speculators' own code for tests/test_speculators_interop.py, beside this venv's torch and without vLLM:
 # --no-deps, since its pins would replace this venv's datasets/transformers; the few imports it needs follow.

@@ -85,6 +85,30 @@ def test_per_token_scales_and_the_error_they_bound():
     assert torch.equal(bq[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(bs[0], scales)
 
 
+def test_per_tap_scales_keep_an_early_tap_beside_a_deep_ones_outliers(tmp_path):
+    """A first tap 10^4 times smaller than the last slot's largest value: under the shared per-token
+    scale many of its values fall below FP8's normal range (2^-6 of the scale) or to zero; with a scale
+    per token and tap it keeps e4m3's precision, and the file reads back through the same reader."""
+    g = torch.Generator().manual_seed(0)
+    hs = torch.randn(16, 3, 64, generator=g) * torch.tensor([0.01, 1.0, 10.0])[None, :, None]
+    hs[:, 2, 0] = 1000.0  # an outlier channel of the deepest slot, on every token
+
+    def first_tap_error(per_tap: bool) -> float:
+        q, scales = quantize_fp8(hs, per_tap=per_tap)
+        back = dequantize_fp8(q, scales, torch.float32)
+        return float((back - hs)[:, 0].norm() / hs[:, 0].norm())
+
+    shared, per_tap = first_tap_error(False), first_tap_error(True)
+    assert per_tap < 0.04 < 0.1 < shared  # e4m3's ~2.7% against several times that
+    q, scales = quantize_fp8(hs, per_tap=True)
+    assert scales.shape == (16, 3, 1)
+    path = sample_path(tmp_path, 0)
+    write_sample(path, q, torch.arange(16), scales)
+    got, _ = read_sample(path)
+    assert torch.equal(got, dequantize_fp8(q, scales, torch.float32))
+    assert tuple(read_stored(path)[2].shape) == (16, 3, 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_every_code_dequantises_as_torch_converts_it(dtype):
     """The bit arithmetic against torch's own float8 conversion, all 256 codes (the two NaN codes
@@ -122,7 +146,8 @@ def _bad(path: Path, **tensors: torch.Tensor) -> bytes:
 
 @pytest.mark.parametrize("case, why", [
     ("no scales", r"hidden_states is float8_e4m3fn but the file has no 'hidden_states_scales'"),
-    ("scales per slot", r"hidden_states_scales is float32 \[5, 3, 1\], expected a float \[5, 1, 1\]"),
+    ("scales per unit", r"hidden_states_scales is float32 \[5, 3, 8\], expected a float \[5, 1, 1\] \(one "
+                        r"scale per token\) or \[5, 3, 1\] \(per token and tap\)"),
     ("scales flat", r"hidden_states_scales is float32 \[5\], expected a float \[5, 1, 1\]"),
     ("integer scales", r"hidden_states_scales is int64 \[5, 1, 1\], expected a float \[5, 1, 1\]"),
     ("scales on bf16", r"has 'hidden_states_scales' but hidden_states is bfloat16, not float8_e4m3fn"),
@@ -131,7 +156,7 @@ def test_bad_fp8_files_are_one_line_and_left_as_they_are(tmp_path, case, why):
     q, scales = quantize_fp8(torch.randn(5, 3, 8))
     tensors = {
         "no scales": {"hidden_states": q},
-        "scales per slot": {"hidden_states": q, SCALES: scales.expand(5, 3, 1).contiguous()},
+        "scales per unit": {"hidden_states": q, SCALES: scales.expand(5, 3, 8).contiguous()},
         "scales flat": {"hidden_states": q, SCALES: scales.flatten()},
         "integer scales": {"hidden_states": q, SCALES: torch.ones(5, 1, 1, dtype=torch.int64)},
         "scales on bf16": {"hidden_states": torch.randn(5, 3, 8).bfloat16(), SCALES: scales},
@@ -163,6 +188,14 @@ def test_the_cache_command_writes_fp8(caches):
                                                                  torch.float32) < 400
     size = {name: sum(sample_path(caches / name, i).stat().st_size for i in range(ROWS)) for name in ("fp32", "fp8")}
     assert size["fp8"] < 0.27 * size["fp32"]
+
+
+def test_fp8_scales_without_fp8_is_one_line(tmp_path, capsys):
+    assert main(["data", "cache", "--target", "tiny", "--data", "demo", "--out", str(tmp_path / "c"),
+                 "--fp8-scales", "tap", "--no-telemetry"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--fp8-scales is for FP8 files: give --dtype fp8 too") and "\n" not in err
+    assert not (tmp_path / "c").exists()
 
 
 def test_a_rerun_in_another_dtype_is_refused(caches, tmp_path, capsys):

@@ -148,6 +148,24 @@ def test_our_fp8_files_are_what_their_quantiser_writes(cache_dir, fp8_dir):
             assert torch.equal(got["hidden_states"], hs) and torch.equal(got["token_ids"], ids)
 
 
+def test_their_fp8_reader_reads_our_per_tap_scales(tmp_path, cache_dir):
+    """`--fp8-scales tap` (dflash's own option, not a layout they write): their ``FP8Transfer`` multiplies
+    by the scales as they broadcast, so it reads our files to what our reader gives, in bf16 and fp32."""
+    tap_dir = _cache(tmp_path / "tap", "--dtype", "fp8", "--fp8-scales", "tap")
+    for i in range(ROWS):
+        raw = load_file(str(sample_path(tap_dir, i)))
+        assert raw[SCALES_KEY].shape == (raw["hidden_states"].shape[0], raw["hidden_states"].shape[1], 1)
+        ref, _ = read_sample(sample_path(cache_dir, i))
+        got, _ = read_sample(sample_path(tap_dir, i))
+        assert ((got - ref).norm(dim=-1) <= ref.norm(dim=-1) / 16).all()  # e4m3 per tap, every slot
+    for dtype in (torch.bfloat16, torch.float32):
+        transfer = FP8Transfer(sample_path(tap_dir, 0).parent, dequantize_dtype=dtype)
+        for i in range(ROWS):
+            hs, ids = read_sample(sample_path(tap_dir, i), fp8_as=dtype)
+            got = transfer.get_cached(i)
+            assert torch.equal(got["hidden_states"], hs) and torch.equal(got["token_ids"], ids)
+
+
 @pytest.fixture
 def their_fp8_writer(request):
     """The write step of hs-connectors' FP8 connector (``FP8HiddenStatesConnector._write_tensors``: quantise,

@@ -40,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--dtype", choices=sorted(CACHE_DTYPES), default=None,
                    help="what the files hold (default: the target's dtype); fp8: float8_e4m3fn with one float32 "
                    "scale per token, the layout of speculators' FP8 backend, a quarter of fp32's bytes")
+    c.add_argument("--fp8-scales", choices=("token", "tap"), default="token",
+                   help="with --dtype fp8: one scale per token over all layers (default: the shared layout "
+                   "speculators writes), or per token and layer (dflash's own; speculators' reader reads it "
+                   "too): early layers keep their precision beside the last ones' outliers (docs/cache.md)")
     c.add_argument("--device", default="cpu", help="cpu, cuda (under torchrun: each rank's own GPU), cuda:N")
     c.add_argument("--socket-dir", type=Path, default=None, help="where the telemetry socket goes (as `dflash train`)")
     c.add_argument("--no-telemetry", action="store_true", help="no telemetry socket for dflash-top and no "
@@ -100,6 +104,8 @@ def _cache(args: argparse.Namespace) -> int:
     rank, world = dist.rank, dist.world_size
     if args.max_samples is not None and args.max_samples < 1:
         raise CliError(f"--max-samples must be at least 1, got {args.max_samples}")
+    if args.fp8_scales != "token" and args.dtype != "fp8":
+        raise CliError("--fp8-scales is for FP8 files: give --dtype fp8 too")
     data = resolve_data(args.data)
     bind_thread(thread_device(resolve(device)))  # never a context on GPU 0 for a rank on another GPU
     target = _cache_target(args, device)
@@ -130,7 +136,8 @@ def _cache(args: argparse.Namespace) -> int:
         print(f"telemetry: {server.path}", flush=True)
     try:
         report = write_cache(target, samples, out, share, stats, batch_size=args.batch_size,
-                             log=lambda line: print(line, flush=True), dtype=dtype)
+                             log=lambda line: print(line, flush=True), dtype=dtype,
+                             per_tap_scales=args.fp8_scales == "tap")
     finally:
         if server is not None:
             server.close()

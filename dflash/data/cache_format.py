@@ -83,13 +83,19 @@ def parse_dtype(name: str) -> torch.dtype:
 
 # --- one sample -----------------------------------------------------------------------------------
 
-def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(hidden: torch.Tensor, per_tap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden [..., slots, H]`` -> ``(float8_e4m3fn, float32 scales [..., 1, 1])``, one scale per token
     (its largest magnitude over every slot maps to FP8's largest value, 448), the arithmetic of the FP8
     backend's writer, so either tool's file of the same states holds the same bytes. Tokens are
-    independent: a padded batch quantises to the same values as its samples one by one."""
+    independent: a padded batch quantises to the same values as its samples one by one.
+
+    ``per_tap``: one scale per token and slot instead (scales ``[..., slots, 1]``, dflash's own option):
+    the shared scale is set by the slot with the largest magnitudes (the deepest layers' outliers), which
+    leaves an early tap's values few of FP8's codes (docs/cache.md has the figures). The FP8 backend's
+    reader multiplies by the scales as they broadcast, so it reads such a file right too."""
     x = hidden.float()
-    scales = (x.abs().amax(dim=(-2, -1), keepdim=True) / _FP8_MAX).clamp(min=_SCALE_FLOOR)
+    over = (-1,) if per_tap else (-2, -1)
+    scales = (x.abs().amax(dim=over, keepdim=True) / _FP8_MAX).clamp(min=_SCALE_FLOOR)
     return (x / scales).to(FP8), scales
 
 
@@ -118,7 +124,7 @@ def dequantize_fp8(fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, 
 def write_sample(path: Path, hidden: torch.Tensor, token_ids: torch.Tensor, scales: torch.Tensor | None = None) -> int:
     """Write one sample atomically: a hidden temporary in the same directory, then a rename, so a
     reader (``--follow``, speculators) sees the whole file or none; ``scales``: an FP8 sample's
-    ``[seq, 1, 1]`` per-token scales. Returns the bytes written."""
+    ``[seq, 1, 1]`` per-token (or ``[seq, slots, 1]`` per-tap) scales. Returns the bytes written."""
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,7 +212,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], int]:
 
 
 def read_stored(path: Path, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(hidden_states [seq, slots, H], token_ids [seq], scales [seq, 1, 1] or None)`` as the file holds
+    """``(hidden_states [seq, slots, H], token_ids [seq], scales [seq, 1 or slots, 1] or None)`` as the file holds
     them, read straight into one buffer (page-locked when ``pin``, so the copy to a GPU can be
     asynchronous), shapes checked against each other; ``scales`` only in an FP8 file."""
     tensors, data_start = read_header(path)
@@ -225,9 +231,11 @@ def read_stored(path: Path, pin: bool = False) -> tuple[torch.Tensor, torch.Tens
     if sc is not None and hs.dtype != FP8:
         raise CacheError(f"{path}: has {SCALES!r} but hidden_states is {dtype_name(hs.dtype)}, not "
                          f"{dtype_name(FP8)}: not a file either writer makes; {REWRITE}")
-    if sc is not None and (sc.shape != (hs.shape[0], 1, 1) or not sc.dtype.is_floating_point):
+    if sc is not None and (sc.shape not in ((hs.shape[0], 1, 1), (hs.shape[0], hs.shape[1], 1))
+                           or not sc.dtype.is_floating_point):
         raise CacheError(f"{path}: {SCALES} is {dtype_name(sc.dtype)} {list(sc.shape)}, expected a float "
-                         f"[{hs.shape[0]}, 1, 1] (one scale per token); {REWRITE}")
+                         f"[{hs.shape[0]}, 1, 1] (one scale per token) or [{hs.shape[0]}, {hs.shape[1]}, 1] (per "
+                         f"token and tap); {REWRITE}")
     total = os.path.getsize(path) - data_start
     buf = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
     with path.open("rb") as f:
@@ -405,8 +413,9 @@ def read_rows(root: Path) -> list[Sample]:
     return samples
 
 
-def cache_bytes(seq_lens: list[int], slots: int, hidden: int, dtype: torch.dtype) -> int:
+def cache_bytes(seq_lens: list[int], slots: int, hidden: int, dtype: torch.dtype, per_tap_scales: bool = False) -> int:
     """Disk the sample files take: tokens x (L + 1) x H x bytes, plus 8 bytes of token id per token
-    (and 4 of scale in an FP8 cache)."""
+    (and 4 of scale in an FP8 cache, per slot with ``per_tap_scales``)."""
     tokens = sum(seq_lens)
-    return tokens * slots * hidden * dtype.itemsize + tokens * (8 + 4 * (dtype == FP8))
+    scales = 4 * (slots if per_tap_scales else 1) * (dtype == FP8)
+    return tokens * slots * hidden * dtype.itemsize + tokens * (8 + scales)

@@ -153,10 +153,11 @@ def check_disk(out: Path, need: int, how: str, log: Callable[[str], None]) -> No
 
 def write_cache(target: Any, samples: list[Sample], out: Path, share: range, stats: Any,
                 batch_size: int = 8, log: Callable[[str], None] = print, every: float = 5.0,
-                dtype: torch.dtype | None = None) -> CacheReport:
+                dtype: torch.dtype | None = None, per_tap_scales: bool = False) -> CacheReport:
     """Write ``hs_i`` for every row ``i`` in ``share`` that is not on disk yet, in ``dtype`` (default:
-    the target's; ``float8_e4m3fn``: FP8 with per-token scales). ``stats``: the ProfileStats the two
-    workers report to. The rows and the sidecar are the caller's (rank 0's)."""
+    the target's; ``float8_e4m3fn``: FP8 with per-token scales, or per token and tap with
+    ``per_tap_scales``). ``stats``: the ProfileStats the two workers report to. The rows and the sidecar
+    are the caller's (rank 0's)."""
     dtype = dtype or target.dtype
     _drop_stale_temporaries(out / HIDDEN_DIR, log)
     todo = [i for i in share if not is_ready(sample_path(out, i))]
@@ -165,8 +166,8 @@ def write_cache(target: Any, samples: list[Sample], out: Path, share: range, sta
         log(f"cache: {plural(skipped, 'file')} of this share already written, skipped")
     slots = len(target.layer_ids) + 1
     lens = [len(samples[i].input_ids) for i in todo]
-    need = cache_bytes(lens, slots, target.hidden_size, dtype)
-    scale_note = " + a 4-byte scale per token" if dtype == FP8 else ""
+    need = cache_bytes(lens, slots, target.hidden_size, dtype, per_tap_scales)
+    scale_note = (f" + a 4-byte scale per token{' and layer' if per_tap_scales else ''}" if dtype == FP8 else "")
     check_disk(out, need, f"{plural(len(todo), 'sample')}, {sum(lens):,} tokens x {slots} layers x "
                f"{target.hidden_size} x {dtype.itemsize} bytes ({dtype_name(dtype)}){scale_note}", log)
     progress = _Progress(len(todo), log, every)
@@ -202,7 +203,7 @@ def write_cache(target: Any, samples: list[Sample], out: Path, share: range, sta
                 # Right-padded, no mask: causal attention keeps padding out of every real token's states.
                 states = engine_states(target, ids.to(target.device))
                 if dtype == FP8:
-                    states, scales = (t.cpu() for t in quantize_fp8(states))
+                    states, scales = (t.cpu() for t in quantize_fp8(states, per_tap_scales))
                 else:
                     states, scales = states.to(dtype).cpu(), None
             for r, i in enumerate(rows):
