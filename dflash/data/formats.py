@@ -1,7 +1,10 @@
 """Training data: JSONL rows in three shapes, tokenized with a loss mask on what the drafter learns.
 
 * ``{"messages": [{"role": ..., "content": ...}, ...]}`` — rendered with the tokenizer's chat template;
-  the loss mask is on assistant turns only.
+  the loss mask is on what each assistant turn writes (its reasoning where the template renders it, its
+  content, and the special token that ends the turn), never on headers or other roles' turns. An
+  assistant message may carry its reasoning in ``reasoning_content`` (or ``thinking``) or as a leading
+  ``<think>...</think>`` block in its content.
 * ``{"prompt": "...", "response": "..."}`` — the mask is on the response.
 * ``{"text": "..."}`` — the mask is on everything.
 
@@ -11,6 +14,7 @@ A bad line stops loading with ``file:line: reason``: silently skipping rows hide
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +56,14 @@ def _text_field(row: dict, key: str, where: str) -> str:
     return value
 
 
+THINKING_MODES = ("auto", "on", "off")
+# Where datasets keep an assistant turn's reasoning: most use reasoning_content (Qwen's templates read
+# it); the gpt-oss template reads `thinking`.
+REASONING_KEYS = ("reasoning_content", "thinking")
+# A reasoning block written inline at the start of an assistant's content.
+_INLINE_THINK = re.compile(r"\s*<think>(.*?)</think>(.*)", re.S)
+
+
 def _check_messages(row: dict, where: str) -> list[dict]:
     messages = row["messages"]
     if not isinstance(messages, list) or not messages:
@@ -59,32 +71,201 @@ def _check_messages(row: dict, where: str) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise DataError(f"{where}: messages[{i}] needs string 'role' and 'content'")
+        for key in REASONING_KEYS:
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise DataError(f"{where}: messages[{i}].{key} must be a string, got {type(m[key]).__name__}")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: 'messages' has no assistant turn to learn from")
     return messages
+
+
+def _check_thinking(thinking: str) -> None:
+    if thinking not in THINKING_MODES:
+        raise ValueError(f"thinking must be one of {', '.join(THINKING_MODES)}, got {thinking!r}")
+
+
+def _reasoning_field(m: dict) -> str:
+    return next((m[k] for k in REASONING_KEYS if isinstance(m.get(k), str) and m[k].strip()), "")
+
+
+def _split_inline(content: str) -> tuple[str, str] | None:
+    """(reasoning, answer) of content that opens with a <think> block; None when it has none."""
+    match = _INLINE_THINK.fullmatch(content)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def carries_reasoning(row: dict) -> bool:
+    """Whether a row has reasoning for the drafter to learn: a reasoning field, or a non-empty
+    <think> block, on an assistant turn (or in a prompt row's response)."""
+    if isinstance(row.get("messages"), list):
+        for m in row["messages"]:
+            if not isinstance(m, dict) or m.get("role") != "assistant":
+                continue
+            inline = _split_inline(m["content"]) if isinstance(m.get("content"), str) else None
+            if _reasoning_field(m) or (inline and inline[0].strip()):
+                return True
+        return False
+    inline = _split_inline(row["response"]) if isinstance(row.get("response"), str) else None
+    return bool(inline and inline[0].strip())
+
+
+def thinking_mismatch(n_rows: int, n_reasoning: int, mode: str) -> str | None:
+    """One line warning that the data disagrees with the thinking mode, or None when it agrees.
+
+    The drafter is trained on the data as the target will be served: rows with reasoning under
+    thinking off lose it, and rows without it under thinking on teach answers the target, thinking
+    first, never writes. Under auto the template's default decides, which the data cannot contradict."""
+    _check_thinking(mode)
+    if mode == "off" and n_reasoning:
+        return (f"{n_reasoning} of {n_rows} rows carry reasoning but thinking is off: their reasoning is left "
+                f"out (use thinking on if the target is served thinking)")
+    if mode == "on" and n_reasoning < n_rows:
+        return (f"{n_rows - n_reasoning} of {n_rows} rows carry no reasoning but thinking is on: the drafter "
+                f"learns answers the target, thinking first, would not write straight away")
+    return None
+
+
+def _served_messages(messages: list[dict], thinking: str) -> list[dict]:
+    """The messages as the template should see them. Under thinking off an assistant turn loses its
+    reasoning, field and inline block alike: templates differ in whether enable_thinking=False drops it
+    (Qwen3's still renders the last turn's reasoning_content), so it is dropped here. Otherwise a
+    reasoning field is offered under every name a template reads."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            reasoning = _reasoning_field(m)
+            m = {k: v for k, v in m.items() if k not in REASONING_KEYS}
+            if thinking == "off":
+                inline = _split_inline(m["content"])
+                if inline:
+                    m["content"] = inline[1]
+            elif reasoning:
+                m.update(dict.fromkeys(REASONING_KEYS, reasoning))
+        out.append(m)
+    return out
+
+
+def _render(tokenizer, messages: list[dict], thinking: str, where: str, generation_prompt: bool = False) -> str:
+    """The chat template's text; on/off pass the template's enable_thinking, auto its default."""
+    kwargs = {} if thinking == "auto" else {"enable_thinking": thinking == "on"}
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                             **kwargs)
+    except Exception as e:  # noqa: BLE001 - a template raises whatever its author chose (jinja, TypeError, ...)
+        raise DataError(f"{where}: the chat template cannot render this row ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
+    """Where `piece` first occurs in `text` at or after `start`, or its whitespace-trimmed form (templates
+    commonly trim turns); None if neither does or it is blank."""
+    for candidate in (piece, piece.strip()):
+        if candidate.strip():
+            at = text.find(candidate, start)
+            if at >= 0:
+                return at, at + len(candidate)
+    return None
+
+
+def _assistant_span(text: str, m: dict, cursor: int) -> tuple[int, int, bool] | None:
+    """(start, end, ends_turn) of what an assistant turn writes in the rendered text, searched from
+    `cursor`: its reasoning if the template rendered it, through its content. ends_turn says the
+    content was found, so the token right after it is the turn's end. None when it is not there.
+
+    The content is tried as given, then (for a leading <think> block the template split off) as the
+    answer after that block with the block's text as the reasoning."""
+    inline = _split_inline(m["content"])
+    tries = [(_reasoning_field(m), m["content"])] + ([inline] if inline else [])
+    for reasoning, body in tries:
+        if not body.strip():  # a turn of reasoning only: nothing ends it that the drafter writes next
+            r = _find(text, reasoning, cursor) if reasoning.strip() else None
+            return (r[0], r[1], False) if r else (cursor, cursor, False)
+        b = _find(text, body, cursor)
+        if b is None:
+            continue
+        r = _find(text, reasoning, cursor) if reasoning.strip() else None
+        # Rendered reasoning comes before the content; content may repeat inside the reasoning, so the
+        # content is then searched for again after it. Reasoning found only after (or overlapping) the
+        # content's first occurrence was not rendered in this turn.
+        if r and (r[1] <= b[0] or (r[0] <= b[0] and b[1] <= r[1])):
+            after = _find(text, body, r[1])
+            if after:
+                return r[0], after[1], True
+        return b[0], b[1], True
+    return None
+
+
+def _turn_spans(text: str, messages: list[dict], where: str) -> list[tuple[int, int, bool]]:
+    """The character spans the drafter learns, one per assistant turn, found in order. Every turn's
+    content anchors the search, so an assistant reply that repeats the user's words is found in the
+    reply, not in the question."""
+    spans = []
+    cursor = 0
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            span = _assistant_span(text, m, cursor)
+            if span is None:
+                raise DataError(f"{where}: messages[{i}] (assistant) does not appear verbatim in the chat "
+                                f"template's rendering (the template rewrote it), so its tokens cannot be found")
+            spans.append(span)
+            cursor = max(cursor, span[1])
+        else:
+            # A turn the template rewrote or dropped (a system prompt folded elsewhere) leaves the cursor.
+            found = _find(text, m["content"], cursor)
+            if found:
+                cursor = found[1]
+    return spans
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = set(tokenizer.all_special_ids)
+    ids.update(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False))
+    return ids
+
+
+def _encode_messages(row: dict, tokenizer, where: str, thinking: str) -> Sample:
+    messages = _check_messages(row, where)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{where}: 'messages' rows need a tokenizer with a chat template")
+    served = _served_messages(messages, thinking)
+    # Rendered once, as a whole: templates render a turn differently depending on what follows it
+    # (Qwen3 gives the last assistant turn an empty <think> block and drops it once a user turn
+    # follows), so a conversation is not its prefixes put together.
+    text = _render(tokenizer, served, thinking, where)
+    spans = _turn_spans(text, served, where)
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:
+        raise DataError(f"{where}: 'messages' rows need a fast tokenizer (one that reports character "
+                        f"offsets)") from None
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    special = _special_ids(tokenizer)
+    mask = [0] * len(ids)
+    t = 0
+    for start, end, ends_turn in spans:
+        while t < len(ids) and offsets[t][1] <= start:
+            t += 1
+        while t < len(ids) and offsets[t][0] < end:
+            if offsets[t][1] > offsets[t][0]:  # a token overlapping the span carries some of its text
+                mask[t] = 1
+            t += 1
+        # The special token closing the turn (<|im_end|>, <|eot_id|>, <|return|>, ...) right after the
+        # content is the drafter's to predict too: it is how the target stops.
+        if ends_turn and t < len(ids) and ids[t] in special and offsets[t][0] == end:
+            mask[t] = 1
+    return Sample(list(ids), mask)
 
 
 def _tokens(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def encode_row(row: dict, tokenizer, where: str) -> Sample:
-    """Tokenize one row in whichever of the three shapes it has."""
+def encode_row(row: dict, tokenizer, where: str, thinking: str = "auto") -> Sample:
+    """Tokenize one row in whichever of the three shapes it has; `thinking` (auto/on/off) renders chat
+    rows as the target will be served (on/off pass the template's enable_thinking, auto its default)."""
+    _check_thinking(thinking)
     if "messages" in row:
-        messages = _check_messages(row, where)
-        if not getattr(tokenizer, "chat_template", None):
-            raise DataError(f"{where}: 'messages' rows need a tokenizer with a chat template")
-        # Render turn by turn: an assistant turn's tokens are what the conversation up to it adds over
-        # the conversation before it. Templates close every turn with a special token, which the
-        # tokenizer splits on, so earlier turns tokenize the same in every prefix.
-        ids: list[int] = []
-        mask: list[int] = []
-        for i, m in enumerate(messages):
-            new = _tokens(tokenizer, tokenizer.apply_chat_template(messages[: i + 1], tokenize=False))
-            added = new[len(ids):]
-            ids = new
-            mask.extend([1 if m["role"] == "assistant" else 0] * len(added))
-        return Sample(ids, mask)
+        return _encode_messages(row, tokenizer, where, thinking)
     if "prompt" in row or "response" in row:
         if "prompt" not in row or "response" not in row:
             raise DataError(f"{where}: a prompt row needs both 'prompt' and 'response'")
@@ -97,11 +278,12 @@ def encode_row(row: dict, tokenizer, where: str) -> Sample:
     raise DataError(f"{where}: row has none of 'messages', 'prompt'/'response' or 'text' (keys: {sorted(row)})")
 
 
-def load_samples(path: Path, tokenizer, max_len: int = 512, min_loss_tokens: int = 1) -> list[Sample]:
+def load_samples(path: Path, tokenizer, max_len: int = 512, min_loss_tokens: int = 1,
+                 thinking: str = "auto") -> list[Sample]:
     """All rows of a JSONL file, truncated to max_len; rows with too few trainable tokens are dropped."""
     samples = []
     for lineno, row in iter_rows(path):
-        s = encode_row(row, tokenizer, f"{path}:{lineno}")
+        s = encode_row(row, tokenizer, f"{path}:{lineno}", thinking)
         s.input_ids, s.loss_mask = s.input_ids[:max_len], s.loss_mask[:max_len]
         if sum(s.loss_mask) >= min_loss_tokens:
             samples.append(s)
@@ -110,14 +292,21 @@ def load_samples(path: Path, tokenizer, max_len: int = 512, min_loss_tokens: int
     return samples
 
 
-def prompt_of(row: dict, tokenizer, where: str) -> list[int]:
-    """The prompt part of a row as token ids (what a model is asked to continue)."""
+def prompt_of(row: dict, tokenizer, where: str, thinking: str = "auto") -> list[int]:
+    """The prompt part of a row as token ids (what a model is asked to continue): for a chat row, the
+    turns before the first assistant turn with the template's generation prompt, under the same
+    thinking mode and reasoning handling as encode_row."""
+    _check_thinking(thinking)
     if "messages" in row:
         messages = row["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise DataError(f"{where}: 'messages' must be a list of objects")
         first_assistant = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
-        text = tokenizer.apply_chat_template(messages[:first_assistant], tokenize=False, add_generation_prompt=True)
+        before = messages[:first_assistant]
+        if not before or not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in before):
+            raise DataError(f"{where}: a chat row's prompt needs at least one turn with string 'role' and 'content' "
+                            f"before the first assistant turn")
+        text = _render(tokenizer, before, thinking, where, generation_prompt=True)
         return _tokens(tokenizer, text)
     if "prompt" in row:
         return _tokens(tokenizer, _text_field(row, "prompt", where))

@@ -40,11 +40,11 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int) -> lis
 
 
 def regenerate_rows(target, rows: Iterable[tuple[str, dict]], max_new_tokens: int = 128, batch_size: int = 32,
-                    progress: Callable[[int], None] | None = None) -> list[dict]:
+                    progress: Callable[[int], None] | None = None, thinking: str = "auto") -> list[dict]:
     """New rows whose responses the target wrote: prompt rows keep their prompt, chat rows their
-    conversation up to the first assistant turn."""
+    conversation up to the first assistant turn (prompted under `thinking`, as the target is served)."""
     rows = list(rows)
-    prompts = [prompt_of(row, target.tokenizer, where) for where, row in rows]
+    prompts = [prompt_of(row, target.tokenizer, where, thinking) for where, row in rows]
     out: list[dict] = []
     for start in range(0, len(rows), batch_size):
         batch = rows[start:start + batch_size]
@@ -63,12 +63,12 @@ def regenerate_rows(target, rows: Iterable[tuple[str, dict]], max_new_tokens: in
 
 
 def regenerate_file(target, data: Path, out: Path, max_new_tokens: int = 128, batch_size: int = 32,
-                    limit: int | None = None) -> int:
+                    limit: int | None = None, thinking: str = "auto") -> int:
     """Regenerate every row of `data` into `out` (written whole at the end, so a failure leaves no half file)."""
     rows = [(f"{data}:{n}", row) for n, row in iter_rows(data)][:limit]
     if not rows:
         raise DataError(f"{data}: no rows to regenerate")
-    new = regenerate_rows(target, rows, max_new_tokens, batch_size)
+    new = regenerate_rows(target, rows, max_new_tokens, batch_size, thinking=thinking)
     tmp = out.with_suffix(out.suffix + ".tmp")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in new), encoding="utf-8")
