@@ -108,6 +108,9 @@ class Gauge(StrEnum):
     TFLOPS = "tflops"
     MFU = "mfu"
     PEAK_TFLOPS = "peak_tflops"
+    #: padded slots over all slots of the batches built so far (a batch pads to its longest row; length
+    #: buckets keep it low), counted by the batch producer as it builds them
+    PADDING_SHARE = "padding_share"
 
 
 class Counter(StrEnum):
