@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from test_model_helpers import WORDS, make_target_dir, make_tokenizer, one_thread  # noqa: F401
 
 from dflash.data import Sample

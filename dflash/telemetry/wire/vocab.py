@@ -109,7 +109,7 @@ class Gauge(StrEnum):
     MFU = "mfu"
     PEAK_TFLOPS = "peak_tflops"
     #: padded slots over all slots of the batches built so far (a batch pads to its longest row; length
-    #: buckets keep it low), counted by the batch producer as it builds them
+    #: buckets keep it low), counted where they are built (BatchSource, on the batch producer's thread)
     PADDING_SHARE = "padding_share"
 
 

@@ -66,8 +66,8 @@ class Evaluations:
         what = "evaluation" if in_training else "final evaluation"
         threads = cfg.pipeline.threads_per_worker
         with torch_threads(threads) as n:
-            self.report.event("phase", f"{what}: {on} x {cfg.eval.eval_max_new_tokens} "
-                              "new tokens, speculative decoding against the target's own greedy output, "
+            self.report.event("phase", f"{what} on {on}: {cfg.eval.eval_max_new_tokens} new tokens each, "
+                              "speculative decoding against the target's own greedy output, "
                               + threads_text(n, "as each worker" if threads else None))
             t0 = time.monotonic()
 

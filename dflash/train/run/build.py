@@ -174,7 +174,7 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     source = BatchSource(samples, cfg.data.batch_size, cfg.data.seed, pad, dist.rank, dist.world_size,
                          block_size=dcfg.block_size, num_anchors=cfg.model.num_anchors, pin=cuda,
                          in_order_first=first.waits_for_inputs, flops=count, bucket=cfg.data.length_buckets,
-                         train=train)
+                         train=train, stats=stats)
     tell = event or (lambda kind, line, **data: log(f"[{kind}] {line}"))
     skipped: list[str] = []
 

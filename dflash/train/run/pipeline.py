@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.telemetry.wire.vocab import Gauge, Role
+from dflash.telemetry.wire.vocab import Role
 from dflash.train.config import PipelineSettings, RunSettings
 from dflash.train.device.binding import bind_thread, cuda_devices, thread_device
-from dflash.train.run.stages import Batch, BatchSource, DrafterStage, HiddenBatch, StepResult, TargetStage
+from dflash.train.run.stages import BatchSource, DrafterStage, HiddenBatch, StepResult, TargetStage
 
 _POLL = 0.05  # seconds: how often a blocked worker rechecks the stop flag
 
@@ -105,7 +105,6 @@ class Pipeline:
         self.batch_q: queue.Queue = queue.Queue(maxsize=settings.batch_queue_size)
         self.hs_q: queue.Queue = queue.Queue(maxsize=settings.hs_queue_size)
         self.threads: list[threading.Thread] = []
-        self.slots = self.real = 0  # the batches built so far: all their slots, and the real tokens among them
 
     # --- workers --------------------------------------------------------------------------------------
 
@@ -134,20 +133,12 @@ class Pipeline:
         self.threads.append(t)
         return t
 
-    def _built(self, batch: Batch) -> None:
-        """Count a batch's padded slots where it is built (the producer's thread, or the one thread in
-        sync mode): the padding share, published as a gauge, is what the target's forward pays for nothing."""
-        self.slots += batch.input_ids.numel()
-        self.real += batch.num_tokens
-        self.stats.gauge(Gauge.PADDING_SHARE, 1 - self.real / self.slots)
-
     def _producer(self) -> None:
         tel = self.stats.worker("batch-producer", Role.DATA)
         index = self.state.next_batch
         while not self.stop.is_set():
             with tel.span("batch_build"):
                 batch = self.source(index)
-            self._built(batch)
             with tel.span("batch_queue_put"):
                 put(self.batch_q, batch, self.stop)
             self.stats.gauge("batch_queue", self.batch_q.qsize())
@@ -201,7 +192,6 @@ class Pipeline:
         while not self.stop.is_set():
             with tel.span("batch_build"):
                 batch = self.source(self.state.next_batch)
-            self._built(batch)
             hb = stage(batch)
             if not self.on_step(self.drafter.step(hb, self.progress())):
                 self.stop.set()

@@ -26,6 +26,7 @@ from dflash.model.objective import BlockPlan, LossOutput, plan_blocks
 from dflash.objectives import Objective
 from dflash.objectives.optim import build_optimizer
 from dflash.targets.base import Target
+from dflash.telemetry.wire.vocab import Gauge
 from dflash.train.config import OptimSettings
 from dflash.train.device.flops import FlopCount
 from dflash.train.distributed import explain_backward_error
@@ -149,9 +150,10 @@ class BatchSource:
     def __init__(self, samples: Sequence[Sample], batch_size: int, seed: int, pad_id: int, rank: int = 0,
                  world_size: int = 1, block_size: int | None = None, num_anchors: int | None = None,
                  pin: bool = False, in_order_first: bool = False, flops: FlopCount | None = None,
-                 bucket: bool = False, train: Sequence[int] | None = None):
+                 bucket: bool = False, train: Sequence[int] | None = None, stats: Any = None):
         """``flops``: counts each batch's model FLOPs (None: not counted). Here, on the producer's thread, with
-        the rest of the host work a batch's data decides: the drafter's thread reads nothing."""
+        the rest of the host work a batch's data decides: the drafter's thread reads nothing. ``stats``: the
+        ProfileStats the padding share is published to (None: counted, not published)."""
         self.train = np.arange(len(samples)) if train is None else np.asarray(train, dtype=np.int64)
         n = len(self.train)
         if n < batch_size * world_size:
@@ -160,7 +162,8 @@ class BatchSource:
         self.rank, self.world_size = rank, world_size
         self.block_size, self.num_anchors, self.pin = block_size, num_anchors, pin
         self.in_order_first = in_order_first  # epoch 0 unshuffled: a cache still being written, in row order
-        self.flops, self.bucket = flops, bucket
+        self.flops, self.bucket, self.stats = flops, bucket, stats
+        self.slots = self.real = 0  # the batches built so far: all their slots, and the real tokens among them
         self.step = batch_size * world_size  # samples per step, all ranks together
         self.per_epoch = n // self.step
         self._lengths: np.ndarray | None = None  # the training samples' lengths, read when first bucketed
@@ -169,6 +172,12 @@ class BatchSource:
         # (epoch, order's key, the order), replaced as one tuple: the batch producer and a reading-ahead
         # target both ask
         self._cached: tuple[int, tuple[int, bool], np.ndarray] = (-1, (0, False), np.empty(0, dtype=np.int64))
+
+    @property
+    def padding_share(self) -> float:
+        """Padded slots over all slots of the batches built so far: what the target's forward pays for
+        nothing (a batch pads to its longest row)."""
+        return 1 - self.real / self.slots if self.slots else 0.0
 
     def resume_at(self, index: int, at: DataPosition) -> None:
         """Batch ``index`` starts at ``at`` (a checkpoint's record, made under any world size or batch
@@ -238,6 +247,10 @@ class BatchSource:
         if self.block_size is not None and self.num_anchors is not None:
             plan = plan_blocks(ids, loss, self.block_size, self.num_anchors, self.anchor_generator(index))
         batch = Batch(index, ids, attn, loss, sum(len(r.input_ids) for r in rows), plan, list(picked))
+        self.slots += ids.numel()
+        self.real += batch.num_tokens
+        if self.stats is not None:
+            self.stats.gauge(Gauge.PADDING_SHARE, self.padding_share)
         if self.flops is not None and plan is not None:
             batch.flops = self.flops.of_batch(batch).total
         return batch.pin_memory() if self.pin else batch
