@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_model_helpers import WORDS, make_target_dir, make_tokenizer, one_thread  # noqa: F401
 
-from dflash.data import Sample
+from dflash.data import DataError, Sample
 from dflash.data.held_out import HELD_OUT_FILE, choose_rows, prompt_of_sample, row_hashes
 from dflash.telemetry.wire.reader import read_frames
 from dflash.telemetry.wire.vocab import Gauge
@@ -240,3 +240,47 @@ def test_a_run_holds_rows_out_evaluates_on_them_and_resumes_with_another_batch_s
     assert final["prompts"] == "2 held-out rows of --data " + str(data)
     assert f"final tau {final['tau']:.2f} on 2 held-out rows of --data" in out
     assert "step 9: tau" in out and "on 2 held-out rows" in out
+
+
+def test_what_evaluations_read_and_what_they_are_called(tmp_path):
+    """--eval-data's prompts (nothing held out), held-out rows of --data (recorded rows kept on a resume),
+    a run from before held-out rows (trained on, said so), and a bad --eval-data file in one line."""
+    from types import SimpleNamespace
+
+    from dflash.data.held_out import save_record
+    from dflash.train.run.build import TrainError, eval_set
+
+    tok = make_tokenizer()
+    data = _write_data(tmp_path / "data.jsonl", 12)
+    samples = [Sample([1, 2, 3, i], [0, 0, 1, 1]) for i in range(12)]
+    target, verifier = SimpleNamespace(tokenizer=tok), object()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    def chosen(resuming=False, **kw):
+        cfg = make_config({}, {"data": str(data), "run_dir": str(run_dir), "max_steps": 1, "eval_prompts": 3, **kw})
+        return eval_set(cfg, samples, data, target, verifier, resuming=resuming)
+
+    fresh = chosen()
+    assert fresh.what == f"3 held-out rows of --data {data}" and len(fresh.held_out) == 3
+    assert fresh.prompts == [[1, 2]] * 3
+    assert chosen(eval_prompts=0).held_out == []  # nothing evaluated: nothing held out
+
+    other = _write_data(tmp_path / "other.jsonl", 5)
+    given = chosen(eval_data=str(other))
+    assert given.what == f"3 prompts of --eval-data {other}" and given.held_out == [] and len(given.prompts) == 3
+
+    old = chosen(resuming=True)  # no record: the run began before rows were held out
+    assert old.held_out == [] and "trained on" in old.what and old.what.startswith("the first 3 rows of --data")
+    save_record(run_dir, [1, 7], str(data), 0)
+    assert chosen(resuming=True).held_out == [1, 7]  # the record, whatever the count asks now
+    assert chosen(resuming=True, eval_data=str(other)).held_out == [1, 7]  # still out of training
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt here"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:1: a 'text' row has no prompt"):  # build: one line
+        chosen(eval_data=str(bad))
+    text_only = [Sample([1, 2, 3], [1, 1, 1])] * 4
+    cfg = make_config({}, {"data": str(data), "run_dir": str(tmp_path / "r2"), "max_steps": 1})
+    with pytest.raises(TrainError, match="no row has a prompt"):
+        eval_set(cfg, text_only, data, target, verifier, resuming=False)
