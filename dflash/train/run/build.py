@@ -85,9 +85,9 @@ class Components:
 
 def run_target(cfg: TrainConfig, log: Callable[[str], None] = print, resuming: bool = False) -> Target:
     """The target the settings name, on the first target worker's device (build replicates it). The
-    data path is checked first: a typo in it should not wait for a large target to load; and on a
-    fresh start with --init-from the drafter's shape (its taps among it) is the release's where the
-    user set none (a resumed run has its checkpoint's shape, and its saved config says it)."""
+    data paths (--data, --eval-data) are checked first: a typo in one should not wait for a large target
+    to load; and on a fresh start with --init-from the drafter's shape (its taps among it) is the
+    release's where the user set none (a resumed run has its checkpoint's shape, and its saved config says it)."""
     from dflash.data import DataError, resolve_data
     from dflash.model.export import DrafterLoadError
     from dflash.targets import make_target
@@ -95,6 +95,8 @@ def run_target(cfg: TrainConfig, log: Callable[[str], None] = print, resuming: b
 
     try:
         resolve_data(cfg.run.data)
+        if cfg.eval.eval_data is not None:
+            resolve_data(cfg.eval.eval_data, evaluation=True)
         if not resuming and (line := take_release_shape(cfg)):
             log(line)
         return make_target(cfg, resolve(cfg.pipeline.target_devices[0]))
