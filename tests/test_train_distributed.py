@@ -181,7 +181,8 @@ def cache_batch_rows(cache: Path, wanted: list[tuple[int, int]],
     try:
         samples = target.own_samples(256, 4)
         return {(rank, index): [target.file_rows[j] for j in BatchSource(
-                    samples, 4, cfg.data.seed, 0, rank=rank, world_size=world_size).sample_ids(index)]
+                    samples, 4, cfg.data.seed, 0, rank=rank, world_size=world_size,
+                    bucket=cfg.data.length_buckets).sample_ids(index)]
                 for rank, index in wanted}
     finally:
         target.close()

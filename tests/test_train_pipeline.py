@@ -84,7 +84,7 @@ def test_pipelined_run_streams_telemetry_and_checkpoints(setup, tmp_path):
     # model FLOPs counted on the host, no peak known there: the TFLOP/s, and MFU n/a rather than a guess
     assert "mfu:       n/a (no peak for cpu)" in out and re.search(r"tok/s \| [\d.e+-]+ TFLOP/s MFU n/a \| lr ", out)
     # the final evaluation is a phase of its own, announced, with progress per prompt
-    assert "[phase] final evaluation: 2 prompts x 96 new tokens" in out
+    assert f"[phase] final evaluation on 2 held-out rows of --data {data}: 96 new tokens each" in out
     assert "[final evaluation] prompt 0/2" in out and "[final evaluation] prompt 2/2 |" in out
     # the verdict names the time it judged, with that time's evidence on the next line
     assert re.search(r"bottleneck \((last \d+ s|whole run)[^)]*\): \S+ - .*\n  evidence: ", out)

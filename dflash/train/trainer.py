@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from dflash.data.cache_format import CacheError
+from dflash.data.held_out import save_record
 from dflash.telemetry.wire.vocab import Counter
 from dflash.train import distributed
 from dflash.train.checkpoint.checkpointer import (
@@ -67,6 +68,7 @@ class Trainer:
         self.evaluations: Evaluations | None = None
         self.nonfinite: NonFiniteWatch | None = None
         self.monitoring: Monitoring | None = None
+        self.final_eval: dict[str, Any] | None = None  # the final evaluation's summary, for the last line
 
     # the parts by name, for what drives a Trainer from outside (tests, benchmarks, gpu_check)
     drafter = property(lambda self: self.parts.drafter)
@@ -101,8 +103,12 @@ class Trainer:
             self.state = restore(ckpt, parts, d, report.log)
         if d.is_main:
             cfg.save(Path(cfg.run.run_dir) / "config.json")
+            if ckpt is None:  # what a resume holds out again (a run without this record held out nothing)
+                save_record(Path(cfg.run.run_dir), parts.evals.held_out, str(parts.data_path), cfg.data.seed)
         report.log("config: " + " ".join(f"{k}={v}" for k, v in flat_values(cfg).items()))
         report.log(parts.describe(cfg))
+        if parts.evals.what:
+            report.log(f"evaluation on {parts.evals.what}")
         if d.enabled:
             backend = "nccl" if parts.drafter_device.type == "cuda" else "gloo"
             report.log(f"distributed: {d.world_size} ranks ({backend}), "
@@ -228,7 +234,9 @@ class Trainer:
                 report.trackers.close()
         bad = self.parts.bad_samples
         skipped = f", {plural(len(bad), 'bad sample')} skipped (each named above)" if bad else ""
-        report.log(f"done: {plural(self.state.step, 'step')}, {self.state.tokens:,} tokens{skipped}, run dir "
+        tau = (f", final tau {self.final_eval['tau']:.2f} on {self.final_eval['prompts']}"
+               if self.final_eval is not None else "")
+        report.log(f"done: {plural(self.state.step, 'step')}, {self.state.tokens:,} tokens{skipped}{tau}, run dir "
                    f"{cfg.run.run_dir}")
         if self.stop_requested.is_set() and code == 0:  # stopped early (Ctrl-C, SIGTERM): say how to go on
             report.log(f"to continue: dflash train --resume --run-dir {cfg.run.run_dir}")
@@ -276,7 +284,7 @@ class Trainer:
             return 1
         if (not self.stop_requested.is_set() and self.cfg.eval.eval_prompts > 0 and self.dist.is_main
                 and self.parts.verifier is not None):
-            self.evaluate()
+            self.final_eval = self.evaluate()
         return code
 
     def _report_failure(self) -> int:

@@ -109,6 +109,9 @@ class Gauge(StrEnum):
     TFLOPS = "tflops"
     MFU = "mfu"
     PEAK_TFLOPS = "peak_tflops"
+    #: padded slots over all slots of the batches built so far (a batch pads to its longest row; length
+    #: buckets keep it low), counted where they are built (BatchSource, on the batch producer's thread)
+    PADDING_SHARE = "padding_share"
 
 
 class Counter(StrEnum):

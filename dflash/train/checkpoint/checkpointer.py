@@ -183,7 +183,9 @@ class Checkpointer:
             "rng": rng_state,
             "rng_per_rank": rng_per_rank,
             "state": {"step": st.step, "next_batch": st.next_batch, "tokens": st.tokens,
-                      "samples": st.samples, "train_time": self.clock()},
+                      "samples": st.samples, "train_time": self.clock(),
+                      # the data position in samples: a resume on another world size repeats and skips none
+                      "data": self.parts.source.position(st.next_batch).to_dict()},
             "config": self.cfg.to_dict(),
         }
 

@@ -160,7 +160,10 @@ class DataSettings:
 
     max_seq_len: int = setting(512, "longest sample in tokens (longer ones are cut)")
     batch_size: int = setting(8, "samples per step (per rank)")
-    seed: int = setting(0, "seed of the data order, the anchors and the drafter's init")
+    seed: int = setting(0, "seed of the data order, the anchors, the held-out rows and the drafter's init")
+    length_buckets: bool = setting(True, "on: each step's rows have similar lengths (shuffled, sorted by length "
+                                   "in windows of 64 steps, the steps shuffled), so a batch pads little; off: "
+                                   "a plain shuffle (default on)", choices={"on": True, "off": False})
 
 
 @dataclass
@@ -209,7 +212,10 @@ class EvalSettings:
     """in-training and final evaluation (real speculative decoding)"""
 
     eval_every: float = setting(0.0, "seconds between in-training evaluations (0: only at the end)")
-    eval_prompts: int = setting(8, "prompts in each evaluation (0: none)")
+    eval_prompts: int = setting(8, "prompts in each evaluation (0: none); without --eval-data that many rows of "
+                                "--data are held out of training for it (chosen by a hash of row and seed)")
+    eval_data: str | None = setting(None, "a JSONL of prompts to evaluate on (rows as --data's; the first "
+                                    "--eval-prompts of them) instead of rows held out of --data", metavar="FILE")
     eval_max_new_tokens: int = setting(64, "tokens generated per evaluation prompt (default 64)")
     eval_target: str | None = setting(None, "HF model directory or 'tiny' that evaluates the drafter (default: "
                                       "the target itself; needed when the target only supplies hidden states)")

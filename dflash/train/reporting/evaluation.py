@@ -1,5 +1,6 @@
-"""Evaluating a run: real speculative decoding on a few held prompts, the tau that matters (the
-simulated tau of the training loss is optimistic).
+"""Evaluating a run: real speculative decoding on a few prompts the drafter never trained on (rows held
+out of --data, --eval-data's, or the demo's own), the tau that matters (the simulated tau of the training
+loss is optimistic). Every tau it prints says which prompts it came from (build.EvalSet).
 
 The evaluation after training is a phase of its own (minutes on a CPU): announced, and its progress
 logged and published per prompt, so neither the log nor dflash-top goes quiet. Each result is appended
@@ -58,16 +59,15 @@ class Evaluations:
 
     def run(self, step: int, in_training: bool = False) -> dict[str, Any]:
         """Evaluate the drafter as it is after `step`; returns the result's summary."""
-        from dflash.data import load_prompts
         from dflash.eval.speculative import evaluate
 
         cfg, parts, stats = self.cfg, self.parts, self.parts.stats
-        prompts = load_prompts(cfg.run.data, parts.target.tokenizer, limit=cfg.eval.eval_prompts)
+        prompts, on = parts.evals.prompts, parts.evals.what
         what = "evaluation" if in_training else "final evaluation"
         threads = cfg.pipeline.threads_per_worker
         with torch_threads(threads) as n:
-            self.report.event("phase", f"{what}: {plural(len(prompts), 'prompt')} x {cfg.eval.eval_max_new_tokens} "
-                              "new tokens, speculative decoding against the target's own greedy output, "
+            self.report.event("phase", f"{what} on {on}: {cfg.eval.eval_max_new_tokens} new tokens each, "
+                              "speculative decoding against the target's own greedy output, "
                               + threads_text(n, "as each worker" if threads else None))
             t0 = time.monotonic()
 
@@ -81,14 +81,14 @@ class Evaluations:
             with parts.drafter.tel.span("eval"):  # evaluate() restores the drafter's train/eval mode itself
                 result = evaluate(parts.drafter.drafter, parts.verifier, prompts,
                                   max_new_tokens=cfg.eval.eval_max_new_tokens, on_prompt=on_prompt)
-        summary = {**result.to_dict(), "step": step}
+        summary = {**result.to_dict(), "step": step, "prompts": on}
         with self.log_path.open("a") as f:
             f.write(json.dumps(summary) + "\n")
         stats.metric("eval_tau", summary["tau"])
         if self.report.trackers is not None:
             self.report.trackers.log(step, eval_scalars(summary))
         lossless = summary.get("lossless", True)
-        self.report.event("eval", f"step {step}: tau {summary['tau']:.2f} over {summary['rounds']} rounds"
+        self.report.event("eval", f"step {step}: tau {summary['tau']:.2f} over {summary['rounds']} rounds on {on}"
                           f"{'' if lossless else ' (NOT LOSSLESS)'}",
                           step=step, tau=summary["tau"], lossless=summary.get("lossless"))
         return summary

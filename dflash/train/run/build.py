@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,18 +26,30 @@ from dflash.telemetry.wire.vocab import Counter, Role
 from dflash.train import distributed
 from dflash.train.checkpoint import rng
 from dflash.train.config import ConfigError, TrainConfig
+from dflash.train.config.schema import read_saved
 from dflash.train.device.binding import cuda_ordinal, resolve
 from dflash.train.device.flops import FlopCount, FlopCountError, devices_peak
 from dflash.train.device.memory import RecipeError, size_to_device
 from dflash.train.distributed import Dist
 from dflash.train.health.faults import FaultPlan
 from dflash.train.run.pipeline import TrainCounters
-from dflash.train.run.stages import BatchSource, DrafterStage, TargetStage
+from dflash.train.run.stages import BatchSource, DataPosition, DrafterStage, TargetStage
 from dflash.words import plural
 
 
 class TrainError(RuntimeError):
     """Setup failed in a way the user can fix; the message is one line."""
+
+
+@dataclass
+class EvalSet:
+    """The prompts a run evaluates on, what they are in words (every tau printed says it), and the rows
+    held out of training (positions in the run's samples; recorded in the run directory so that a resume
+    holds out the same ones)."""
+
+    prompts: list[list[int]]
+    what: str  # e.g. "8 held-out rows of --data chats.jsonl"
+    held_out: list[int]
 
 
 @dataclass
@@ -54,6 +66,7 @@ class Components:
     generator: torch.Generator  # this rank's anchor sampling
     data_path: Path
     samples: int
+    evals: EvalSet = field(default_factory=lambda: EvalSet([], "", []))  # the prompts evaluations read
     bad_samples: list[str] = field(default_factory=list)  # a cache's files skipped so far, the line said of each
     peak_flops: float | None = None  # the devices' dense bf16 peak, FLOP/s, that MFU is against (None: no MFU)
 
@@ -72,9 +85,9 @@ class Components:
 
 def run_target(cfg: TrainConfig, log: Callable[[str], None] = print, resuming: bool = False) -> Target:
     """The target the settings name, on the first target worker's device (build replicates it). The
-    data path is checked first: a typo in it should not wait for a large target to load; and on a
-    fresh start with --init-from the drafter's shape (its taps among it) is the release's where the
-    user set none (a resumed run has its checkpoint's shape, and its saved config says it)."""
+    data paths (--data, --eval-data) are checked first: a typo in one should not wait for a large target
+    to load; and on a fresh start with --init-from the drafter's shape (its taps among it) is the
+    release's where the user set none (a resumed run has its checkpoint's shape, and its saved config says it)."""
     from dflash.data import DataError, resolve_data
     from dflash.model.export import DrafterLoadError
     from dflash.targets import make_target
@@ -82,6 +95,8 @@ def run_target(cfg: TrainConfig, log: Callable[[str], None] = print, resuming: b
 
     try:
         resolve_data(cfg.run.data)
+        if cfg.eval.eval_data is not None:
+            resolve_data(cfg.eval.eval_data, evaluation=True)
         if not resuming and (line := take_release_shape(cfg)):
             log(line)
         return make_target(cfg, resolve(cfg.pipeline.target_devices[0]))
@@ -108,8 +123,15 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
         samples, data_path = read_samples(cfg, target, samples)
     except (DataError, TargetError) as e:
         raise TrainError(str(e)) from None
-    if len(samples) < dist.world_size:
-        raise TrainError(f"{data_path} has {len(samples)} usable samples, fewer than the {dist.world_size} ranks")
+    try:
+        evals = eval_set(cfg, samples, data_path, target, verifier, resuming=ckpt is not None)
+    except DataError as e:
+        raise TrainError(str(e)) from None
+    held = set(evals.held_out)
+    train = [i for i in range(len(samples)) if i not in held] if held else None
+    if len(samples) - len(held) < dist.world_size:
+        raise TrainError(f"{data_path} has {len(samples) - len(held)} usable samples to train on, fewer than the "
+                         f"{dist.world_size} ranks")
     first = replicas[devices[0]]
     tok = target.tokenizer
     pad = 0 if tok is None else tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -153,7 +175,8 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     # a followed cache is written in row order: its first pass reads the rows in that order too
     source = BatchSource(samples, cfg.data.batch_size, cfg.data.seed, pad, dist.rank, dist.world_size,
                          block_size=dcfg.block_size, num_anchors=cfg.model.num_anchors, pin=cuda,
-                         in_order_first=first.waits_for_inputs, flops=count)
+                         in_order_first=first.waits_for_inputs, flops=count, bucket=cfg.data.length_buckets,
+                         train=train, stats=stats)
     tell = event or (lambda kind, line, **data: log(f"[{kind}] {line}"))
     skipped: list[str] = []
 
@@ -167,7 +190,7 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
         t.on_bad_sample(bad_sample)
     limit_epochs(cfg, source.per_epoch, log)
     return Components(first, verifier, targets, drafter, dcfg, source, stats, generator, data_path, len(samples),
-                      skipped, peak)
+                      evals, skipped, peak)
 
 
 def count_flops(dcfg: Any, target: Target, objective: Objective, devices: list[torch.device],
@@ -212,6 +235,42 @@ def read_samples(cfg: TrainConfig, target: Target, given: list[Sample] | None) -
         raise TrainError(f"target {cfg.run.target!r} has no tokenizer: dflash needs one to read the data")
     return load_samples(data_path, target.tokenizer, max_len=cfg.data.max_seq_len,
                         min_loss_tokens=cfg.model.block_size), data_path
+
+
+def eval_set(cfg: TrainConfig, samples: Sequence[Sample], data_path: Path, target: Target, verifier: Any,
+             resuming: bool) -> EvalSet:
+    """What the run evaluates on: --eval-data's first prompts; the demo's own held-out prompts; else rows
+    of the training data held out of training (chosen by a hash of row and seed, or on --resume the ones the
+    run recorded). Nothing is held out when nothing will be evaluated. A run resumed from before rows were
+    held out keeps training on all of them (its data order stays exact) and evaluates on the first rows of
+    --data, as it did, saying that it trained on them."""
+    from dflash.data import load_prompts
+    from dflash.data.held_out import choose_rows, prompt_of_sample, read_record
+
+    e = cfg.eval
+    recorded = read_record(Path(cfg.run.run_dir), len(samples)) if resuming and cfg.run.run_dir else None
+    kept = recorded or []  # rows held out before stay out, whatever this run evaluates on
+    if e.eval_prompts <= 0 or verifier is None:
+        return EvalSet([], "", kept)
+    tok = target.tokenizer
+    if e.eval_data is not None:
+        prompts = load_prompts(e.eval_data, tok, limit=e.eval_prompts)
+        return EvalSet(prompts, f"{plural(len(prompts), 'prompt')} of --eval-data {e.eval_data}", kept)
+    own_rows = cfg.run.hidden_states is None
+    if own_rows and cfg.run.data == "demo":
+        prompts = load_prompts("demo", tok, limit=e.eval_prompts)
+        return EvalSet(prompts, f"{plural(len(prompts), 'held-out demo prompt')}", kept)
+    source = f"--data {data_path}" if own_rows else f"--hidden-states {cfg.run.hidden_states}"
+    if resuming and not recorded:
+        prompts = load_prompts(cfg.run.data, tok, limit=e.eval_prompts)
+        return EvalSet(prompts, f"the first {plural(len(prompts), 'row')} of --data {cfg.run.data} (trained on: "
+                       "the run began holding out no rows)", kept)
+    rows = recorded if recorded is not None else choose_rows(samples, cfg.data.seed, e.eval_prompts)
+    if not rows:
+        raise TrainError(f"{source}: no row has a prompt (tokens before its first supervised one) to hold out "
+                         "for evaluation: give --eval-data FILE, or --eval-prompts 0")
+    prompts = [p for r in rows[:e.eval_prompts] if (p := prompt_of_sample(samples[r])) is not None]
+    return EvalSet(prompts, f"{plural(len(prompts), 'held-out row')} of {source}", rows)
 
 
 def make_drafter(cfg: TrainConfig, target: Target, ckpt: dict | None,
@@ -318,22 +377,49 @@ def limit_epochs(cfg: TrainConfig, per_epoch: int, log: Callable[[str], None]) -
 
 
 def restore(ckpt: dict, parts: Components, dist: Dist, log: Callable[[str], None]) -> TrainCounters:
-    """Put a checkpoint's optimizer and anchor RNG back and return where the run stood (the drafter's
-    weights and shape are `build`'s: they decide what is built)."""
+    """Put a checkpoint's optimizer, anchor RNG and data position back and return where the run stood (the
+    drafter's weights and shape are `build`'s: they decide what is built)."""
     parts.drafter.optimizer.load_state_dict(ckpt["optimizer"])
     per_rank = ckpt.get("rng_per_rank")
+    s = ckpt["state"]
     if per_rank is not None and len(per_rank) == dist.world_size:
         notes = rng.restore(per_rank[dist.rank], parts.generator)
     else:
         if per_rank is not None or dist.enabled:
             log(f"resuming a {len(per_rank or [0])}-rank run on {dist.world_size} rank(s): every rank "
-                "continues rank 0's anchor sampling, and batch index "
-                f"{ckpt['state']['next_batch']} is now split {dist.world_size} ways")
+                "continues rank 0's anchor sampling; the data continues at the sample it stopped at, "
+                f"{dist.world_size} ways")
         notes = rng.restore(ckpt["rng"], parts.generator)
     for line in notes:
         log(f"--resume: {line}")
-    s = ckpt["state"]
+    at = data_position(ckpt, parts.source)
+    try:
+        parts.source.resume_at(s["next_batch"], at)
+    except ValueError as e:
+        raise TrainError(f"--resume: {e}") from None
     state = TrainCounters(step=s["step"], next_batch=s["next_batch"], tokens=s["tokens"], samples=s["samples"],
-                     train_time=s["train_time"])
-    log(f"resumed from step {state.step} (batch {state.next_batch}, {state.train_time:.0f}s trained)")
+                          train_time=s["train_time"])
+    log(f"resumed from step {state.step} (batch {state.next_batch}: epoch {at.epoch}, sample {at.consumed:,} of "
+        f"{at.samples:,}; {state.train_time:.0f}s trained)")
     return state
+
+
+def data_position(ckpt: dict, source: BatchSource) -> DataPosition:
+    """Where a checkpoint's run stood in its data. Checkpoints before the position was recorded hold only
+    the next batch index: their steps took batch size x world size samples of a plain shuffle each, the
+    world size being the count of ranks whose RNG they hold and the batch size their saved config's."""
+    s = ckpt["state"]
+    if "data" in s:
+        try:
+            return DataPosition.from_dict(s["data"])
+        except ValueError as e:
+            raise TrainError(f"--resume: {e}") from None
+    ranks = len(ckpt.get("rng_per_rank") or [0])
+    try:
+        batch_size = read_saved(ckpt["config"], "the checkpoint's config").data.batch_size
+    except (KeyError, ConfigError):
+        batch_size = source.batch_size
+    n = len(source.train)
+    step = min(batch_size * ranks, n)
+    epoch, k = divmod(s["next_batch"], max(1, n // step))
+    return DataPosition(epoch, k * step, step, False, n)

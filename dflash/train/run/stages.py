@@ -1,6 +1,7 @@
 """The three stages of a training step, each usable alone (sync mode) or in its own thread (pipeline).
 
-* BatchSource: deterministic batch ``i`` of the dataset (so a resumed run sees the same data).
+* BatchSource: deterministic batch ``i`` of the dataset (so a resumed run sees the same data), bucketed by
+  length so a batch pads little; its position counted in samples (DataPosition).
 * TargetStage: the target's hidden states at the tap layers (computed, or read), moved toward the drafter's device;
   rows whose states could not be read (a cache's bad samples) masked out of the batch (mask_rows).
 * DrafterStage: anchors/blocks, drafter forward, backward, optimizer step.
@@ -13,10 +14,11 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from dflash.data import Sample
@@ -24,6 +26,7 @@ from dflash.model.objective import BlockPlan, LossOutput, plan_blocks
 from dflash.objectives import Objective
 from dflash.objectives.optim import build_optimizer
 from dflash.targets.base import Target
+from dflash.telemetry.wire.vocab import Gauge
 from dflash.train.config import OptimSettings
 from dflash.train.device.flops import FlopCount
 from dflash.train.distributed import explain_backward_error
@@ -60,41 +63,163 @@ class HiddenBatch:
     ready: Any = None  # CUDA event recorded after the copy (None on CPU: nothing to wait for)
 
 
+#: a bucketed epoch sorts its order by length in windows of this many steps: wide enough that a step's
+#: rows are close in length, narrow enough that the order stays random at the scale of the epoch
+BUCKET_WINDOW_STEPS = 64
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where a run stands in its data, in samples (not batches), so a run resumed with another world size
+    or batch size takes up exactly where it stopped: ``consumed`` samples of epoch ``epoch``'s order are
+    done; that order was built for steps of ``step`` samples (batch size x world size; a bucketed order
+    depends on it), bucketed by length or not; ``samples``: the training samples it orders."""
+
+    epoch: int
+    consumed: int
+    step: int
+    bucketed: bool
+    samples: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "consumed": self.consumed, "step": self.step, "bucketed": self.bucketed,
+                "samples": self.samples}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DataPosition:
+        """A checkpoint's record (its own file, trusted no further than its types)."""
+        try:
+            pos = cls(int(d["epoch"]), int(d["consumed"]), int(d["step"]), bool(d["bucketed"]), int(d["samples"]))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"a checkpoint's data position does not read: {d!r}") from None
+        if min(pos.epoch, pos.consumed, pos.samples) < 0 or pos.step < 1:
+            raise ValueError(f"a checkpoint's data position is out of range: {d!r}")
+        return pos
+
+
+def sample_lengths(samples: Sequence[Sample]) -> np.ndarray:
+    """Each sample's token count: the sequence's own ``lengths`` where it keeps them (a token store
+    does), else counted once here."""
+    lengths = getattr(samples, "lengths", None)
+    if lengths is not None:
+        return np.asarray(lengths, dtype=np.int64)
+    return np.fromiter((len(s.input_ids) for s in samples), dtype=np.int64, count=len(samples))
+
+
+def bucketed_order(lengths: np.ndarray, seed: int, epoch: int, step: int,
+                   window_steps: int = BUCKET_WINDOW_STEPS) -> np.ndarray:
+    """An epoch's order (positions into ``lengths``) in which every run of ``step`` samples from the start
+    has rows of similar length: shuffle, sort each window of ``window_steps`` steps by length, cut the
+    windows into steps and shuffle the steps. The ``len % step`` samples that fill no step go last, drawn
+    at random before sorting (never always the longest). Every position appears once."""
+    rng = np.random.default_rng([seed, epoch, 0xB0C4E7])  # its own stream, apart from the unbucketed order's
+    n = len(lengths)
+    perm = rng.permutation(n)
+    full = n // step * step
+    head, tail = perm[:full], perm[full:]
+    window = np.arange(full) // (step * window_steps)
+    head = head[np.lexsort((lengths[head], window))]  # by window, then by length (stable: ties keep the shuffle)
+    steps = head.reshape(-1, step)[rng.permutation(full // step)]
+    return np.concatenate([steps.reshape(-1), tail])
+
+
 class BatchSource:
-    """Batch ``i`` is a pure function of (samples, seed, i, rank): epochs are reshuffled with
-    seed + epoch. With several ranks, index ``i`` covers ``world_size`` consecutive slices of one
-    shuffled order and rank ``r`` takes slice ``r``: every rank sees the same permutation, no two
-    ranks share a sample within an epoch, and a resumed run continues at the same index on all.
+    """Batch ``i`` is a pure function of (samples, seed, i, rank, world size) and the position the run
+    resumed from: epochs are reshuffled with seed + epoch; one step takes the next ``batch_size x
+    world_size`` samples of the epoch's order and rank ``r`` takes slice ``r`` of them: every rank sees the
+    same order, no two ranks share a sample within an epoch, and the samples left over at an epoch's end
+    (fewer than a step) wait for a later epoch.
+
+    ``bucket``: order each epoch so that a step's rows have similar lengths (bucketed_order): a batch pads
+    to its longest row, and the target's forward pays for every padded slot; the ranks of one step get
+    neighbours in length, so no rank waits long for another in the all-reduce. Off: a plain shuffle.
+
+    ``train``: the positions in ``samples`` to train on (default all; rows held out for evaluation are
+    left out); batches still name their rows by their position in ``samples`` (``Batch.sample_ids``, which
+    a cache's files are keyed by).
+
+    The data position counts samples: ``position(i)`` is where batch ``i`` starts, what a checkpoint
+    records, and ``resume_at`` continues from one recorded under another world size or batch size without
+    repeating or skipping a sample of that epoch.
 
     Given ``block_size`` and ``num_anchors`` it also samples each batch's anchors (its BlockPlan) from
     a generator seeded by (seed, rank, i): host work done by the batch producer, off the drafter's
     thread, and as reproducible on resume as the data itself. ``pin``: page-lock every batch (for a
     CUDA target or drafter)."""
 
-    def __init__(self, samples: list[Sample], batch_size: int, seed: int, pad_id: int, rank: int = 0,
+    def __init__(self, samples: Sequence[Sample], batch_size: int, seed: int, pad_id: int, rank: int = 0,
                  world_size: int = 1, block_size: int | None = None, num_anchors: int | None = None,
-                 pin: bool = False, in_order_first: bool = False, flops: FlopCount | None = None):
+                 pin: bool = False, in_order_first: bool = False, flops: FlopCount | None = None,
+                 bucket: bool = False, train: Sequence[int] | None = None, stats: Any = None):
         """``flops``: counts each batch's model FLOPs (None: not counted). Here, on the producer's thread, with
-        the rest of the host work a batch's data decides: the drafter's thread reads nothing."""
-        if len(samples) < batch_size * world_size:
-            batch_size = max(1, len(samples) // world_size)
+        the rest of the host work a batch's data decides: the drafter's thread reads nothing. ``stats``: the
+        ProfileStats the padding share is published to (None: counted, not published)."""
+        self.train = np.arange(len(samples)) if train is None else np.asarray(train, dtype=np.int64)
+        n = len(self.train)
+        if n < batch_size * world_size:
+            batch_size = max(1, n // world_size)
         self.samples, self.batch_size, self.seed, self.pad_id = samples, batch_size, seed, pad_id
         self.rank, self.world_size = rank, world_size
         self.block_size, self.num_anchors, self.pin = block_size, num_anchors, pin
         self.in_order_first = in_order_first  # epoch 0 unshuffled: a cache still being written, in row order
-        self.flops = flops
-        self.per_epoch = len(samples) // (batch_size * world_size)
-        # (epoch, its order), replaced as one tuple: the batch producer and a reading-ahead target both ask
-        self._cached: tuple[int, list[int]] = (-1, [])
+        self.flops, self.bucket, self.stats = flops, bucket, stats
+        self.slots = self.real = 0  # the batches built so far: all their slots, and the real tokens among them
+        self.step = batch_size * world_size  # samples per step, all ranks together
+        self.per_epoch = n // self.step
+        self._lengths: np.ndarray | None = None  # the training samples' lengths, read when first bucketed
+        # batch index -> position: a fresh run starts at epoch 0's first sample
+        self._origin = (0, DataPosition(0, 0, self.step, bucket, n))
+        # (epoch, order's key, the order), replaced as one tuple: the batch producer and a reading-ahead
+        # target both ask
+        self._cached: tuple[int, tuple[int, bool], np.ndarray] = (-1, (0, False), np.empty(0, dtype=np.int64))
 
-    def _order(self, epoch: int) -> list[int]:
-        cached, perm = self._cached
-        if epoch != cached:
-            perm = list(range(len(self.samples)))
-            if epoch or not self.in_order_first:
-                random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
-            self._cached = (epoch, perm)
-        return perm
+    @property
+    def padding_share(self) -> float:
+        """Padded slots over all slots of the batches built so far: what the target's forward pays for
+        nothing (a batch pads to its longest row)."""
+        return 1 - self.real / self.slots if self.slots else 0.0
+
+    def resume_at(self, index: int, at: DataPosition) -> None:
+        """Batch ``index`` starts at ``at`` (a checkpoint's record, made under any world size or batch
+        size): the rest of that epoch is its order from there, cut into this run's steps; later epochs are
+        this run's own."""
+        if at.samples != len(self.train):
+            raise ValueError(f"the checkpoint's data position counts {at.samples} training samples, the data "
+                             f"has {len(self.train)} now: resume with the data the run started with")
+        self._origin = (index, at)
+
+    def position(self, index: int) -> DataPosition:
+        """Where batch ``index`` starts (for the first batch not yet trained on: what a checkpoint records)."""
+        first, at = self._origin
+        if index < first:
+            raise ValueError(f"batch {index} comes before the position this run resumed from (batch {first})")
+        j, n = index - first, len(self.train)
+        left = (n - at.consumed) // self.step  # this run's steps that still fit in the resumed epoch
+        if j < left:
+            return replace(at, consumed=at.consumed + j * self.step)
+        j -= left
+        return DataPosition(at.epoch + 1 + j // self.per_epoch, j % self.per_epoch * self.step, self.step,
+                            self.bucket, n)
+
+    def _order(self, at: DataPosition) -> np.ndarray:
+        """Epoch ``at.epoch``'s order of the training samples (positions in ``samples``)."""
+        key = (at.step, at.bucketed) if at.bucketed else (0, False)  # a plain shuffle has no step in it
+        epoch, cached_key, order = self._cached
+        if (epoch, cached_key) != (at.epoch, key):
+            n = len(self.train)
+            if at.epoch == 0 and self.in_order_first:
+                local = np.arange(n)
+            elif at.bucketed:
+                if self._lengths is None:
+                    self._lengths = sample_lengths(self.samples)[self.train]
+                local = bucketed_order(self._lengths, self.seed, at.epoch, at.step)
+            else:
+                perm = list(range(n))
+                random.Random(self.seed * 1_000_003 + at.epoch).shuffle(perm)
+                local = np.asarray(perm, dtype=np.int64)
+            order = self.train[local]
+            self._cached = (at.epoch, key, order)
+        return order
 
     def anchor_generator(self, index: int) -> torch.Generator:
         """The generator batch ``index``'s anchors are drawn from on this rank."""
@@ -102,9 +227,9 @@ class BatchSource:
 
     def sample_ids(self, index: int) -> list[int]:
         """The positions in ``samples`` of batch ``index``'s rows on this rank."""
-        epoch, k = divmod(index, self.per_epoch)
-        first = (k * self.world_size + self.rank) * self.batch_size
-        return self._order(epoch)[first:first + self.batch_size]
+        at = self.position(index)
+        first = at.consumed + self.rank * self.batch_size
+        return self._order(at)[first:first + self.batch_size].tolist()
 
     def __call__(self, index: int) -> Batch:
         picked = self.sample_ids(index)
@@ -113,15 +238,19 @@ class BatchSource:
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(rows), width), dtype=torch.long)
         loss = torch.zeros((len(rows), width), dtype=torch.bool)
-        for i, r in enumerate(rows):
+        for i, r in enumerate(rows):  # a row may be a list or a numpy array (a token store's)
             n = len(r.input_ids)
-            ids[i, :n] = torch.tensor(r.input_ids)
+            ids[i, :n] = torch.as_tensor(r.input_ids)
             attn[i, :n] = 1
-            loss[i, :n] = torch.tensor(r.loss_mask, dtype=torch.bool)
+            loss[i, :n] = torch.as_tensor(r.loss_mask) != 0
         plan = None
         if self.block_size is not None and self.num_anchors is not None:
             plan = plan_blocks(ids, loss, self.block_size, self.num_anchors, self.anchor_generator(index))
         batch = Batch(index, ids, attn, loss, sum(len(r.input_ids) for r in rows), plan, list(picked))
+        self.slots += ids.numel()
+        self.real += batch.num_tokens
+        if self.stats is not None:
+            self.stats.gauge(Gauge.PADDING_SHARE, self.padding_share)
         if self.flops is not None and plan is not None:
             batch.flops = self.flops.of_batch(batch).total
         return batch.pin_memory() if self.pin else batch
