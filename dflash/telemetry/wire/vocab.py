@@ -108,6 +108,11 @@ class Gauge(StrEnum):
     TFLOPS = "tflops"
     MFU = "mfu"
     PEAK_TFLOPS = "peak_tflops"
+    #: the length limit's toll, set once at the start from the token store: the limit in tokens, the samples
+    #: longer than it (cut, not dropped) and the share of supervised tokens beyond it (0.22 is 22%)
+    MAX_SEQ_LEN = "max_seq_len"
+    CUT_SAMPLES = "cut_samples"
+    CUT_SUPERVISED_SHARE = "cut_supervised_share"
 
 
 class Counter(StrEnum):
