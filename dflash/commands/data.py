@@ -1,4 +1,5 @@
-"""`dflash data regenerate|demo|cache`: target-written training data, and the offline hidden-states cache."""
+"""`dflash data prepare|regenerate|demo|cache`: the token store, target-written training data, and the offline
+hidden-states cache."""
 
 from __future__ import annotations
 
@@ -14,6 +15,21 @@ CACHE_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn"}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    pr = sub.add_parser("prepare", help="tokenize a JSONL data set once into a token store that `dflash train "
+                                        "--data DIR` memory-maps (a rerun resumes a stopped one)")
+    pr.add_argument("--target", default="tiny", help="HF model directory or 'tiny': whose tokenizer and chat "
+                    "template (only the tokenizer is loaded)")
+    pr.add_argument("--data", required=True, help="input JSONL or 'demo'")
+    pr.add_argument("--out", type=Path, default=None, help="store directory (default: beside the data, "
+                    "<data>.dflash-store/<stamp>/, where `dflash train --data <data>` looks for it)")
+    pr.add_argument("--max-seq-len", type=int, default=None, help="rows are kept up to this many tokens (default: "
+                    "what `dflash train` uses on this machine); a run may cut shorter, never longer")
+    pr.add_argument("--thinking", choices=["on", "off", "auto"], default="auto",
+                    help="how 'messages' rows render reasoning (default auto: as each row has it)")
+    pr.add_argument("--workers", type=int, default=None, help="processes encoding shards, each with one thread "
+                    "(default: min(cores, 8); 0: this process)")
+    pr.add_argument("--shard-rows", type=int, default=None, help="source lines per shard, the unit of resuming "
+                    "(default 10000)")
     r = sub.add_parser("regenerate", help="rewrite the responses of a dataset with the target (greedy, batched)")
     r.add_argument("--target", required=True, help="HF model directory or 'tiny'")
     r.add_argument("--data", required=True, help="input JSONL (messages or prompt/response rows)")
@@ -31,7 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--data", required=True, help="input JSONL or 'demo'")
     c.add_argument("--out", required=True, type=Path, help="cache directory (a rerun skips the files written)")
     c.add_argument("--max-samples", type=int, default=None, help="only the first N rows")
-    c.add_argument("--max-seq-len", type=int, default=512, help="longest sample in tokens (as `dflash train`)")
+    c.add_argument("--max-seq-len", type=int, default=None, help="longest sample in tokens (default: what "
+                   "`dflash train --target T` uses on this machine)")
+    c.add_argument("--thinking", choices=["on", "off", "auto"], default="auto",
+                   help="how 'messages' rows render reasoning, as `dflash train --thinking`")
     c.add_argument("--target-layer-ids", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    metavar="IDS", help="taps, the reference's ids (default: those a bare `dflash train "
                    "--target T` on this machine uses)")
@@ -70,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {n} rows to {args.out}")
         elif args.action == "cache":
             return _cache(args)
+        elif args.action == "prepare":
+            return _prepare(args)
         else:
             from dflash.data.demo import DEMO_PATH, build_demo
 
@@ -80,6 +101,49 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def recipe_max_seq_len(target: str) -> int:
+    """The length `dflash train --target T` runs at on this machine when nothing says otherwise."""
+    from dflash.train.config import DataSettings
+    from dflash.train.config.recipes import hardware_recipe
+
+    recipe, _ = hardware_recipe(target)
+    return recipe.get("max_seq_len", DataSettings().max_seq_len)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    """Tokenize --data into a store, in worker processes, resumably."""
+    from dflash.data import resolve_data
+    from dflash.data.prepare import DEFAULT_SHARD_ROWS, prepare, store_dir
+    from dflash.data.store import Stamp
+
+    for flag, value, least in (("--max-seq-len", args.max_seq_len, 1), ("--workers", args.workers, 0),
+                               ("--shard-rows", args.shard_rows, 1)):
+        if value is not None and value < least:
+            raise CliError(f"{flag} must be at least {least}, got {value}")
+    source = resolve_data(args.data)
+    tokenizer = _tokenizer(args.target)
+    limit = args.max_seq_len or recipe_max_seq_len(args.target)
+    out = args.out or store_dir(source, Stamp.of(tokenizer, args.thinking, limit, source), None)
+    prepare(source, tokenizer, out, max_seq_len=limit, thinking=args.thinking, workers=args.workers,
+            shard_rows=args.shard_rows or DEFAULT_SHARD_ROWS, log=lambda line: print(line, flush=True))
+    print(f"store: {out}; train with: dflash train --target {args.target} --data {out}")
+    return 0
+
+
+def _tokenizer(target: str):
+    """The target's tokenizer alone (prepare needs no weights)."""
+    if target == "tiny":
+        from dflash.targets.tiny import TINY_DIR as where
+    else:
+        where = Path(target)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(where))
+    except (OSError, ValueError) as e:
+        raise CliError(f"{target}: no tokenizer loads from it ({str(e).splitlines()[0][:200]})") from None
+
+
 def _cache(args: argparse.Namespace) -> int:
     """Rank 0 writes the token rows and the sidecar, every rank (RANK/WORLD_SIZE, as torchrun sets them)
     its share of the sample files; a telemetry socket lets dflash-top watch the forward and the writes."""
@@ -87,9 +151,11 @@ def _cache(args: argparse.Namespace) -> int:
 
     import torch
 
-    from dflash.data import load_samples, resolve_data
+    from dflash.data import Sample, resolve_data
     from dflash.data.cache_format import rows_ready, write_rows
     from dflash.data.cache_writer import meta_for, rank_share, write_cache
+    from dflash.data.prepare import open_store
+    from dflash.data.store import is_store
     from dflash.telemetry import ProfileStats
     from dflash.train.device.binding import bind_thread, resolve, thread_device
     from dflash.train.distributed import DistError, from_env, place_devices
@@ -106,12 +172,16 @@ def _cache(args: argparse.Namespace) -> int:
         raise CliError(f"--max-samples must be at least 1, got {args.max_samples}")
     if args.fp8_scales != "token" and args.dtype != "fp8":
         raise CliError("--fp8-scales is for FP8 files: give --dtype fp8 too")
-    data = resolve_data(args.data)
+    if not is_store(Path(args.data)):  # a typo in --data should not wait for the target to load
+        resolve_data(args.data)
     bind_thread(thread_device(resolve(device)))  # never a context on GPU 0 for a rank on another GPU
     target = _cache_target(args, device)
-    samples = load_samples(data, target.tokenizer, max_len=args.max_seq_len)
-    if args.max_samples is not None:
-        samples = samples[:args.max_samples]
+    store = open_store(args.data, target.tokenizer, max_seq_len=args.max_seq_len or recipe_max_seq_len(args.target),
+                       min_loss_tokens=1, thinking=args.thinking, run_dir=args.out)
+    print(store.truncation.line(), flush=True)
+    # the cache writer compares and saves the rows as lists: as many as it caches, copied out of the store
+    samples = [Sample(s.input_ids.tolist(), s.loss_mask.tolist()) for s in
+               (store[i] for i in range(min(len(store), args.max_samples or len(store))))]
     dtype = getattr(torch, CACHE_DTYPES[args.dtype]) if args.dtype else None
     meta = meta_for(target, args.target, len(samples), dtype)
     out: Path = args.out

@@ -1,7 +1,7 @@
 """The two header lines: who we are watching (run, host, pid, rank, uptime, connection; the bad samples a
-cache reader skipped, when there are any) and how it goes (step, tokens/s, MFU and model TFLOP/s, loss
-with the objective's terms, simulated tau, labelled `sim tau`: the real one comes from evaluations). The
-connection state comes first so it survives an 80-column crop.
+cache reader skipped and the samples the length limit cuts, when there are any) and how it goes (step,
+tokens/s, MFU and model TFLOP/s, loss with the objective's terms, simulated tau, labelled `sim tau`: the
+real one comes from evaluations). The connection state comes first so it survives an 80-column crop.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def header_text(state: RunState, width: int = 200) -> Text:
     t.append("  up ", style="dim").append(fmt.clock(state.uptime_s))
     if bad := state.bad_samples:  # a cache's unreadable files, skipped: the log names each one
         t.append(f"  {bad:,} bad sample{'s' if bad != 1 else ''} skipped", style="bold yellow")
+    t.append_text(cut_text(state))
     t.append("\n")
     sampling = state.snapshot.sampling if state.snapshot is not None else None
     if sampling is not None:  # a process watched from outside: no steps, tokens or loss to show
@@ -54,6 +55,19 @@ def header_text(state: RunState, width: int = 200) -> Text:
     t.append_text(line)
     if h is None and state.connection_detail:
         t.append("  " + state.connection_detail, style="dim")
+    return t
+
+
+def cut_text(state: RunState) -> Text:
+    """`  len 512 cuts 340 samples (22.1% sup)`: what the run's length limit cuts from its data, from the
+    trainer's gauges (nothing when it cuts nothing, or says nothing)."""
+    t = Text()
+    cut, share, limit = (state.gauge(g) for g in (Gauge.CUT_SAMPLES, Gauge.CUT_SUPERVISED_SHARE, Gauge.MAX_SEQ_LEN))
+    if not cut or limit is None:
+        return t
+    t.append(f"  len {limit:,.0f} cuts {cut:,.0f} sample{'s' if cut != 1 else ''}", style="yellow")
+    if share is not None:
+        t.append(f" ({share:.1%} sup)", style="yellow")
     return t
 
 

@@ -112,6 +112,11 @@ class Gauge(StrEnum):
     #: padded slots over all slots of the batches built so far (a batch pads to its longest row; length
     #: buckets keep it low), counted where they are built (BatchSource, on the batch producer's thread)
     PADDING_SHARE = "padding_share"
+    #: the length limit's toll, set once at the start from the token store: the limit in tokens, the samples
+    #: longer than it (cut, not dropped) and the share of supervised tokens beyond it (0.22 is 22%)
+    MAX_SEQ_LEN = "max_seq_len"
+    CUT_SAMPLES = "cut_samples"
+    CUT_SUPERVISED_SHARE = "cut_supervised_share"
 
 
 class Counter(StrEnum):

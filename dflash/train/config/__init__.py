@@ -40,7 +40,8 @@ class RunSettings:
     """what to train and when to stop"""
 
     target: str = setting("tiny", "HF model directory or 'tiny' (the built-in target)")
-    data: str = setting("demo", "JSONL dataset or 'demo'")
+    data: str = setting("demo", "JSONL dataset (tokenized once into a token store beside it), a store directory "
+                        "from `dflash data prepare`, or 'demo'")
     hidden_states: str | None = setting(None, "train from an offline hidden-states cache (the vLLM/speculators "
                                         "layout, `dflash data cache`) instead of running --target, which then "
                                         "supplies only the tokenizer, embedding and LM head; --data is unused",
@@ -158,7 +159,11 @@ class ObjectiveSettings:
 class DataSettings:
     """batches"""
 
-    max_seq_len: int = setting(512, "longest sample in tokens (longer ones are cut)")
+    max_seq_len: int = setting(512, "longest sample in tokens: longer ones are cut, and the run says how many and "
+                               "what share of supervised tokens that loses (the GPU recipe: 3072)")
+    thinking: str = setting("auto", "how 'messages' rows render reasoning: on, off, or auto (as each row has it); "
+                            "part of the token store's stamp, so a store made another way is refused",
+                            choices=["on", "off", "auto"])
     batch_size: int = setting(8, "samples per step (per rank)")
     seed: int = setting(0, "seed of the data order, the anchors, the held-out rows and the drafter's init")
     length_buckets: bool = setting(True, "on: each step's rows have similar lengths (shuffled, sorted by length "

@@ -17,6 +17,10 @@ CPU_RECIPE: dict[str, Any] = {
     "threads_per_worker": 1, "checkpoint_every": 60.0, "log_every": 15.0, "eval_prompts": 8,
     "eval_max_new_tokens": 96,
 }
+#: The published GPU recipe: the devices, and the length the DFlash paper and SpecForge's DFlash trainer train
+#: at (3,072 tokens; docs/training.md says why). The settings' own default (512) would cut most real
+#: conversations, thinking traces all of them, without a word.
+GPU_RECIPE: dict[str, Any] = {"target_devices": ["cuda"], "drafter_device": "cuda", "max_seq_len": 3072}
 #: the tiny target's taps for a 1-layer drafter: real tau 1.40 with these against 1.21 with [3]
 TINY_CPU_TAPS = [1, 3, 5]
 
@@ -26,8 +30,9 @@ def hardware_recipe(target: str | None) -> tuple[dict[str, Any], str]:
     import torch
 
     if torch.cuda.is_available():
-        return ({"target_devices": ["cuda"], "drafter_device": "cuda"},
-                "recipe: CUDA found, the published GPU recipe on cuda (give --config or flags to change it)")
+        return (dict(GPU_RECIPE),
+                f"recipe: CUDA found, the published GPU recipe on cuda (max_seq_len {GPU_RECIPE['max_seq_len']}; "
+                "give --config or flags to change it)")
     recipe = dict(CPU_RECIPE)
     if (target or "tiny") == "tiny":
         recipe["target_layer_ids"] = TINY_CPU_TAPS

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dflash.data import Sample
@@ -22,7 +23,7 @@ from dflash.objectives import Objective, for_drafter
 from dflash.objectives.optim import describe as describe_optimizer
 from dflash.targets import Target, TargetError
 from dflash.targets.heads import NormedHead
-from dflash.telemetry.wire.vocab import Counter, Role
+from dflash.telemetry.wire.vocab import Counter, Gauge, Role
 from dflash.train import distributed
 from dflash.train.checkpoint import rng
 from dflash.train.config import ConfigError, TrainConfig
@@ -89,12 +90,14 @@ def run_target(cfg: TrainConfig, log: Callable[[str], None] = print, resuming: b
     to load; and on a fresh start with --init-from the drafter's shape (its taps among it) is the
     release's where the user set none (a resumed run has its checkpoint's shape, and its saved config says it)."""
     from dflash.data import DataError, resolve_data
+    from dflash.data.store import is_store
     from dflash.model.export import DrafterLoadError
     from dflash.targets import make_target
     from dflash.train.config.released import take_release_shape
 
     try:
-        resolve_data(cfg.run.data)
+        if not is_store(Path(cfg.run.data)):
+            resolve_data(cfg.run.data)
         if cfg.eval.eval_data is not None:
             resolve_data(cfg.eval.eval_data, evaluation=True)
         if not resuming and (line := take_release_shape(cfg)):
@@ -120,7 +123,7 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
         drafter_device = resolve(cfg.pipeline.drafter_device)
         replicas = {dev: target.replica(dev) for dev in dict.fromkeys(devices)}  # CPU workers share one
         verifier = evaluator(cfg, replicas[devices[0]], devices[0], log)
-        samples, data_path = read_samples(cfg, target, samples)
+        samples, data_path = read_samples(cfg, target, samples, log)
     except (DataError, TargetError) as e:
         raise TrainError(str(e)) from None
     try:
@@ -128,7 +131,8 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     except DataError as e:
         raise TrainError(str(e)) from None
     held = set(evals.held_out)
-    train = [i for i in range(len(samples)) if i not in held] if held else None
+    # an array, not a list: a corpus of millions of rows would make it hundreds of MB of Python ints
+    train = np.setdiff1d(np.arange(len(samples)), np.asarray(evals.held_out, dtype=np.int64)) if held else None
     if len(samples) - len(held) < dist.world_size:
         raise TrainError(f"{data_path} has {len(samples) - len(held)} usable samples to train on, fewer than the "
                          f"{dist.world_size} ranks")
@@ -142,6 +146,7 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     generator = torch.Generator().manual_seed(cfg.data.seed + 1_000_003 * dist.rank)
 
     stats = ProfileStats(enabled=cfg.telemetry.enabled)
+    publish_truncation(stats, samples)
     if cfg.pipeline.enabled:
         stats.worker("batch-producer", Role.DATA)  # registered now so every snapshot lists it
     embed, lm_head = first.frozen_head(drafter_device)
@@ -221,20 +226,39 @@ def make_objective(cfg: TrainConfig, model: Any, target: Target, lm_head: Any,
         raise TrainError(str(e)) from None
 
 
-def read_samples(cfg: TrainConfig, target: Target, given: list[Sample] | None) -> tuple[list[Sample], Path]:
+def read_samples(cfg: TrainConfig, target: Target, given: list[Sample] | None,
+                 log: Callable[[str], None] = print) -> tuple[Sequence[Sample], Path]:
     """The run's samples and where they came from: `given`, else the target's own rows (a cache holds
-    its token ids), else `cfg.run.data` read with the target's tokenizer."""
-    from dflash.data import load_samples, resolve_data
+    its token ids), else the token store of `cfg.run.data` (prepared from the JSONL file on first use,
+    memory-mapped after), with what the length limit cuts said in one line."""
+    from dflash.data.prepare import open_store
 
     if given is not None:
         return given, Path("<given samples>")
     if own := target.own_samples(cfg.data.max_seq_len, cfg.model.block_size):
         return own, Path(cfg.run.hidden_states or "<the target's own rows>")
-    data_path = resolve_data(cfg.run.data)
     if target.tokenizer is None:
         raise TrainError(f"target {cfg.run.target!r} has no tokenizer: dflash needs one to read the data")
-    return load_samples(data_path, target.tokenizer, max_len=cfg.data.max_seq_len,
-                        min_loss_tokens=cfg.model.block_size), data_path
+    store = open_store(cfg.run.data, target.tokenizer, max_seq_len=cfg.data.max_seq_len,
+                       min_loss_tokens=cfg.model.block_size, thinking=cfg.data.thinking,
+                       run_dir=Path(cfg.run.run_dir) if cfg.run.run_dir else None, log=log)
+    log(f"data: {store.describe()}")
+    log(store.truncation.line())
+    if not len(store):
+        raise TrainError(f"{store.root}: no usable rows (need at least {cfg.model.block_size} supervised tokens "
+                         f"within {cfg.data.max_seq_len})")
+    return store, store.root
+
+
+def publish_truncation(stats: Any, samples: Sequence[Sample]) -> None:
+    """The length limit's toll as gauges (dflash-top's header shows it): the limit, the samples it cuts
+    and the share of supervised tokens it loses (nothing for data that is not a token store)."""
+    cut = getattr(samples, "truncation", None)
+    if cut is None:
+        return
+    stats.gauge(Gauge.MAX_SEQ_LEN, cut.limit)
+    stats.gauge(Gauge.CUT_SAMPLES, cut.cut_rows)
+    stats.gauge(Gauge.CUT_SUPERVISED_SHARE, cut.cut_share)
 
 
 def eval_set(cfg: TrainConfig, samples: Sequence[Sample], data_path: Path, target: Target, verifier: Any,
