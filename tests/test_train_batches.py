@@ -251,8 +251,8 @@ def test_what_evaluations_read_and_what_they_are_called(tmp_path):
     from dflash.train.run.build import TrainError, eval_set
 
     tok = make_tokenizer()
-    data = _write_data(tmp_path / "data.jsonl", 12)
-    samples = [Sample([1, 2, 3, i], [0, 0, 1, 1]) for i in range(12)]
+    data = _write_data(tmp_path / "data.jsonl", 30)
+    samples = [Sample([1, 2, 3, i], [0, 0, 1, 1]) for i in range(30)]
     target, verifier = SimpleNamespace(tokenizer=tok), object()
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -280,7 +280,10 @@ def test_what_evaluations_read_and_what_they_are_called(tmp_path):
     bad.write_text('{"text": "no prompt here"}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:1: a 'text' row has no prompt"):  # build: one line
         chosen(eval_data=str(bad))
-    text_only = [Sample([1, 2, 3], [1, 1, 1])] * 4
+    few = eval_set(make_config({}, {"data": str(data), "run_dir": str(tmp_path / "r3"), "max_steps": 1}),
+                   samples[:9], data, target, verifier, resuming=False)  # a tenth of 9 rows: none to spare
+    assert few.prompts == [] and few.held_out == [] and "too few to hold any out" in few.what
+    text_only = [Sample([1, 2, 3], [1, 1, 1])] * 40
     cfg = make_config({}, {"data": str(data), "run_dir": str(tmp_path / "r2"), "max_steps": 1})
     with pytest.raises(TrainError, match="no row has a prompt"):
         eval_set(cfg, text_only, data, target, verifier, resuming=False)

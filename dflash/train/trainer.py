@@ -108,7 +108,8 @@ class Trainer:
         report.log("config: " + " ".join(f"{k}={v}" for k, v in flat_values(cfg).items()))
         report.log(parts.describe(cfg))
         if parts.evals.what:
-            report.log(f"evaluation on {parts.evals.what}")
+            report.log(f"evaluation on {parts.evals.what}" if parts.evals.prompts else
+                       f"no evaluation: {parts.evals.what}")
         if d.enabled:
             backend = "nccl" if parts.drafter_device.type == "cuda" else "gloo"
             report.log(f"distributed: {d.world_size} ranks ({backend}), "
@@ -137,7 +138,7 @@ class Trainer:
         cfg, d, parts, report = self.cfg, self.dist, self.parts, self.report
         agreement = distributed.Agreement(d) if d.enabled else None
         self.control = StepControl(cfg.run.max_steps, cfg.run.max_time, self._checkpoint_interval(),
-                                   cfg.eval.eval_every,
+                                   cfg.eval.eval_every if parts.evals.prompts else 0,
                                    is_main=d.is_main, agreement=agreement, trained=self.state.train_time)
         self.pipeline = Pipeline(parts.source, parts.targets, parts.drafter, cfg.pipeline, cfg.run, parts.stats,
                                  self.state, self.on_step,
@@ -282,7 +283,7 @@ class Trainer:
             self.report.problem(self.nonfinite.stop_line)
             self.report.event("error", self.nonfinite.stop_line)
             return 1
-        if (not self.stop_requested.is_set() and self.cfg.eval.eval_prompts > 0 and self.dist.is_main
+        if (not self.stop_requested.is_set() and self.parts.evals.prompts and self.dist.is_main
                 and self.parts.verifier is not None):
             self.final_eval = self.evaluate()
         return code

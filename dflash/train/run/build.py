@@ -42,6 +42,10 @@ class TrainError(RuntimeError):
     """Setup failed in a way the user can fix; the message is one line."""
 
 
+#: rows of the training data per row held out for evaluation, at most
+HELD_OUT_SHARE = 10
+
+
 @dataclass
 class EvalSet:
     """The prompts a run evaluates on, what they are in words (every tau printed says it), and the rows
@@ -118,6 +122,7 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     from dflash.data import DataError
     from dflash.telemetry import ProfileStats
 
+    samples_given = samples is not None
     try:
         devices = [resolve(d) for d in cfg.pipeline.target_devices]
         drafter_device = resolve(cfg.pipeline.drafter_device)
@@ -127,7 +132,8 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     except (DataError, TargetError) as e:
         raise TrainError(str(e)) from None
     try:
-        evals = eval_set(cfg, samples, data_path, target, verifier, resuming=ckpt is not None)
+        evals = eval_set(cfg, samples, data_path, target, verifier, resuming=ckpt is not None,
+                         given=samples_given)
     except DataError as e:
         raise TrainError(str(e)) from None
     held = set(evals.held_out)
@@ -262,8 +268,9 @@ def publish_truncation(stats: Any, samples: Sequence[Sample]) -> None:
 
 
 def eval_set(cfg: TrainConfig, samples: Sequence[Sample], data_path: Path, target: Target, verifier: Any,
-             resuming: bool) -> EvalSet:
-    """What the run evaluates on: --eval-data's first prompts; the demo's own held-out prompts; else rows
+             resuming: bool, given: bool = False) -> EvalSet:
+    """What the run evaluates on: --eval-data's first prompts; the demo's own held-out prompts (unless the
+    caller gave the samples: ``given``); else rows
     of the training data held out of training (chosen by a hash of row and seed, or on --resume the ones the
     run recorded). Nothing is held out when nothing will be evaluated. A run resumed from before rows were
     held out keeps training on all of them (its data order stays exact) and evaluates on the first rows of
@@ -281,15 +288,20 @@ def eval_set(cfg: TrainConfig, samples: Sequence[Sample], data_path: Path, targe
         prompts = load_prompts(e.eval_data, tok, limit=e.eval_prompts)
         return EvalSet(prompts, f"{plural(len(prompts), 'prompt')} of --eval-data {e.eval_data}", kept)
     own_rows = cfg.run.hidden_states is None
-    if own_rows and cfg.run.data == "demo":
+    if own_rows and cfg.run.data == "demo" and not given:
         prompts = load_prompts("demo", tok, limit=e.eval_prompts)
         return EvalSet(prompts, f"{plural(len(prompts), 'held-out demo prompt')}", kept)
-    source = f"--data {data_path}" if own_rows else f"--hidden-states {cfg.run.hidden_states}"
+    source = f"--data {cfg.run.data}" if own_rows else f"--hidden-states {cfg.run.hidden_states}"
     if resuming and not recorded:
         prompts = load_prompts(cfg.run.data, tok, limit=e.eval_prompts)
         return EvalSet(prompts, f"the first {plural(len(prompts), 'row')} of --data {cfg.run.data} (trained on: "
                        "the run began holding out no rows)", kept)
-    rows = recorded if recorded is not None else choose_rows(samples, cfg.data.seed, e.eval_prompts)
+    # never more than a tenth of the rows: a small data set keeps what it has for training
+    count = min(e.eval_prompts, len(samples) // HELD_OUT_SHARE)
+    if recorded is None and count == 0:
+        return EvalSet([], f"{source} has {plural(len(samples), 'row')}, too few to hold any out "
+                       f"(at most 1 in {HELD_OUT_SHARE}); give --eval-data FILE", kept)
+    rows = recorded if recorded is not None else choose_rows(samples, cfg.data.seed, count)
     if not rows:
         raise TrainError(f"{source}: no row has a prompt (tokens before its first supervised one) to hold out "
                          "for evaluation: give --eval-data FILE, or --eval-prompts 0")
