@@ -9,10 +9,12 @@ tail, as real chat data has) is written under a temp directory and read with the
 
 each in a fresh process, one intra-op thread, up to the first batch a rank trains on (BatchSource, as the
 trainer builds it): the wall time to it and the process's peak RSS. Then ``dflash data prepare``'s rate in
-rows/s with 1 and 2 worker processes. The report includes the foreign CPU load (another job on a 2-core
-machine halves every rate here).
+rows/s with 1 and 2 worker processes. Last, what less padding buys: scripts/bench_bucketing.py's
+padding share and real tokens/s with length buckets off and on (A B A B, its own length-skewed corpus),
+run from here so one report holds the data path's figures (``--buckets_rounds 0`` leaves it out). The
+report includes the foreign CPU load (another job on a 2-core machine halves every rate here).
 
-    python scripts/bench_data.py [--json] [--quick] [--rows 10000,100000] [--max-seq-len 3072]
+    python scripts/bench_data.py [--json] [--quick] [--rows 10000,100000] [--max_seq_len 3072] [--buckets_rounds 2]
 """
 
 from __future__ import annotations
@@ -91,10 +93,25 @@ def prepare_rate(data: Path, out: Path, workers: int, limit: int, rows: int) -> 
     return rows / (time.perf_counter() - t0)
 
 
+def length_buckets(rounds: int, quick: bool) -> dict:
+    """bench_bucketing.py's figures (padding share and real tokens/s, buckets off and on), run as its own
+    process: the ratio side by side with this benchmark's, in one report."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_bucketing.py"), "--json", "--rounds", str(rounds),
+           *(["--quick"] if quick else [])]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    if r.returncode:
+        raise SystemExit(f"bench_bucketing.py failed:\n{r.stderr[-3000:]}")
+    out = json.loads(r.stdout)
+    keep = ("padding_share_off", "padding_share_on", "real_tokens_per_s_off", "real_tokens_per_s_on",
+            "tokens_per_s_on_vs_off", "rows", "batch_size", "rounds")
+    return {k: out[k] for k in keep}
+
+
 def main() -> None:
     args = bench_args(__doc__, {"rows": ("10000,100000", "corpus sizes, comma-separated"),
-                                "max_seq_len": (3072, "the length limit (the GPU recipe's)")},
-                      ("a 2,000-row corpus, to prove the script works", {"rows": "2000"}))
+                                "max_seq_len": (3072, "the length limit (the GPU recipe's)"),
+                                "buckets_rounds": (2, "rounds of the length-bucket comparison (0: skip it)")},
+                      ("a 2,000-row corpus, to prove the script works", {"rows": "2000", "buckets_rounds": 1}))
     sizes = [int(x) for x in args.rows.split(",")]
     work = Path(tempfile.mkdtemp(prefix="bench-data-"))
     report: dict = {"max_seq_len": args.max_seq_len, "cpus": os.cpu_count()}
@@ -113,6 +130,8 @@ def main() -> None:
                     "store_first_batch_s": round(store["seconds"], 2),
                     "jsonl_peak_rss_mb": round(jsonl["peak_rss_mb"]), "store_peak_rss_mb": round(store["peak_rss_mb"]),
                     "prepare_rows_per_s_1_worker": round(one), "prepare_rows_per_s_2_workers": round(two)}
+            if args.buckets_rounds > 0:
+                report["length_buckets"] = length_buckets(args.buckets_rounds, args.quick)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report["foreign_load_cores"] = round(load.cores, 2)
