@@ -116,7 +116,9 @@ def make_target(ctx: Ctx, shape: dict, layers: int | None = None, device: str | 
 def make_parts(ctx: Ctx, target, drafter_layers: int, seq_len: int, num_anchors: int, batch_size: int,
                samples: int = 16, target_device: str | None = None):
     """Real stages around ``target``, made by the trainer's own build(): a BatchSource over random token
-    sequences (second half is the response), a TargetStage and a DrafterStage with the recipe's optimizer."""
+    sequences (second half is the response), a TargetStage and a DrafterStage with the recipe's optimizer.
+    On a GPU build() fits the batch and anchors to its memory: the returned cfg holds what will run
+    (``ran(cfg)``), which every figure must be computed from, not what was asked."""
     import torch
 
     from dflash.data import Sample
@@ -129,10 +131,19 @@ def make_parts(ctx: Ctx, target, drafter_layers: int, seq_len: int, num_anchors:
     g = torch.Generator().manual_seed(1)
     rows = [Sample(torch.randint(0, vocab - 1, (seq_len,), generator=g).tolist(),
                    [0] * (seq_len // 2) + [1] * (seq_len - seq_len // 2)) for _ in range(samples)]
-    cfg = updated(TrainConfig(), num_anchors=num_anchors, batch_size=batch_size, max_steps=10**6,
+    cfg = updated(TrainConfig(), num_anchors=num_anchors, batch_size=batch_size, max_steps=10**6, eval_prompts=0,
                   drafter_layers=drafter_layers, target_devices=[str(target.device)], drafter_device=ctx.device)
     parts = build(cfg, Dist(), target, samples=rows, log=lambda line: None)
     return parts.source, parts.targets[0], parts.drafter, cfg, parts.stats
+
+
+def ran(cfg, asked_batch: int, asked_anchors: int) -> dict:
+    """The batch and anchors a check's steps ran with (build() may lower them to fit the device), beside
+    what it asked for."""
+    out = {"batch": cfg.data.batch_size, "anchors": cfg.model.num_anchors}
+    if (cfg.data.batch_size, cfg.model.num_anchors) != (asked_batch, asked_anchors):
+        out.update(asked_batch=asked_batch, asked_anchors=asked_anchors)
+    return out
 
 
 def run_pipeline(source, tstage, dstage, cfg, stats, steps: int, pipeline: bool, on_step_extra=None,
@@ -790,7 +801,8 @@ def check_throughput(ctx: Ctx) -> dict:
     target = make_target(ctx, shape, layers=2 if ctx.smoke else layers)
     parts = make_parts(ctx, target, 1 if ctx.smoke else 5, seq, n, bsz, samples=8)
     warm, steps = (1, 3) if ctx.smoke else (3, 12)
-    out: dict = {"target_layers": target.num_layers, "seq_len": seq, "anchors": n, "batch": bsz}
+    out: dict = {"target_layers": target.num_layers, "seq_len": seq, **ran(parts[3], bsz, n)}
+    bsz = out["batch"]  # the rates are of the batch that ran
     peak = device_peak(ctx)
     for mode in (True, False):
         counted: list[float] = []  # each step's model FLOPs, as the trainer counts them (train/device/flops.py)
@@ -911,8 +923,8 @@ def check_memory_recipe(ctx: Ctx) -> dict:
     _sync(ctx)
     dt = (stamps[-1] - stamps[warm - 1]) / steps
     flops, peak = sum(counted[warm:warm + steps]) / steps, device_peak(ctx)
-    out = {"batch": bsz, "anchors": n, "seq_len": seq, "step_s": round(dt, 4),
-           "tokens_per_s": round(bsz * seq / dt, 1)}
+    out = {**ran(parts[3], bsz, n), "seq_len": seq, "step_s": round(dt, 4), "steps": steps}
+    out["tokens_per_s"] = round(out["batch"] * seq / dt, 1)  # of the batch that ran, not the one asked
     if not ctx.cuda:
         return {"ok": None, **out, "note": "ran on CPU: memory and MFU need CUDA"}
     mem = torch.cuda.memory_stats()
@@ -921,7 +933,10 @@ def check_memory_recipe(ctx: Ctx) -> dict:
                device_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
                alloc_retries=int(mem.get("num_alloc_retries", 0)), ooms=int(mem.get("num_ooms", 0)),
                mfu=round(flops / dt / peak, 4) if peak else None, step_tflop=float(f"{flops / 1e12:.4g}"))
-    return {"ok": out["alloc_retries"] == 0 and out["ooms"] == 0, **out}
+    # the fitted recipe's steps under the device's memory without a single allocator retry (each one frees
+    # the cache and synchronises the device): the plan's promise, measured
+    fits = out["peak_reserved_gib"] <= out["device_memory_gib"]
+    return {"ok": out["alloc_retries"] == 0 and out["ooms"] == 0 and fits, **out}
 
 
 @check(budget_s=30)

@@ -21,6 +21,7 @@ a retry frees cached blocks and synchronises the device, a stall the step's own 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,20 +59,26 @@ class ActivationModel:
 
 
 def saved_bytes(run: Callable[[], Any], exclude: set[int]) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``run()`` executes (the graph
-    is dropped afterwards). Storages in ``exclude`` (parameters: they exist anyway) are not counted."""
-    seen: dict[int, int] = {}
+    """Bytes of the distinct storages autograd still keeps for backward when ``run()`` returns (the graph
+    is dropped afterwards). Storages in ``exclude`` (parameters: they exist anyway) are not counted.
+
+    A tensor saved and freed again before the end (a chunk's graph, released once its gradient is taken)
+    is not counted: each saved tensor is watched through a weak reference, and only the live ones are
+    summed, by storage. (Keying by address alone let a later tensor at a freed one's address hide it, so
+    the figure depended on how the allocator happened to reuse memory.)"""
+    saved: list[tuple[int, int, weakref.ref]] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
         if s.data_ptr() not in exclude:
-            seen[s.data_ptr()] = s.nbytes()
+            saved.append((s.data_ptr(), s.nbytes(), weakref.ref(t)))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
+        live = {ptr: nbytes for ptr, nbytes, ref in saved if ref() is not None}
     del out
-    return sum(seen.values())
+    return sum(live.values())
 
 
 def measure_activations(stage: Any, hidden_width: int, hidden_dtype: torch.dtype, seq_len: int,
