@@ -30,16 +30,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "0: all)")
     p.add_argument("--seed", type=int, default=0, help="with --temperature: seed of the draws (default 0)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--bench", default=None, help="benchmarks instead of --data: comma-separated of gsm8k, math500, "
+                   "aime24, aime25, humaneval, mbpp, livecodebench, swe-bench-lite, mt-bench, alpaca, or all "
+                   "(--num-prompts rows of each)")
+    p.add_argument("--bench-dir", default=None, help="with --bench: a directory of <benchmark>.jsonl files in each "
+                   "data set's own schema (default: the hub, through the datasets package)")
+    p.add_argument("--thinking", choices=["auto", "on", "off"], default="auto", help="the chat template's thinking "
+                   "mode, as the target is served (default: the template's own)")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None, help="print two saved `--bench ... "
+                   "--json` results side by side (loads no model)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the threads per "
                    "worker of the drafter's run, from its config.json; else torch's default)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from dflash.eval.benchmarks import BenchError, bench_rows, parse_bench
     from dflash.eval.speculative import evaluate
     from dflash.train.reporting.evaluation import threads_text, torch_threads
 
+    if args.compare:
+        return _compare(args.compare)
     sampling = _sampling(args)
-    drafter, target, prompts, run_cfg = _load(args)
+    benches = {}
+    if args.bench is not None:  # read (and refused) before any model loads
+        try:
+            benches = {name: bench_rows(name, args.bench_dir, args.num_prompts) for name in parse_bench(args.bench)}
+        except BenchError as e:
+            raise CliError(str(e)) from None
+    drafter, target, prompts, run_cfg = _load(args, need_prompts=not benches)
     if not sampling.greedy:
         import torch
 
@@ -50,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with torch_threads(threads) as n:
             print(f"dflash eval: {threads_text(n, source if threads else None)}", file=sys.stderr)
+            if benches:
+                return _run_benches(args, drafter, target, benches, sampling)
             result = evaluate(drafter, target, prompts, args.max_new_tokens, check_lossless=not args.no_lossless_check,
                               block_size=args.block_size, sampling=sampling)
     except ValueError as e:
@@ -66,6 +86,40 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_benches(args: argparse.Namespace, drafter, target, benches: dict, sampling) -> int:
+    """Every benchmark asked for, then the table (or one JSON object); 1 where any was not lossless."""
+    from dflash.eval.benchmarks import format_table, paper_figures, run_benchmark
+
+    results = {}
+    for name, rows in benches.items():
+        print(f"dflash eval: {name}: {len(rows)} prompts", file=sys.stderr)
+        results[name] = run_benchmark(drafter, target, rows, args.max_new_tokens, sampling,
+                                      check_lossless=not args.no_lossless_check, thinking=args.thinking,
+                                      block_size=args.block_size).to_dict()
+    paper = paper_figures(args.target, sampling.temperature)
+    if args.json:
+        print(json.dumps({"target": args.target, "drafter": args.drafter, "thinking": args.thinking,
+                          "temperature": sampling.temperature, "benchmarks": results,
+                          "paper": {k: {"speedup": v[0], "tau": v[1]} for k, v in paper.items() if k in results}}))
+    else:
+        print(format_table(results, paper))
+    bad = [n for n, r in results.items() if r["lossless"] is False]
+    if bad:
+        print(f"dflash eval: NOT LOSSLESS on {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _compare(paths: list[str]) -> int:
+    from dflash.eval.benchmarks import BenchError, format_compare, load_result
+
+    try:
+        a, b = load_result(paths[0]), load_result(paths[1])
+    except BenchError as e:
+        raise CliError(str(e)) from None
+    print(format_compare(a, b, (paths[0], paths[1])))
+    return 0
+
+
 def _sampling(args: argparse.Namespace):
     """The sampling settings, refused in one line before anything loads."""
     from dflash.eval.speculative import Sampling
@@ -78,7 +132,7 @@ def _sampling(args: argparse.Namespace):
         raise CliError(str(e)) from None
 
 
-def _load(args: argparse.Namespace) -> tuple:
+def _load(args: argparse.Namespace, need_prompts: bool = True) -> tuple:
     """The drafter, its target (this thread bound to its GPU), the prompts and the drafter's run config,
     each refused in one line when it does not load; `args.block_size` and `args.target` filled in."""
     import torch
@@ -125,10 +179,12 @@ def _load(args: argparse.Namespace) -> tuple:
         print(f"dflash eval: target {args.target}: {note}", file=sys.stderr)
     if target.tokenizer is None:
         raise CliError(f"target {args.target!r} has no tokenizer, so prompts from {args.data!r} cannot be encoded")
+    if not need_prompts:
+        return drafter.to(device=target.device, dtype=target.dtype), target, [], run_cfg
     from dflash.data import load_prompts
 
     try:
-        prompts = load_prompts(args.data, target.tokenizer, args.num_prompts)
+        prompts = load_prompts(args.data, target.tokenizer, args.num_prompts, thinking=args.thinking)
     except (OSError, ValueError) as e:
         raise CliError(str(e).splitlines()[0] if str(e) else repr(e)) from e
     if not prompts:

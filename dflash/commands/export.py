@@ -1,27 +1,43 @@
-"""`dflash export CKPT --out DIR`: a training checkpoint -> the reference (z-lab) drafter format."""
+"""`dflash export CKPT --out DIR`: a training checkpoint -> the reference (z-lab) drafter format, checked
+against what vLLM and SGLang make of it; `dflash export --check vllm|sglang|all DIR` checks an export."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from dflash.commands import CliError
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "keep": None}
+_CHECKS = ("vllm", "sglang", "all")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint file, run directory with *.pt checkpoints, or an export dir")
-    p.add_argument("--out", required=True, help="directory to write config.json + model.safetensors into")
+    p.add_argument("checkpoint", help="checkpoint file, run directory with *.pt checkpoints, or an export dir "
+                   "(with --check: the export directory to check)")
+    p.add_argument("--out", help="directory to write config.json + model.safetensors into")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
                    help="weight dtype (bf16 as the reference's released drafters; keep = as trained)")
     p.add_argument("--force", action="store_true", help="replace what --out already holds")
+    p.add_argument("--check", choices=_CHECKS, default=None,
+                   help="check an existing export against this engine's loader instead of exporting")
+    p.add_argument("--trained", default=None, help="with --check: the checkpoint or run the export was made "
+                   "from, the truth it is held against (default: the export's config.json as dflash reads it)")
+    p.add_argument("--target", default=None, help="the target named in the serve commands printed (default: "
+                   "the one the drafter's run trained against)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.check is not None:
+        return _check_only(args)
+    if args.out is None:
+        raise CliError("give --out DIR to export into, or --check vllm|sglang|all to check an existing export")
+    if args.trained is not None:
+        raise CliError("--trained goes with --check (an export is checked against its own checkpoint)")
     import torch
 
-    from dflash.model.export import DrafterLoadError, export_drafter
+    from dflash.model.export import DrafterLoadError, export_drafter, read_config_json
     from dflash.model.loading import load_drafter
     from dflash.model.speculators_format import speculators_dir
 
@@ -42,7 +58,63 @@ def run(args: argparse.Namespace) -> int:
     c = drafter.config
     print(f"exported {drafter.num_parameters() / 1e6:.2f}M-parameter drafter ({c.describe_layers()}, block "
           f"{c.block_size}, taps {c.target_layer_ids}, mask id {c.mask_token_id}) from {drafter.loaded_from} to {out}")
-    return 0
+    return _report(read_config_json(out), c, ("vllm", "sglang"), out, _target_of(args))
+
+
+def _check_only(args: argparse.Namespace) -> int:
+    """--check: resolve an existing export as the engine(s) would, against --trained or dflash's own
+    reading of it."""
+    from dflash.model.export import CONFIG_NAME, DrafterLoadError, config_from_hf, read_config_json
+    from dflash.model.loading import load_drafter
+
+    if args.out is not None:
+        raise CliError("--check reads an existing export and writes nothing: drop --out")
+    where = Path(args.checkpoint).expanduser()
+    if not (where / CONFIG_NAME).is_file():
+        raise CliError(f"{where} holds no {CONFIG_NAME}: give the export directory to check")
+    try:
+        d = read_config_json(where)
+        trained = load_drafter(args.trained).config if args.trained else config_from_hf(d)
+    except (DrafterLoadError, KeyError, ValueError, TypeError) as e:
+        raise CliError(f"{args.trained or where}: {e}") from None
+    engines = ("vllm", "sglang") if args.check == "all" else (args.check,)
+    source = args.trained or f"{where} as dflash reads it"
+    print(f"checking {where} against {source}")
+    return _report(d, trained, engines, where, _target_of(args))
+
+
+def _report(d: dict, trained, engines: tuple[str, ...], out: Path, target: str) -> int:
+    """One line per disagreement (stderr), then the commands that serve the export; 1 where any
+    engine would read it otherwise than it trained."""
+    from dflash.eval.engine_contracts import check_config, launch_needs, serve_commands
+
+    problems = check_config(d, trained, engines)
+    for p in problems:
+        print(f"dflash export: MISMATCH {p}", file=sys.stderr)
+    if not problems:
+        print(f"engine check: {' and '.join(engines)} read it as trained (tap layers, block, layer attention, "
+              "mask token" + (", DFlash2 settings" if "dflash_config" in d and "selector_rank" in d["dflash_config"]
+                              else "") + ")")
+    commands = serve_commands(out, trained, target, d)
+    for e in engines:
+        for need in launch_needs(d, e):
+            print(f"{e} needs {need}")
+        print(f"serve with {e}: {commands[e]}")
+    return 1 if problems else 0
+
+
+def _target_of(args: argparse.Namespace) -> str:
+    """--target, else the target of the drafter's run where there is one, else a placeholder."""
+    if args.target:
+        return args.target
+    from dflash.train.config import ConfigError
+    from dflash.train.config.schema import config_beside
+
+    try:
+        cfg = config_beside(args.trained or args.checkpoint)
+    except ConfigError:
+        cfg = None
+    return cfg.run.target if cfg is not None else "TARGET_MODEL"
 
 
 def _check_out(out: Path, force: bool) -> None:

@@ -260,6 +260,13 @@ def _tokens(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def chat_prompt(messages: list[dict], tokenizer, where: str, thinking: str = "auto") -> list[int]:
+    """Token ids of a whole conversation ending in a user turn, with the generation prompt, rendered as
+    the target is served (a benchmark's later turns carry the target's own earlier replies)."""
+    _check_thinking(thinking)
+    return _tokens(tokenizer, _render(tokenizer, messages, thinking, where, generation_prompt=True))
+
+
 def encode_row(row: dict, tokenizer, where: str, thinking: str = "auto") -> Sample:
     """Tokenize one row in whichever of the three shapes it has; `thinking` (auto/on/off) renders chat
     rows as the target will be served (on/off pass the template's enable_thinking, auto its default)."""

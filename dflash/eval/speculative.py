@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -328,6 +329,70 @@ class EvalResult:
         return asdict(self)
 
 
+@dataclass
+class PromptRun:
+    """One prompt decoded: the speculative decode, its wall time, and (with the lossless check) the plain
+    greedy decode's wall time and where the two first differ (None: nowhere, or unchecked)."""
+
+    spec: SpecOutput
+    seconds: float
+    greedy_seconds: float = 0.0
+    divergence: Divergence | None = None
+
+
+def decode_prompt(drafter: DFlashDrafter, target: HFTarget, index: int, prompt: list[int], max_new_tokens: int,
+                  stops: list[int], block_size: int, sampling: Sampling, check_lossless: bool) -> PromptRun:
+    """Decode one prompt speculatively and, with ``check_lossless``, plainly too, to compare the two."""
+    t0 = time.perf_counter()
+    res = speculative_generate(drafter, target, prompt, max_new_tokens, stops, block_size, sampling=sampling)
+    run = PromptRun(res, time.perf_counter() - t0)
+    if check_lossless:
+        t0 = time.perf_counter()
+        ref = greedy_generate(target, prompt, max_new_tokens, stops)
+        run.greedy_seconds = time.perf_counter() - t0
+        run.divergence = classify_divergence(target, index, prompt, res.tokens, ref)
+    return run
+
+
+def summarize(runs: list[PromptRun], block_size: int, max_new_tokens: int, sampling: Sampling,
+              checked: bool) -> EvalResult:
+    """The numbers of a set of decoded prompts (``checked``: each was compared with plain greedy)."""
+    hist = [0] * block_size
+    accepted = [a for r in runs for a in r.spec.accepted]
+    for a in accepted:
+        hist[a] += 1
+    rounds = len(accepted)
+    tokens = sum(len(r.spec.tokens) for r in runs)
+    spec_fwd = sum(r.spec.target_forwards for r in runs)
+    divergences = [r.divergence for r in runs if r.divergence is not None]
+    mismatched = [d.prompt for d in divergences if not d.near_tie]
+    per_prompt = [sum(r.spec.acceptance_lengths) / len(r.spec.accepted) for r in runs]
+    return EvalResult(
+        tau=(sum(accepted) + rounds) / rounds,
+        acceptance_length=sum(per_prompt) / len(per_prompt),
+        rounds=rounds,
+        tokens_generated=tokens,
+        target_forwards=spec_fwd,
+        baseline_forwards=tokens,
+        forwards_saved=tokens - spec_fwd,
+        acceptance_histogram=hist,
+        per_position_acceptance=[sum(a > k for a in accepted) / rounds for k in range(block_size - 1)],
+        lossless=(not mismatched) if checked else None,
+        mismatched_prompts=mismatched,
+        near_tie_prompts=[d.prompt for d in divergences if d.near_tie],
+        divergences=[asdict(d) for d in divergences],
+        num_prompts=len(runs),
+        block_size=block_size,
+        max_new_tokens=max_new_tokens,
+        per_prompt_tau=per_prompt,
+        speculative_seconds=sum(r.seconds for r in runs),
+        greedy_seconds=sum(r.greedy_seconds for r in runs),
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+    )
+
+
 def evaluate(
     drafter: DFlashDrafter,
     target: HFTarget,
@@ -350,68 +415,37 @@ def evaluate(
     trainer can evaluate its live drafter between steps. ``on_prompt(done, total)`` is called after
     each prompt, so a caller can show how far a long evaluation is.
     """
-    if not isinstance(drafter, DFlashDrafter) or not isinstance(target, HFTarget):
-        raise TypeError("call evaluate(drafter, target, prompts, ...)")
     if not prompts:
         raise ValueError("no prompts to evaluate")
-    check_compatible(drafter, target)
-    sampling = sampling or Sampling()
-    check_lossless = check_lossless and sampling.greedy
-    stops = target.stop_token_ids() if stop_token_ids is None else stop_token_ids
-    bs = block_size or drafter.config.block_size
-    was_training = drafter.training
-    drafter.eval()
-    hist = [0] * bs
-    accepted: list[int] = []
-    tokens = spec_fwd = 0
-    divergences: list[Divergence] = []
-    per_prompt: list[float] = []
-    t_spec = t_greedy = 0.0
-    try:
+    sampling, check_lossless, stops, bs = eval_settings(drafter, target, sampling, check_lossless, stop_token_ids,
+                                                        block_size)
+    runs = []
+    with eval_mode(drafter):
         for i, prompt in enumerate(prompts):
-            t0 = time.perf_counter()
-            res = speculative_generate(drafter, target, prompt, max_new_tokens, stops, bs, sampling=sampling)
-            t_spec += time.perf_counter() - t0
-            for a in res.accepted:
-                hist[a] += 1
-            accepted += res.accepted
-            tokens += len(res.tokens)
-            spec_fwd += res.target_forwards
-            per_prompt.append(sum(res.acceptance_lengths) / len(res.accepted))
-            if check_lossless:
-                t0 = time.perf_counter()
-                ref = greedy_generate(target, prompt, max_new_tokens, stops)
-                t_greedy += time.perf_counter() - t0
-                d = classify_divergence(target, i, prompt, res.tokens, ref)
-                if d is not None:
-                    divergences.append(d)
+            runs.append(decode_prompt(drafter, target, i, prompt, max_new_tokens, stops, bs, sampling, check_lossless))
             if on_prompt is not None:
                 on_prompt(i + 1, len(prompts))
+    return summarize(runs, bs, max_new_tokens, sampling, check_lossless)
+
+
+def eval_settings(drafter: DFlashDrafter, target: HFTarget, sampling: Sampling | None, check_lossless: bool,
+                  stop_token_ids: list[int] | None, block_size: int | None) -> tuple:
+    """(sampling, whether to check losslessness, stop ids, block) for an evaluation, the pair checked
+    to belong together: the check only runs greedy, the stops are the target's unless given."""
+    if not isinstance(drafter, DFlashDrafter) or not isinstance(target, HFTarget):
+        raise TypeError("call evaluate(drafter, target, prompts, ...)")
+    check_compatible(drafter, target)
+    sampling = sampling or Sampling()
+    stops = target.stop_token_ids() if stop_token_ids is None else stop_token_ids
+    return sampling, check_lossless and sampling.greedy, stops, block_size or drafter.config.block_size
+
+
+@contextmanager
+def eval_mode(drafter: DFlashDrafter):
+    """The drafter in eval mode for the block, its train/eval mode given back afterwards."""
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        yield drafter
     finally:
         drafter.train(was_training)
-    rounds = len(accepted)
-    mismatched = [d.prompt for d in divergences if not d.near_tie]
-    return EvalResult(
-        tau=(sum(accepted) + rounds) / rounds,
-        acceptance_length=sum(per_prompt) / len(per_prompt),
-        rounds=rounds,
-        tokens_generated=tokens,
-        target_forwards=spec_fwd,
-        baseline_forwards=tokens,
-        forwards_saved=tokens - spec_fwd,
-        acceptance_histogram=hist,
-        per_position_acceptance=[sum(a > k for a in accepted) / rounds for k in range(bs - 1)],
-        lossless=(not mismatched) if check_lossless else None,
-        mismatched_prompts=mismatched,
-        near_tie_prompts=[d.prompt for d in divergences if d.near_tie],
-        divergences=[asdict(d) for d in divergences],
-        num_prompts=len(prompts),
-        block_size=bs,
-        max_new_tokens=max_new_tokens,
-        per_prompt_tau=per_prompt,
-        speculative_seconds=t_spec,
-        greedy_seconds=t_greedy,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-    )

@@ -1,0 +1,165 @@
+"""An export resolved the way vLLM's and SGLang's loaders resolve it (read from their code, which cannot
+run here: rules in dflash/eval/engine_contracts.py), held against what the drafter trained on: every rule
+gets a constructed drift that must be caught, and our own exports of each kind must pass."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from test_export import make_drafter
+from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
+
+from dflash.cli import main
+from dflash.eval.engine_contracts import check_config, serve_commands, sglang_contract, vllm_contract
+from dflash.model.dflash2 import DFlash2Config
+from dflash.model.drafter import FULL, SLIDING
+from dflash.model.export import checkpoint_dict, hf_config
+
+BASE = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, vocab_size=60, num_target_layers=12, target_layer_ids=[1, 5, 9], mask_token_id=59,
+            block_size=8)
+
+
+def kinds():
+    """(trained config, its export's config.json) for each export kind: DFlash, sliding-window, DFlash2."""
+    plain = make_drafter().config
+    window = make_drafter(layer_types=[FULL, SLIDING], sliding_window=4).config
+    two = DFlash2Config(**BASE, conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4,
+                        input_embedding_scale=2.0, final_logit_softcapping=30.0)
+    return {name: (cfg, hf_config(cfg, torch.bfloat16)) for name, cfg in
+            [("dflash", plain), ("sliding", window), ("dflash2", two)]}
+
+
+@pytest.mark.parametrize("kind", ["dflash", "sliding", "dflash2"])
+def test_our_exports_read_as_trained_by_both_engines(kind):
+    cfg, d = kinds()[kind]
+    assert check_config(d, cfg) == []
+    assert vllm_contract(d, cfg.block_size - 1).target_layer_ids == cfg.target_layer_ids
+    # the engine-side numbers themselves, not only their agreement: vLLM's aux ids count one more
+    assert d["dflash_config"]["target_layer_ids"] == [1, 5, 9] and sglang_contract(d).block_size == cfg.block_size
+
+
+def lines(d, cfg, engines=("vllm", "sglang")):
+    return [str(x) for x in check_config(d, cfg, engines)]
+
+
+def drift(kind, edit):
+    cfg, d = kinds()[kind]
+    d = copy.deepcopy(d)
+    edit(d, d["dflash_config"])
+    return d, cfg
+
+
+def test_vllm_aux_layers_off_by_one():
+    """A converter that writes the tap ids as vLLM's aux ids (no +1) shifts every tap by one layer."""
+    d, cfg = drift("dflash", lambda d, dc: d.update(eagle_aux_hidden_state_layer_ids=[1, 5, 9]))
+    assert lines(d, cfg) == ["vllm: tap layers (target_layer_ids) is [0, 4, 8] as served, [1, 5, 9] as trained"]
+    d["eagle_aux_hidden_state_layer_ids"] = [2, 6, 10]  # written right: the layer's input, one more
+    assert lines(d, cfg) == []
+
+
+def test_vllm_top_level_taps_and_none():
+    d, cfg = drift("dflash", lambda d, dc: (dc.pop("target_layer_ids"), d.update(target_layer_ids=[1, 5, 9])))
+    assert lines(d, cfg) == []  # the top-level list, +1 like dflash_config's
+    del d["target_layer_ids"]
+    assert lines(d, cfg, ("vllm",)) == [
+        "vllm: tap layers (target_layer_ids) is not stated (the engine's default) as served, [1, 5, 9] as trained"]
+    # SGLang without taps builds them from num_target_layers and the drafter's depth (2 layers: [1, 9])
+    assert lines(d, cfg, ("sglang",)) == [
+        "sglang: tap layers (target_layer_ids) is [1, 9] as served, [1, 5, 9] as trained"]
+
+
+def test_block_size_per_engine():
+    cfg, d = kinds()["dflash"]
+    # vLLM takes the block from the command line: 15 draft tokens on a block-8 drafter is a block of 16
+    assert vllm_contract(d, 15).block_size == 16
+    assert serve_commands("out", cfg, "t")["vllm"].endswith('"num_speculative_tokens": 7}\'')
+    assert serve_commands("out", cfg, "t")["sglang"].endswith("--speculative-num-draft-tokens 8")
+    d2, _ = drift("dflash", lambda d, dc: dc.update(block_size=16))  # dflash_config wins over the top level
+    assert lines(d2, cfg) == ["sglang: block size is 16 as served, 8 as trained"]
+    d3, _ = drift("dflash", lambda d, dc: (dc.pop("block_size"), d.pop("block_size")))
+    assert lines(d3, cfg) == ["sglang: block size is not stated (the engine's default) as served, 8 as trained"]
+
+
+def test_causality_overrides():
+    d, cfg = drift("dflash", lambda d, dc: d.update(is_causal=True))
+    assert lines(d, cfg) == ['vllm: layer attention (layers [0, 1]) is ["full, causal", "full, causal"] as served, '
+                             '["full, bidirectional", "full, bidirectional"] as trained']
+    d, cfg = drift("sliding", lambda d, dc: dc.update(causal=False))
+    assert lines(d, cfg) == ['vllm: layer attention (layers [1]) is ["sliding 4, bidirectional"] as served, '
+                             '["sliding 4, causal"] as trained']
+
+
+def test_windows_and_layer_types():
+    d, cfg = drift("sliding", lambda d, dc: dc.update(swa_window_size=128))  # vLLM only reads it first
+    assert lines(d, cfg) == ['vllm: layer attention (layers [1]) is ["sliding 128, causal"] as served, '
+                             '["sliding 4, causal"] as trained']
+    d, cfg = drift("sliding", lambda d, dc: d.pop("layer_types"))  # vLLM: no layer_types, no use_swa: all full
+    assert [x.split(" is ")[0] for x in lines(d, cfg)] == ["vllm: layer attention (layers [1])",
+                                                          "sglang: layer attention (layers [1])"]
+    d, cfg = drift("dflash", lambda d, dc: dc.update(use_swa=True, swa_window_size=16))  # every layer slides
+    assert lines(d, cfg) == ['vllm: layer attention (layers [0, 1]) is ["sliding 16, bidirectional", "sliding 16, '
+                             'bidirectional"] as served, ["full, bidirectional", "full, bidirectional"] as trained']
+    d, cfg = drift("sliding", lambda d, dc: d.update(sliding_window=None))
+    assert [x.split(" (")[0] for x in lines(d, cfg)] == ["vllm: loading is refused", "sglang: loading is refused"]
+    cfg, d = kinds()["sliding"]  # mixed layers: fine, but vLLM's V1 runner refuses them
+    assert vllm_contract(d, 7).needs and serve_commands("o", cfg, "t", d)["vllm"].startswith(
+        "VLLM_USE_V2_MODEL_RUNNER=1 vllm serve")
+
+
+def test_mask_token():
+    d, cfg = drift("dflash", lambda d, dc: dc.pop("mask_token_id"))
+    assert lines(d, cfg) == [
+        "vllm: mask token is not stated (the engine's default) as served, 59 as trained",
+        "sglang: mask token is the token named '<|MASK|>' as served, 59 as trained"]
+    d["mask_token_id"] = 59  # the top level is read second by both
+    assert lines(d, cfg) == []
+
+
+def test_dflash2_keys():
+    d, cfg = drift("dflash2", lambda d, dc: dc.update(input_embedding_scale=1.0))
+    assert lines(d, cfg) == ["vllm: dflash_config.input_embedding_scale is 1.0 as served, 2.0 as trained"]
+    d, cfg = drift("dflash2", lambda d, dc: d.update(conv_kernel_size=dc.pop("conv_kernel_size")))  # moved up
+    got = lines(d, cfg)
+    assert got[0].startswith("vllm: loading is refused (KeyError: dflash_config['conv_kernel_size']")
+    assert got[1].startswith("sglang: loading is refused (ValueError: DFLASH needs conv_kernel_size and "
+                             "conv_group_size together")
+    d, cfg = drift("dflash2", lambda d, dc: dc.update(final_logit_softcapping=0.0))
+    assert lines(d, cfg) == ["vllm: dflash_config.final_logit_softcapping is None as served, 30.0 as trained",
+                             "sglang: dflash_config.final_logit_softcapping is None as served, 30.0 as trained"]
+    d, cfg = drift("dflash2", lambda d, dc: d.update(architectures=["DFlashDraftModel"]))
+    assert lines(d, cfg, ("sglang",)) == ["sglang: architectures is DFlashDraftModel as served, DFlash2DraftModel "
+                                          "as trained"]
+
+
+def test_vllm_switches():
+    d, cfg = drift("dflash", lambda d, dc: d.update(is_neox_style=False))
+    assert lines(d, cfg) == ["vllm: is_neox_style is False as served, True as trained"]
+
+
+def test_export_command_checks_and_prints_serve_commands(tmp_path, capsys):
+    torch.save(checkpoint_dict(make_drafter(layer_types=[FULL, SLIDING], sliding_window=4)), tmp_path / "c.pt")
+    out = tmp_path / "out"
+    assert main(["export", str(tmp_path / "c.pt"), "--out", str(out), "--target", "Qwen/Qwen3-8B"]) == 0
+    text = capsys.readouterr().out
+    assert "engine check: vllm and sglang read it as trained" in text
+    assert ("serve with vllm: VLLM_USE_V2_MODEL_RUNNER=1 vllm serve Qwen/Qwen3-8B --speculative-config "
+            f"'{{\"method\": \"dflash\", \"model\": \"{out}\", \"num_speculative_tokens\": 7}}'") in text
+    assert (f"serve with sglang: python -m sglang.launch_server --model-path Qwen/Qwen3-8B --speculative-algorithm "
+            f"DFLASH --speculative-draft-model-path {out} --speculative-num-draft-tokens 8") in text
+
+    d = json.loads((out / "config.json").read_text())
+    d["eagle_aux_hidden_state_layer_ids"] = [1, 5, 9]  # a converter's off-by-one, after the fact
+    (out / "config.json").write_text(json.dumps(d))
+    assert main(["export", "--check", "vllm", str(out), "--trained", str(tmp_path / "c.pt")]) == 1
+    err = capsys.readouterr().err
+    assert err == ("dflash export: MISMATCH vllm: tap layers (target_layer_ids) is [0, 4, 8] as served, [1, 5, 9] "
+                   "as trained\n")
+    assert main(["export", "--check", "sglang", str(out)]) == 0  # SGLang reads dflash_config's taps
+    assert main(["export", "--check", "all", str(tmp_path)]) == 2
+    assert "holds no config.json" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "c.pt")]) == 2
+    assert "give --out DIR" in capsys.readouterr().err
