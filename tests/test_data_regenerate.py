@@ -93,6 +93,7 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # starts transformers serve (once for the file)
 def test_server_gives_the_in_process_tokens_turn_by_turn(served: str, tmp_path: Path) -> None:
     data = _rows(tmp_path, 10, chats=3)
     assert _regen(data, tmp_path / "server.jsonl", "--endpoint", served, "--concurrency", "4") == 0
@@ -120,6 +121,7 @@ def test_server_gives_the_in_process_tokens_turn_by_turn(served: str, tmp_path: 
     assert list(iter_rows(tmp_path / "server.jsonl"))  # prepare's reader takes the file
 
 
+@pytest.mark.slow  # starts transformers serve (once for the file)
 def test_kill_9_then_resume_equals_an_uninterrupted_run(served: str, tmp_path: Path) -> None:
     data = _rows(tmp_path, 40)
     assert _regen(data, tmp_path / "whole.jsonl", "--endpoint", served, "--concurrency", "2") == 0
@@ -199,6 +201,7 @@ def _run(job: ServerJob, data: Path, out: Path) -> RegenOutput:
     return output
 
 
+@pytest.mark.slow  # starts transformers serve (once for the file)
 def test_refused_requests_are_retried_and_counted_and_a_failing_row_is_recorded(served: str,
                                                                                  tmp_path: Path) -> None:
     data = _rows(tmp_path, 6)
@@ -218,6 +221,7 @@ def test_refused_requests_are_retried_and_counted_and_a_failing_row_is_recorded(
     assert err["line"] == 4 and "HTTP 500" in err["reason"] and "after 4 tries" in err["reason"]
 
 
+@pytest.mark.slow  # starts transformers serve (once for the file)
 def test_bad_input_is_one_line_each(served: str, tmp_path: Path, capsys) -> None:
     data = _rows(tmp_path, 2)
     closed = _free_port()
@@ -287,6 +291,7 @@ def test_reasoning_keep_drop_off() -> None:
             assert c.output()["messages"][1] == want, (mode, a)
 
 
+@pytest.mark.slow  # starts transformers serve (once for the file)
 async def test_dflash_top_shows_a_running_job(served: str, tmp_path: Path, sock_dir: Path) -> None:
     """dflash-top attached to a regenerate job: its endpoint and client workers, their categories and a
     regenerate verdict on the screen."""
@@ -314,3 +319,20 @@ async def test_dflash_top_shows_a_running_job(served: str, tmp_path: Path, sock_
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_verdict_tells_a_server_bound_job_from_a_client_bound_one() -> None:
+    from dflash.telemetry.verdict.evidence import agrees_with_evidence, analyze
+    from dflash.telemetry.wire.protocol import CategoryStats
+
+    def cs(share: float, p95: float = 0.1) -> CategoryStats:
+        return CategoryStats(n=10, total=share, mean=0.1, p50=0.1, p95=p95, max=p95, share=share)
+
+    roles = {"endpoint0": "endpoint", "endpoint1": "endpoint", "regen-client": "client"}
+    for client_busy, want in ((0.1, "server-bound"), (0.8, "client-bound")):
+        b = analyze({"endpoint0": {"server_request": cs(1.0, 2.5)}, "endpoint1": {"server_request": cs(0.6)},
+                     "regen-client": {"client_work": cs(client_busy * 0.75), "row_write": cs(client_busy * 0.25)}},
+                    roles)
+        assert b.verdict == want and agrees_with_evidence(b), b
+        assert b.evidence["endpoints.busy"] == 0.8 and b.evidence["server.p95_s"] == 2.5
+    assert analyze({"endpoint0": {}, "regen-client": {}}, roles).verdict == "unknown"

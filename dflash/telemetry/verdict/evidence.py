@@ -120,14 +120,14 @@ def analyze(
 def _regen_evidence(endpoints: list[Mapping[str, CategoryStats]], clients: list[Mapping[str, CategoryStats]],
                     threshold: float) -> dict[str, float]:
     """A regenerate job's evidence: how busy its client thread is (the share of its time not spent waiting
-    for answers), how many requests were in flight (each endpoint's request time over wall time: requests
-    overlap) and the slowest endpoint's p95 request time."""
+    for answers), how much of the time the endpoints had requests (each one's request time over wall time,
+    at most all of it: requests overlap; the gauges count those in flight) and the slowest p95 request."""
     p95 = [c[SERVER_REQUEST].p95 for c in endpoints if SERVER_REQUEST in c and c[SERVER_REQUEST].n]
     return {
         "endpoints": float(len(endpoints)),
         "client.busy": round(_mean([min(1.0, _share(c, CLIENT_BUSY)) for c in clients]), 4),
         "client.tracked": round(_mean([sum(cs.share for cs in c.values()) for c in clients]), 4),
-        "requests.in_flight": round(sum(_share(c, (SERVER_REQUEST,)) for c in endpoints), 3),
+        "endpoints.busy": round(_mean([min(1.0, _share(c, (SERVER_REQUEST,))) for c in endpoints]), 4),
         "server.p95_s": round(max(p95), 4) if p95 else 0.0,
         "threshold": threshold,
     }

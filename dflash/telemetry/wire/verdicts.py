@@ -100,7 +100,7 @@ def _device_figures(e: Evidence) -> str:
 
 def _unknown(e: Evidence) -> bool:
     if _f(e, "endpoints"):  # a regenerate job: judged once its client has timed anything at all
-        return _f(e, "client.tracked") <= 0 and _f(e, "requests.in_flight") <= 0
+        return _f(e, "client.tracked") <= 0 and _f(e, "endpoints.busy") <= 0
     return not (_f(e, "targets") + _f(e, "drafters")) or _f(e, "pipeline.tracked") < MIN_TRACKED
 
 
@@ -247,7 +247,7 @@ def _client(e: Evidence) -> bool:
 
 def _client_why(e: Evidence, under: str) -> str:
     return (f"the client's one thread is busy {_f(e, 'client.busy'):.0%} of the time (building requests, reading "
-            f"answers, writing rows) with {_f(e, 'requests.in_flight'):.1f} requests in flight on average: "
+            f"answers, writing rows) while the endpoints have requests {_f(e, 'endpoints.busy'):.0%} of it: "
             "the client, not the servers, limits throughput; run "
             "several clients on --shard K/N parts of the data (`dflash data merge` joins them)")
 
@@ -257,9 +257,9 @@ def _server(e: Evidence) -> bool:
 
 
 def _server_why(e: Evidence, under: str) -> str:
-    return (f"the client is busy only {_f(e, 'client.busy'):.0%} of the time and waits on the servers with "
-            f"{_f(e, 'requests.in_flight'):.1f} requests in flight on average (p95 {_f(e, 'server.p95_s'):.2f} s "
-            "a request): the servers limit throughput; raise --concurrency while that grows their batches "
+    return (f"the client is busy only {_f(e, 'client.busy'):.0%} of the time and waits on the servers, which "
+            f"have requests {_f(e, 'endpoints.busy'):.0%} of it (p95 {_f(e, 'server.p95_s'):.2f} s a request): "
+            "the servers limit throughput; raise --concurrency while that grows their batches "
             "(in flight near --concurrency), else add servers (more --endpoint URLs, data parallel)")
 
 

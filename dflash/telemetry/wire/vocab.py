@@ -27,7 +27,8 @@ CACHE_CATEGORIES = ("cache_wait", "cache_read", "cache_write")
 SELECTOR = "selector"
 OBJECTIVE_CATEGORIES = ("verifier_logits", SELECTOR)
 #: a regenerate job's (`dflash data regenerate`): on an endpoint's worker, each request from sending it to
-#: its answer (the server's time: requests overlap, so its share is the mean number in flight there); on
+#: its answer (the server's time; requests overlap, so its share, capped at all of the time, says how much
+#: of it the endpoint had requests, and the in-flight gauges how many); on
 #: the client's worker, its own work (building requests, reading answers, tokenizing) and the durable
 #: writes of finished rows
 SERVER_REQUEST, CLIENT_WORK, ROW_WRITE = "server_request", "client_work", "row_write"
