@@ -9,6 +9,8 @@ from pathlib import Path
 
 from dflash.commands import CliError
 
+#: `dflash data regenerate --reasoning` (dflash/data/regenerate.py has the meanings)
+REASONING_MODES = ("keep", "drop", "off")
 #: `dflash data cache --dtype` -> the torch dtype's name (torch is imported only when a command runs)
 CACHE_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn"}
 
@@ -30,14 +32,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     "(default: min(cores, 8); 0: this process)")
     pr.add_argument("--shard-rows", type=int, default=None, help="source lines per shard, the unit of resuming "
                     "(default 10000)")
-    r = sub.add_parser("regenerate", help="rewrite the responses of a dataset with the target (greedy, batched)")
-    r.add_argument("--target", required=True, help="HF model directory or 'tiny'")
-    r.add_argument("--data", required=True, help="input JSONL (messages or prompt/response rows)")
-    r.add_argument("--out", required=True, type=Path, help="output JSONL")
-    r.add_argument("--max-new-tokens", type=int, default=256)
-    r.add_argument("--batch-size", type=int, default=32)
-    r.add_argument("--limit", type=int, default=None, help="only the first N rows")
-    r.add_argument("--device", default="cpu")
+    r = sub.add_parser("regenerate", help="rewrite a data set's responses with the target: through OpenAI-compatible "
+                       "servers (--endpoint: vLLM, SGLang, transformers serve) or in this process; resumable")
+    r.add_argument("--target", required=True, help="HF model directory or 'tiny': its tokenizer and chat template "
+                   "(checked against the servers'), and its generation_config.json (the default sampling)")
+    r.add_argument("--data", required=True, help="input JSONL (messages or prompt/response rows) or 'demo'")
+    r.add_argument("--out", required=True, type=Path, help="output JSONL, appended row by row (errors beside it "
+                   "in OUT.errors.jsonl)")
+    r.add_argument("--endpoint", default=None, metavar="URL[,URL...]", help="OpenAI-compatible servers "
+                   "(http://host:8000 or .../v1); without: the target runs in this process")
+    r.add_argument("--model", default=None, help="the served model's name (default: the servers' only model)")
+    r.add_argument("--api-key-env", default="OPENAI_API_KEY", metavar="VAR",
+                   help="environment variable holding the servers' API key, if they want one")
+    r.add_argument("--concurrency", type=int, default=64, help="requests in flight over all endpoints (default 64)")
+    r.add_argument("--sampling", default=None, metavar="JSON", help='request fields, e.g. \'{"temperature": 0.6, '
+                   '"top_p": 0.95}\' (default: the target\'s generation_config.json; greedy where it does not sample)')
+    r.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=2048,
+                   help="longest answer per turn (default 2048); rows it cut are marked and counted")
+    r.add_argument("--reasoning", choices=REASONING_MODES, default="keep", help="keep the target's reasoning in "
+                   "the response (default), drop it, or ask for none (off: enable_thinking=False)")
+    r.add_argument("--resume", action="store_true", help="finish a job: rows in --out are done, failed ones retried")
+    r.add_argument("--shard", default=None, metavar="K/N", help="only the K-th (from 0) of N contiguous parts of "
+                   "the data (one job per node; `dflash data merge` joins them)")
+    r.add_argument("--limit", type=int, default=None, help="only the first N lines")
+    r.add_argument("--retries", type=int, default=5, help="tries after the first for a request that failed in a "
+                   "way worth retrying (408/409/425/429/5xx, lost connections); default 5")
+    r.add_argument("--backoff", type=float, default=1.0, metavar="S", help="first retry's wait, doubled each time")
+    r.add_argument("--timeout", type=float, default=600.0, metavar="S", help="longest a request may take")
+    r.add_argument("--batch-size", type=int, default=32, help="in this process: prompts generated together")
+    r.add_argument("--device", default=None, help="in this process: cpu, cuda, cuda:N (default: cuda when there "
+                   "is one)")
+    r.add_argument("--log-every", type=float, default=10.0, metavar="S", help="seconds between progress lines")
+    r.add_argument("--socket-dir", type=Path, default=None, help="where the telemetry socket goes (as `dflash train`)")
+    r.add_argument("--no-telemetry", action="store_true", help="no telemetry socket for dflash-top")
+    m = sub.add_parser("merge", help="join the outputs of `dflash data regenerate --shard K/N` jobs")
+    m.add_argument("parts", nargs="+", type=Path, help="the parts' output files")
+    m.add_argument("--out", required=True, type=Path)
     d = sub.add_parser("demo", help="rebuild the shipped demo set (stdlib prompts answered by the tiny target)")
     d.add_argument("--out", type=Path, default=None)
     d.add_argument("--rows", type=int, default=2000)
@@ -70,23 +100,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash.data import DataError, resolve_data
+    from dflash.data import DataError
     from dflash.data.cache_format import CacheError
     from dflash.targets import TargetError, load_target
-    from dflash.targets.hf import slow_kernel_note
 
     try:
         if args.action == "regenerate":
-            data = resolve_data(args.data)
-            target = load_target(args.target, device=args.device)
-            if target.tokenizer is None:
-                raise CliError(f"{args.target}: the target has no tokenizer; regeneration needs one")
-            if note := slow_kernel_note(target.config):
-                print(f"target {args.target}: {note}", file=sys.stderr)
-            from dflash.data.regenerate import regenerate_file
+            return _regenerate(args)
+        if args.action == "merge":
+            from dflash.data.regen_output import merge
 
-            n = regenerate_file(target, data, args.out, args.max_new_tokens, args.batch_size, args.limit)
-            print(f"wrote {n} rows to {args.out}")
+            n = merge(args.parts, args.out)
+            print(f"merged {n} rows from {len(args.parts)} parts into {args.out}")
         elif args.action == "cache":
             return _cache(args)
         elif args.action == "prepare":
@@ -99,6 +124,116 @@ def run(args: argparse.Namespace) -> int:
     except (DataError, TargetError, CacheError) as e:
         raise CliError(str(e)) from None
     return 0
+
+
+def _regenerate(args: argparse.Namespace) -> int:
+    """Check what can be checked before anything is written (the data, the shard, the servers), then answer
+    the rows not yet done, appending each as it completes."""
+    import json
+    import os
+
+    from dflash.data import resolve_data
+    from dflash.data.regen_output import RegenOutput
+    from dflash.data.regenerate import parse_shard, prepare_thinking, sampling_defaults, settings_of, shard_lines
+
+    for flag, value, least in (("--concurrency", args.concurrency, 1), ("--max-tokens", args.max_tokens, 1),
+                               ("--retries", args.retries, 0), ("--batch-size", args.batch_size, 1),
+                               ("--limit", args.limit, 1)):
+        if value is not None and value < least:
+            raise CliError(f"{flag} must be at least {least}, got {value}")
+    data = resolve_data(args.data)
+    lines = shard_lines(data, parse_shard(args.shard), args.limit)
+    sampling = None
+    if args.sampling is not None:
+        try:
+            sampling = json.loads(args.sampling)
+        except json.JSONDecodeError as e:
+            raise CliError(f"--sampling: not JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(sampling, dict):
+            raise CliError("--sampling: expected a JSON object of request fields")
+    tokenizer = _tokenizer(args.target)
+    target_dir = _target_dir(args.target)
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    if args.endpoint:
+        import asyncio
+
+        from dflash.data.regen_server import ServerJob
+
+        urls = [u for u in args.endpoint.split(",") if u.strip()]
+        job = ServerJob(urls, tokenizer, args.target, args.model, args.reasoning, args.concurrency, args.max_tokens,
+                        retries=args.retries, backoff_s=args.backoff, api_key=os.environ.get(args.api_key_env),
+                        timeout_s=args.timeout, log=log, log_every_s=args.log_every)
+        asyncio.run(job.connect())
+        if sampling is None:
+            sampling, left = sampling_defaults(target_dir, extras=job.token_ids)
+            if left:
+                log(f"sampling: {', '.join(left)} from generation_config.json left out (the server takes only "
+                    "OpenAI's fields; give them in --sampling where it takes them)")
+        job.sampling = sampling
+        log(f"regenerate: {len(urls)} endpoint(s), model {job.model}, {args.concurrency} in flight, sampling "
+            f"{json.dumps(sampling)}, token ids {'kept' if job.token_ids else 'not returned by the server'}")
+        output = RegenOutput(args.out, settings_of(args, job.model, sampling), args.resume)
+        server = _regen_telemetry(args, job.stats)
+        import threading
+
+        me, name = threading.current_thread(), threading.current_thread().name
+        me.name = "regen-client"  # the client's worker is this thread: its CPU is read by that name
+        try:
+            asyncio.run(job.run(data, lines, output))
+        finally:
+            me.name = name
+            if server is not None:
+                server.close()
+    else:
+        output = _regenerate_here(args, data, lines, sampling or sampling_defaults(target_dir, True)[0], log)
+    output.finish()
+    if output.failed:
+        print(f"regenerate: {output.failed} rows failed ({output.errors}); --resume tries them again", flush=True)
+    print(f"wrote {len(output.done)} rows to {args.out}; next: dflash data prepare --target {args.target} --data "
+          f"{args.out} --thinking {prepare_thinking(args.reasoning)}", flush=True)
+    return 0
+
+
+def _regenerate_here(args: argparse.Namespace, data: Path, lines: range, sampling: dict, log):
+    """The target in this process, on the GPU when there is one."""
+    import torch
+
+    from dflash.data.regen_output import RegenOutput
+    from dflash.data.regenerate import regenerate_in_process, settings_of
+    from dflash.targets import load_target
+    from dflash.targets.hf import slow_kernel_note
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(args.target, device=device)
+    if target.tokenizer is None:
+        raise CliError(f"{args.target}: the target has no tokenizer; regeneration needs one")
+    if note := slow_kernel_note(target.config):
+        print(f"target {args.target}: {note}", file=sys.stderr)
+    output = RegenOutput(args.out, settings_of(args, f"{args.target} in process", sampling), args.resume)
+    regenerate_in_process(target, data, output, lines, args.max_tokens, args.batch_size, args.reasoning, sampling,
+                          log=log)
+    return output
+
+
+def _regen_telemetry(args: argparse.Namespace, stats):
+    """The socket dflash-top attaches to (none with --no-telemetry)."""
+    if args.no_telemetry:
+        return None
+    from dflash.telemetry import TelemetryServer
+
+    server = TelemetryServer(run=f"regenerate-{args.out.stem}", stats=stats, socket_dir=args.socket_dir,
+                             interval_s=0.5)
+    server.start()
+    print(f"telemetry: {server.path}", flush=True)
+    return server
+
+
+def _target_dir(target: str) -> Path:
+    if target == "tiny":
+        from dflash.targets.tiny import TINY_DIR
+
+        return Path(TINY_DIR)
+    return Path(target)
 
 
 def recipe_max_seq_len(target: str) -> int:

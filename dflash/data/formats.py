@@ -313,10 +313,29 @@ def prompt_of(row: dict, tokenizer, where: str, thinking: str = "auto") -> list[
         if not before or not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in before):
             raise DataError(f"{where}: a chat row's prompt needs at least one turn with string 'role' and 'content' "
                             f"before the first assistant turn")
-        text = _render(tokenizer, before, thinking, where, generation_prompt=True)
-        return _tokens(tokenizer, text)
+        return chat_prompt(before, tokenizer, where, thinking)
     if "prompt" in row:
         return _tokens(tokenizer, _text_field(row, "prompt", where))
     if "text" in row:
         raise DataError(f"{where}: a 'text' row has no prompt to continue; use prompt/response or messages rows")
     raise DataError(f"{where}: row has neither 'messages' nor 'prompt' (keys: {sorted(row)})")
+
+
+def chat_prompt(messages: list[dict], tokenizer, where: str, thinking: str = "auto") -> list[int]:
+    """Token ids that ask the target for the next assistant turn after `messages` (the template's
+    generation prompt), earlier assistant turns' reasoning handled as encode_row handles it."""
+    _check_thinking(thinking)
+    return _tokens(tokenizer, _render(tokenizer, served_messages(messages, thinking), thinking, where,
+                                      generation_prompt=True))
+
+
+def served_messages(messages: list[dict], thinking: str) -> list[dict]:
+    """The messages as a chat template (ours or a server's) should see them under `thinking`."""
+    return _served_messages(messages, thinking)
+
+
+def split_reasoning(content: str) -> tuple[str, str]:
+    """(reasoning, answer) of an assistant's content: the leading <think> block's text, and what follows it
+    (no block: no reasoning, the content whole)."""
+    inline = _split_inline(content)
+    return inline if inline else ("", content)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from dflash.telemetry.wire import verdicts as V
 from dflash.telemetry.wire.protocol import Bottleneck, CategoryStats, SystemSample
 from dflash.telemetry.wire.table import busy_share
-from dflash.telemetry.wire.vocab import DRAFTER_BUSY, TARGET_BUSY, Role, roles_of
+from dflash.telemetry.wire.vocab import CLIENT_BUSY, DRAFTER_BUSY, SERVER_REQUEST, TARGET_BUSY, Role, roles_of
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,10 @@ def analyze(
         if role is not None:
             by_role[role].append(workers[name])
     targets, drafters, data = by_role[Role.TARGET], by_role[Role.DRAFTER], by_role[Role.DATA]
+    if by_role[Role.ENDPOINT] and not (targets or drafters):
+        evidence = _regen_evidence(by_role[Role.ENDPOINT], by_role[Role.CLIENT], threshold)
+        verdict = V.first_stage_verdict(evidence)
+        return Bottleneck(verdict=verdict.name, reason=verdict.reason(evidence), evidence=evidence)
 
     target_starve = _mean([_share(c, ("batch_queue_wait",)) for c in targets])
     target_blocked = _mean([_share(c, ("hs_queue_put",)) for c in targets])
@@ -111,6 +115,22 @@ def analyze(
         evidence.update(_device_evidence(targets, drafters, steps))
     verdict = V.first_stage_verdict(evidence)
     return Bottleneck(verdict=verdict.name, reason=verdict.reason(evidence), evidence=evidence)
+
+
+def _regen_evidence(endpoints: list[Mapping[str, CategoryStats]], clients: list[Mapping[str, CategoryStats]],
+                    threshold: float) -> dict[str, float]:
+    """A regenerate job's evidence: how busy its client thread is (the share of its time not spent waiting
+    for answers), how much of the time the endpoints had requests (each one's request time over wall time,
+    at most all of it: requests overlap; the gauges count those in flight) and the slowest p95 request."""
+    p95 = [c[SERVER_REQUEST].p95 for c in endpoints if SERVER_REQUEST in c and c[SERVER_REQUEST].n]
+    return {
+        "endpoints": float(len(endpoints)),
+        "client.busy": round(_mean([min(1.0, _share(c, CLIENT_BUSY)) for c in clients]), 4),
+        "client.tracked": round(_mean([sum(cs.share for cs in c.values()) for c in clients]), 4),
+        "endpoints.busy": round(_mean([min(1.0, _share(c, (SERVER_REQUEST,))) for c in endpoints]), 4),
+        "server.p95_s": round(max(p95), 4) if p95 else 0.0,
+        "threshold": threshold,
+    }
 
 
 def gil_bound(b: Bottleneck, contention: float | None, cpu_percent: float | None = None) -> Bottleneck:

@@ -50,6 +50,9 @@ LAUNCH_BUSY = 0.5
 #: (it overstates a stage of tiny kernels, never understates it) and on a GPU the stages share it counts
 #: the other stage's kernels too: a GPU that reads idle half the time really was
 LAUNCH_GPU_RATIO = 0.5
+#: a regenerate job is client-bound from this share of its client thread's time busy (not waiting for answers):
+#: its one event loop then runs flat out and answers queue for it, however fast the servers are
+CLIENT_BUSY = 0.5
 #: the style of a verdict this table does not know (a newer trainer's): plain, and visibly not one of ours
 UNRECOGNISED_STYLE = "bold reverse"
 
@@ -96,10 +99,14 @@ def _device_figures(e: Evidence) -> str:
 
 
 def _unknown(e: Evidence) -> bool:
+    if _f(e, "endpoints"):  # a regenerate job: judged once its client has timed anything at all
+        return _f(e, "client.tracked") <= 0 and _f(e, "endpoints.busy") <= 0
     return not (_f(e, "targets") + _f(e, "drafters")) or _f(e, "pipeline.tracked") < MIN_TRACKED
 
 
 def _unknown_why(e: Evidence, under: str) -> str:
+    if _f(e, "endpoints"):
+        return "no request answered and no client work timed yet"
     if not (_f(e, "targets") + _f(e, "drafters")):
         return "no target or drafter workers reported timings"
     return f"too little timed work to judge ({_f(e, 'pipeline.tracked'):.0%} of pipeline workers' time)"
@@ -234,6 +241,28 @@ def _launch_why(e: Evidence, under: str) -> str:
             "sits in launches, syncs or the allocator")
 
 
+def _client(e: Evidence) -> bool:
+    return _f(e, "endpoints") > 0 and _f(e, "client.busy") >= CLIENT_BUSY
+
+
+def _client_why(e: Evidence, under: str) -> str:
+    return (f"the client's one thread is busy {_f(e, 'client.busy'):.0%} of the time (building requests, reading "
+            f"answers, writing rows) while the endpoints have requests {_f(e, 'endpoints.busy'):.0%} of it: "
+            "the client, not the servers, limits throughput; run "
+            "several clients on --shard K/N parts of the data (`dflash data merge` joins them)")
+
+
+def _server(e: Evidence) -> bool:
+    return _f(e, "endpoints") > 0 and _f(e, "client.busy") < CLIENT_BUSY
+
+
+def _server_why(e: Evidence, under: str) -> str:
+    return (f"the client is busy only {_f(e, 'client.busy'):.0%} of the time and waits on the servers, which "
+            f"have requests {_f(e, 'endpoints.busy'):.0%} of it (p95 {_f(e, 'server.p95_s'):.2f} s a request): "
+            "the servers limit throughput; raise --concurrency while that grows their batches "
+            "(in flight near --concurrency), else add servers (more --endpoint URLs, data parallel)")
+
+
 # --- the table -------------------------------------------------------------------------------------
 
 
@@ -264,7 +293,8 @@ class Verdict:
 
 _T, _M = f"{THRESHOLD:.0%}", f"{MIN_TRACKED:.0%}"
 UNKNOWN = Verdict("unknown", f"less than {_M} timed work per pipeline worker (start-up, a pause) or no "
-                  "pipeline workers.", "bold white on grey35", _unknown, _unknown_why)
+                  "pipeline workers (a regenerate job: nothing answered or timed yet).", "bold white on grey35",
+                  _unknown, _unknown_why)
 DATA_BOUND = Verdict("data-bound", f"targets wait >= {_T} of their time for batches (batch_queue_wait), at "
                      "least as much as they block on puts: the batch producer limits throughput.",
                      "bold black on yellow", _data, _data_why)
@@ -280,6 +310,12 @@ DRAFTER_BOUND = Verdict("drafter-bound", f"targets spend >= {_T} blocked on a fu
                         "bold white on purple4", _drafter, _drafter_why)
 BALANCED = Verdict("balanced", f"no stage waits {_T} or more of its time.", "bold black on green",
                    _balanced, _balanced_why)
+SERVER_BOUND = Verdict("server-bound", f"a regenerate job's client thread is busy under {CLIENT_BUSY:.0%} of its "
+                       "time: it waits for answers, so the serving endpoints limit throughput.",
+                       "bold black on orange1", _server, _server_why)
+CLIENT_BOUND = Verdict("client-bound", f"a regenerate job's client thread is busy {CLIENT_BUSY:.0%} of its time or "
+                       "more (requests, answers, writes): the client limits throughput, not the servers.",
+                       "bold white on deep_pink4", _client, _client_why)
 GIL_BOUND = Verdict("GIL-bound", "a probe thread waits half its time or more for the interpreter lock, the "
                     "process runs on about one core and its workers' CPU time matches their busy time: "
                     "Python threads take turns, so the bounding stage is limited by the GIL, not by compute.",
@@ -295,11 +331,14 @@ LAUNCH_BOUND = Verdict("launch-bound", f"a stage's thread is busy >= {LAUNCH_BUS
 
 #: every verdict, in the order help and exports list them
 VERDICTS: dict[str, Verdict] = {v.name: v for v in (DATA_BOUND, INPUT_BOUND, TARGET_BOUND, DRAFTER_BOUND,
-                                                    GIL_BOUND, CPU_STARVED, LAUNCH_BOUND, BALANCED, UNKNOWN)}
+                                                    SERVER_BOUND, CLIENT_BOUND, GIL_BOUND, CPU_STARVED,
+                                                    LAUNCH_BOUND, BALANCED, UNKNOWN)}
 #: the stage verdicts in the order they are tried: the first whose rule holds is the verdict (a slow
 #: data stage starves the targets and, through them, the drafters too, so data-bound comes first);
-#: balanced holds whenever none before it does
-STAGE_ORDER: tuple[Verdict, ...] = (UNKNOWN, DATA_BOUND, INPUT_BOUND, TARGET_BOUND, DRAFTER_BOUND, BALANCED)
+#: balanced holds whenever none before it does. A regenerate job (endpoint workers, no pipeline) is one of
+#: client-bound or server-bound, tried before the pipeline's verdicts, whose rules need targets or drafters
+STAGE_ORDER: tuple[Verdict, ...] = (UNKNOWN, CLIENT_BOUND, SERVER_BOUND, DATA_BOUND, INPUT_BOUND, TARGET_BOUND,
+                                    DRAFTER_BOUND, BALANCED)
 #: the overlays, strongest first: CPU-starved wins over GIL-bound, whose probe (a sleeping thread's
 #: lateness) also counts waiting for a core; both win over launch-bound, since a thread kept off a core or
 #: queued for the GIL also leaves its GPU idle, and the cause is then the machine or the lock

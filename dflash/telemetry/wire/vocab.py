@@ -26,6 +26,15 @@ CACHE_CATEGORIES = ("cache_wait", "cache_read", "cache_write")
 #: loss's forward; its backward is inside drafter_backward)
 SELECTOR = "selector"
 OBJECTIVE_CATEGORIES = ("verifier_logits", SELECTOR)
+#: a regenerate job's (`dflash data regenerate`): on an endpoint's worker, each request from sending it to
+#: its answer (the server's time; requests overlap, so its share, capped at all of the time, says how much
+#: of it the endpoint had requests, and the in-flight gauges how many); on
+#: the client's worker, its own work (building requests, reading answers, tokenizing) and the durable
+#: writes of finished rows
+SERVER_REQUEST, CLIENT_WORK, ROW_WRITE = "server_request", "client_work", "row_write"
+REGEN_CATEGORIES = (SERVER_REQUEST, CLIENT_WORK, ROW_WRITE)
+#: the regenerate client's busy categories (what its one thread does that is not waiting for a server)
+CLIENT_BUSY = (CLIENT_WORK, ROW_WRITE)
 #: what only a sampled view (`dflash-top --pid`, stacks read from outside) tells apart: a thread in a
 #: collective (torch.distributed, waiting for the other ranks), one waiting for the device on the host
 #: (a stream/event synchronize, `.item()`: seen with native frames), one with nothing to do; and, with
@@ -56,6 +65,10 @@ class Role(StrEnum):
     DRAFTER = "drafter"
     #: builds batches
     DATA = "data"
+    #: a regenerate job's view of one serving endpoint (requests sent to it; no thread of its own)
+    ENDPOINT = "endpoint"
+    #: a regenerate job's own thread: builds requests, reads answers, writes rows
+    CLIENT = "client"
 
 
 def legacy_role(worker: str) -> Role | None:
@@ -117,6 +130,11 @@ class Gauge(StrEnum):
     MAX_SEQ_LEN = "max_seq_len"
     CUT_SAMPLES = "cut_samples"
     CUT_SUPERVISED_SHARE = "cut_supervised_share"
+    #: a regenerate job's requests in flight (all endpoints) and its --concurrency; per endpoint i the
+    #: gauges endpoint_gauge(i, IN_FLIGHT) and endpoint_gauge(i, TOK_S) (tokens written per second)
+    IN_FLIGHT = "in_flight"
+    CONCURRENCY = "concurrency"
+    TOK_S = "tok_s"
 
 
 class Counter(StrEnum):
@@ -131,6 +149,12 @@ class Counter(StrEnum):
     SUPERVISED_TOKENS = "supervised_tokens"
     #: sample files of a hidden-states cache that did not read and were skipped (each warned once)
     BAD_SAMPLES = "bad_samples"
+    #: a regenerate job's: rows written, rows that failed (in the errors file), requests retried, rows
+    #: whose answer --max-tokens cut (tokens written go to TOKENS)
+    ROWS = "rows"
+    ROW_ERRORS = "row_errors"
+    RETRIES = "retries"
+    CUT_ROWS = "cut_rows"
 
 
 #: the caching allocator's driver calls per second on CUDA device i, gauges `cuda<i>_<name>` (device_gauge):
@@ -153,6 +177,11 @@ def device_gauges(gauges: Mapping[str, float], name: str) -> dict[int, float]:
         if sep and tail == name and head.startswith("cuda") and head[4:].isdigit():
             out[int(head[4:])] = value
     return out
+
+
+def endpoint_gauge(index: int, name: str) -> str:
+    """The gauge `name` of a regenerate job's endpoint `index` (`endpoint0_in_flight`)."""
+    return f"endpoint{index}_{name}"
 
 
 #: an objective term's gauge is this prefix and the term's name (`loss_ce`, `loss_kl`): each term of the
