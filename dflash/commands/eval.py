@@ -194,7 +194,7 @@ def format_result(r) -> str:
         speed_text(r),
         f"target forwards {r.target_forwards} vs {r.baseline_forwards} greedy (saved {r.forwards_saved})",
         f"accepted drafts per round (count): {hist}",
-        f"acceptance by position 1..{r.block_size - 1}: {acc}",
+        f"acceptance by position 1..{len(r.per_position_acceptance)}: {acc}",
         f"lossless: {lossless}" if r.temperature > 0 else f"lossless (== target greedy): {lossless}",
     ])
 

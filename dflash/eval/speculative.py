@@ -28,6 +28,7 @@ from dflash.eval.sampling import check_sampling, draw, rejection_sample, samplin
 from dflash.eval.verifier import CachedVerifier, new_cache
 from dflash.model.dflash2 import DFlash2Drafter
 from dflash.model.drafter import DFlashDrafter
+from dflash.model.dspark import DSparkDrafter
 from dflash.targets.base import hidden_states_index
 from dflash.targets.hf import HFTarget
 
@@ -105,11 +106,28 @@ def _plain_generate(target: HFTarget, prompt_ids: list[int], max_new_tokens: int
     return out
 
 
+def drafts_per_block(drafter: DFlashDrafter, block_size: int) -> int:
+    """Tokens a block of ``block_size`` slots drafts: the slots after the anchor, or every slot for a
+    drafter that drafts from the anchor's slot too (DSpark)."""
+    return block_size if isinstance(drafter, DSparkDrafter) else block_size - 1
+
+
 def _draft(drafter: DFlashDrafter, h: torch.Tensor, anchor: int, head, sampling: Sampling, dev: torch.device):
-    """The block's drafts [L] from the drafter's states h [L, H] at slots 1.., and what rejection
+    """The block's drafts [L] from the drafter's states h [L, H] at its drafting slots, and what rejection
     sampling needs of them: (drafts, their probabilities or None when greedy, the candidates DFlash2
     chose among or None)."""
     logits = head(h.to(dev, head.weight.dtype))
+    if isinstance(drafter, DSparkDrafter):  # the Markov head walked left to right from the anchor
+        drawn: list[torch.Tensor] = []
+
+        def choose(step: torch.Tensor) -> torch.Tensor:
+            if sampling.greedy:
+                return step.argmax(-1)
+            drawn.append(sampling.probs(step))  # q of this slot given the drafts before it
+            return draw(drawn[-1], sampling.generator)
+
+        d = drafter.walk(h[None], logits[None].to(h.device), torch.tensor([anchor], device=h.device), choose)
+        return d.tokens[0].to(dev), torch.cat(drawn).to(dev) if drawn else None, None
     if isinstance(drafter, DFlash2Drafter):
         anchor_ids = torch.tensor([anchor], device=h.device)
         p = drafter.candidate_selector.walk(h[None], logits[None].to(h.device), anchor_ids, sampling.temperature,
@@ -189,6 +207,7 @@ def speculative_generate(
     stops = set(stop_token_ids or [])
     sampling = sampling or Sampling()
     bs = block_size or drafter.config.block_size
+    n_drafts = drafts_per_block(drafter, bs)
     taps = drafter.config.target_layer_ids
     dev = target.device
     ddev = drafter.fc.weight.device  # may differ from the target's (a pipeline's drafter GPU)
@@ -211,17 +230,16 @@ def speculative_generate(
         positions = torch.arange(cur, cur + bs, device=ddev)[None]
         ctx_positions = torch.arange(ctx_start, cur, device=ddev)[None]
         h = drafter(embed(block)[None].to(ddev), ctx.to(ddev), positions, ctx_positions, cache=dcache)
-        block[1:], q, candidates = _draft(drafter, h[0, 1:], seq[-1], head, sampling, dev)
+        drafts, q, candidates = _draft(drafter, h[0, bs - n_drafts:], seq[-1], head, sampling, dev)
 
-        out = verifier.verify(block)
+        out = verifier.verify(torch.cat([block[:1], drafts]))  # the anchor, then the drafts
         if sampling.greedy:
             posterior = _pick(out.logits)  # target's choice after each block token
-            accepted = int((block[1:] == posterior[:-1]).int().cumprod(0).sum())
+            accepted = int((drafts == posterior[:-1]).int().cumprod(0).sum())
             after = int(posterior[accepted])
         else:
-            accepted, after = rejection_sample(block[1:], sampling.probs(out.logits), q, candidates,
-                                               sampling.generator)
-        seq += block[1 : accepted + 1].tolist() + [after]
+            accepted, after = rejection_sample(drafts, sampling.probs(out.logits), q, candidates, sampling.generator)
+        seq += drafts[:accepted].tolist() + [after]
         res.accepted.append(accepted)
 
         verifier.commit(accepted + 1)  # keep the anchor and the accepted drafts; drop the rest
@@ -361,7 +379,8 @@ def evaluate(
     bs = block_size or drafter.config.block_size
     was_training = drafter.training
     drafter.eval()
-    hist = [0] * bs
+    n_drafts = drafts_per_block(drafter, bs)
+    hist = [0] * (n_drafts + 1)
     accepted: list[int] = []
     tokens = spec_fwd = 0
     divergences: list[Divergence] = []
@@ -400,7 +419,7 @@ def evaluate(
         baseline_forwards=tokens,
         forwards_saved=tokens - spec_fwd,
         acceptance_histogram=hist,
-        per_position_acceptance=[sum(a > k for a in accepted) / rounds for k in range(bs - 1)],
+        per_position_acceptance=[sum(a > k for a in accepted) / rounds for k in range(n_drafts)],
         lossless=(not mismatched) if check_lossless else None,
         mismatched_prompts=mismatched,
         near_tie_prompts=[d.prompt for d in divergences if d.near_tie],

@@ -83,7 +83,7 @@ def measure_activations(stage: Any, hidden_width: int, hidden_dtype: torch.dtype
     from dflash.model.objective import plan_blocks
 
     drafter, device = stage.drafter, stage.device
-    block = drafter.config.block_size
+    block = drafter.config.plan_block_size
     params = {p.untyped_storage().data_ptr() for m in (drafter, stage.embed, stage.lm_head) for p in m.parameters()}
     gen = torch.Generator().manual_seed(0)
 
