@@ -24,6 +24,7 @@ from dflash.model.released import ReleaseMismatch, start_from_release
 from dflash.objectives import for_drafter
 from dflash.targets import load_target
 from dflash.train.config import ObjectiveSettings
+from dflash.train.config.schema import make_config
 
 H, V, T, R = 16, 40, 24, 4
 
@@ -305,3 +306,18 @@ def test_speculators_dspark_classes_read_our_export_and_we_read_theirs(tiny_targ
     state = theirs.state_dict()
     assert all(torch.equal(v, state[k]) for k, v in back.state_dict().items())
     assert back.config.target_layer_ids == [1, 3] and back.config.markov_rank == 8
+
+
+def test_the_recipe_defaults_and_bad_settings_on_the_command_line(setup, tmp_path, capsys):  # noqa: F811
+    _, target_dir, data = setup
+    base = dict(target=str(target_dir), data=str(data), run_dir=str(tmp_path / "run"), max_steps=1)
+    cfg = make_config({}, {**base, "drafter_type": "dspark"})
+    assert (cfg.model.block_size, cfg.model.markov_rank, cfg.model.num_anchors, cfg.optim.lr) == (7, 256, 512, 6e-4)
+    assert make_config({}, {**base, "drafter_type": "dspark", "block_size": 5}).model.block_size == 5
+    assert make_config({}, base).model.block_size == 16  # DFlash's own default stays
+    for flags, says in [(["--markov-rank", "0"], "markov_rank must be at least 1"),
+                        (["--loss", "kl"], "use --loss ce, not kl")]:
+        rc = main(["train", "--target", str(target_dir), "--data", str(data), "--run-dir", str(tmp_path / "bad"),
+                   "--max-steps", "1", "--no-telemetry", "--drafter-type", "dspark", *flags])
+        err = capsys.readouterr().err
+        assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err
