@@ -321,3 +321,25 @@ def test_the_recipe_defaults_and_bad_settings_on_the_command_line(setup, tmp_pat
                    "--max-steps", "1", "--no-telemetry", "--drafter-type", "dspark", *flags])
         err = capsys.readouterr().err
         assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_confidence_scheduling_cuts_where_the_running_product_falls_and_stays_lossless(tiny_target):
+    from dflash.eval.speculative import Sampling, evaluate, scheduled_length
+
+    logit = torch.logit(torch.tensor([0.9, 0.9, 0.5, 0.99]))
+    assert [scheduled_length(logit, t) for t in (0.0, 0.85, 0.81, 0.5, 0.95)] == [4, 1, 1, 2, 0]
+    d = trained_looking(tiny_target)
+    prompts = [[5, 9, 11, 4, 7], [8, 3, 12, 6]]
+    full = evaluate(d, tiny_target, prompts, max_new_tokens=12)
+    assert full.mean_verified == 4 and full.confidence_threshold is None
+    with torch.no_grad():  # a head that gives every slot 0.9: running survival 0.9, 0.81, 0.73, 0.66
+        d.confidence_head.proj.weight.zero_()
+        d.confidence_head.proj.bias.fill_(float(torch.logit(torch.tensor(0.9))))
+    cut = evaluate(d, tiny_target, prompts, max_new_tokens=12, confidence_threshold=0.7)
+    assert cut.lossless and cut.mean_verified == pytest.approx(3.0)
+    sampled = evaluate(d, tiny_target, prompts, max_new_tokens=12, confidence_threshold=0.95,
+                       sampling=Sampling(0.8, generator=torch.Generator().manual_seed(0)))
+    assert sampled.mean_verified == 0 and sampled.tau == 1.0  # nothing verified: the target's own tokens
+    plain = DFlashDrafter(DrafterConfig(**{k: v for k, v in d.config.__dict__.items() if "markov" not in k}))
+    with pytest.raises(ValueError, match="DSpark drafter's confidence head"):
+        evaluate(plain, tiny_target, prompts, max_new_tokens=4, confidence_threshold=0.5)

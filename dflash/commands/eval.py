@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k likeliest tokens (default "
                    "0: all)")
     p.add_argument("--seed", type=int, default=0, help="with --temperature: seed of the draws (default 0)")
+    p.add_argument("--confidence-threshold", type=float, default=None, metavar="P",
+                   help="DSpark: verify each round's drafts only while the confidence head's running product of "
+                   "survival stays at or above P (default: every draft)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the threads per "
                    "worker of the drafter's run, from its config.json; else torch's default)")
@@ -51,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         with torch_threads(threads) as n:
             print(f"dflash eval: {threads_text(n, source if threads else None)}", file=sys.stderr)
             result = evaluate(drafter, target, prompts, args.max_new_tokens, check_lossless=not args.no_lossless_check,
-                              block_size=args.block_size, sampling=sampling)
+                              block_size=args.block_size, sampling=sampling,
+                              confidence_threshold=args.confidence_threshold)
     except ValueError as e:
         raise CliError(str(e)) from e
     print(json.dumps(result.to_dict()) if args.json else format_result(result))
@@ -194,6 +198,9 @@ def format_result(r) -> str:
         speed_text(r),
         f"target forwards {r.target_forwards} vs {r.baseline_forwards} greedy (saved {r.forwards_saved})",
         f"accepted drafts per round (count): {hist}",
+        *([f"confidence-scheduled: {r.mean_verified:.2f} drafts verified per round of "
+           f"{len(r.per_position_acceptance)} (running survival >= {r.confidence_threshold:g})"]
+          if r.confidence_threshold is not None else []),
         f"acceptance by position 1..{len(r.per_position_acceptance)}: {acc}",
         f"lossless: {lossless}" if r.temperature > 0 else f"lossless (== target greedy): {lossless}",
     ])

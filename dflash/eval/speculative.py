@@ -112,10 +112,22 @@ def drafts_per_block(drafter: DFlashDrafter, block_size: int) -> int:
     return block_size if isinstance(drafter, DSparkDrafter) else block_size - 1
 
 
-def _draft(drafter: DFlashDrafter, h: torch.Tensor, anchor: int, head, sampling: Sampling, dev: torch.device):
+def scheduled_length(confidence: torch.Tensor, threshold: float) -> int:
+    """Drafts a round verifies under confidence scheduling: the longest prefix whose running product of
+    the confidence head's probabilities (``confidence`` [L], logits) stays at or above ``threshold``:
+    the head's estimate that the draft survives that far. 0 verifies the anchor alone (the round yields
+    the target's own next token)."""
+    survive = torch.sigmoid(confidence.float()).cumprod(0)
+    return int((survive >= threshold).int().cumprod(0).sum())
+
+
+def _draft(drafter: DFlashDrafter, h: torch.Tensor, anchor: int, head, sampling: Sampling, dev: torch.device,
+           threshold: float | None = None):
     """The block's drafts [L] from the drafter's states h [L, H] at its drafting slots, and what rejection
     sampling needs of them: (drafts, their probabilities or None when greedy, the candidates DFlash2
-    chose among or None)."""
+    chose among or None). With ``threshold`` (DSpark) the drafts are cut where the confidence head's
+    running product falls below it (``scheduled_length``): whether a draft is verified depends on the
+    drafts alone, never on the target, so rejection sampling stays exact."""
     logits = head(h.to(dev, head.weight.dtype))
     if isinstance(drafter, DSparkDrafter):  # the Markov head walked left to right from the anchor
         drawn: list[torch.Tensor] = []
@@ -127,7 +139,9 @@ def _draft(drafter: DFlashDrafter, h: torch.Tensor, anchor: int, head, sampling:
             return draw(drawn[-1], sampling.generator)
 
         d = drafter.walk(h[None], logits[None].to(h.device), torch.tensor([anchor], device=h.device), choose)
-        return d.tokens[0].to(dev), torch.cat(drawn).to(dev) if drawn else None, None
+        n = d.tokens.shape[1] if threshold is None else scheduled_length(d.confidence[0], threshold)
+        q = torch.cat(drawn)[:n].to(dev) if drawn else None
+        return d.tokens[0, :n].to(dev), q, None
     if isinstance(drafter, DFlash2Drafter):
         anchor_ids = torch.tensor([anchor], device=h.device)
         p = drafter.candidate_selector.walk(h[None], logits[None].to(h.device), anchor_ids, sampling.temperature,
@@ -149,6 +163,7 @@ class SpecOutput:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)
     produced: list[int] = field(default_factory=list)
+    verified: list[int] = field(default_factory=list)  # drafts each round verified (fewer when scheduled)
     target_forwards: int = 0
 
     @property
@@ -188,6 +203,7 @@ def speculative_generate(
     block_size: int | None = None,
     rollback: str | None = None,
     sampling: Sampling | None = None,
+    confidence_threshold: float | None = None,
 ) -> SpecOutput:
     """Draft-then-verify decoding; greedy (``sampling`` None or at temperature 0) it returns the same
     tokens as ``greedy_generate``, sampled they are distributed as ``sample_generate``'s.
@@ -203,7 +219,16 @@ def speculative_generate(
     each round appends the hidden states of the tokens just accepted. The target's cache keeps only
     accepted tokens, whatever its layers (``CachedVerifier``; ``rollback`` picks how, by default the
     cheapest exact way for this target).
+
+    ``confidence_threshold`` (a DSpark drafter's confidence head): each round verifies only the drafts
+    the head expects to survive at that probability (``scheduled_length``), a shorter target forward
+    for a round that would likely have been cut anyway.
     """
+    if confidence_threshold is not None and not isinstance(drafter, DSparkDrafter):
+        raise ValueError("--confidence-threshold schedules verification by a DSpark drafter's confidence head; "
+                         "this drafter has none")
+    if confidence_threshold is not None and not 0 <= confidence_threshold <= 1:
+        raise ValueError(f"--confidence-threshold is a probability in [0, 1], got {confidence_threshold}")
     stops = set(stop_token_ids or [])
     sampling = sampling or Sampling()
     bs = block_size or drafter.config.block_size
@@ -230,7 +255,9 @@ def speculative_generate(
         positions = torch.arange(cur, cur + bs, device=ddev)[None]
         ctx_positions = torch.arange(ctx_start, cur, device=ddev)[None]
         h = drafter(embed(block)[None].to(ddev), ctx.to(ddev), positions, ctx_positions, cache=dcache)
-        drafts, q, candidates = _draft(drafter, h[0, bs - n_drafts:], seq[-1], head, sampling, dev)
+        drafts, q, candidates = _draft(drafter, h[0, bs - n_drafts:], seq[-1], head, sampling, dev,
+                                       confidence_threshold)
+        res.verified.append(drafts.shape[0])
 
         out = verifier.verify(torch.cat([block[:1], drafts]))  # the anchor, then the drafts
         if sampling.greedy:
@@ -329,6 +356,8 @@ class EvalResult:
     temperature: float = 0.0  # 0: greedy; else sampled at this temperature, top_p and top_k (0: no cut)
     top_p: float = 1.0
     top_k: int = 0
+    confidence_threshold: float | None = None  # DSpark: verification scheduled by the confidence head
+    mean_verified: float | None = None  # drafts a round verified, on average (the block's, unscheduled)
     # wall time of plain greedy decoding over speculative decoding's (< 1: a slow-down); None when
     # the plain decode did not run (no lossless check)
     speedup: float | None = None
@@ -356,6 +385,7 @@ def evaluate(
     block_size: int | None = None,
     on_prompt: Callable[[int, int], None] | None = None,
     sampling: Sampling | None = None,
+    confidence_threshold: float | None = None,
 ) -> EvalResult:
     """Speculative decode of every prompt (and, with ``check_lossless``, a plain greedy decode to
     compare against). Stops at the target's EOS ids unless ``stop_token_ids`` is given.
@@ -382,6 +412,7 @@ def evaluate(
     n_drafts = drafts_per_block(drafter, bs)
     hist = [0] * (n_drafts + 1)
     accepted: list[int] = []
+    verified: list[int] = []
     tokens = spec_fwd = 0
     divergences: list[Divergence] = []
     per_prompt: list[float] = []
@@ -389,7 +420,9 @@ def evaluate(
     try:
         for i, prompt in enumerate(prompts):
             t0 = time.perf_counter()
-            res = speculative_generate(drafter, target, prompt, max_new_tokens, stops, bs, sampling=sampling)
+            res = speculative_generate(drafter, target, prompt, max_new_tokens, stops, bs, sampling=sampling,
+                                       confidence_threshold=confidence_threshold)
+            verified += res.verified
             t_spec += time.perf_counter() - t0
             for a in res.accepted:
                 hist[a] += 1
@@ -433,4 +466,6 @@ def evaluate(
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k,
+        confidence_threshold=confidence_threshold,
+        mean_verified=sum(verified) / rounds,
     )
