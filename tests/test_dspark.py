@@ -156,6 +156,7 @@ def test_a_dspark_run_trains_evaluates_losslessly_exports_and_is_read_back(setup
     assert _train(setup, tmp_path / "run", drafter_type="dspark", markov_rank=8) == 0
     out = capsys.readouterr().out
     assert "DSpark: Markov head rank 8, confidence head" in out and "0.1 x ce + 0.9 x tv + confidence" in out, out
+    assert "| accept 0." in out and " conf err 0." in out, out  # the step's 1 - TV and the head's error
     evals = [json.loads(line) for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
     assert evals and all(e["lossless"] for e in evals), evals
     assert len(evals[-1]["per_position_acceptance"]) == 4  # block 4 drafts 4 tokens, the anchor's slot first
