@@ -1,6 +1,6 @@
 """Speculative sampling is lossless in distribution: at a temperature (with top-k) the first tokens of
-many seeded speculative decodes are distributed as the target's own sampling, for a DFlash and a DFlash2
-drafter; the same test rejects a sampler that is biased in the classic way (at a rejection it draws
+many seeded speculative decodes are distributed as the target's own sampling, for a DFlash, a DFlash2 and
+a DSpark drafter; the same test rejects a sampler that is biased in the classic way (at a rejection it draws
 from the target's distribution instead of the residual). Plus the sampling pieces on small cases."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dflash.eval.sampling import draw, rejection_sample, sampling_probs
 from dflash.eval.speculative import Sampling, evaluate, speculative_generate
 from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.dspark import DSparkConfig, DSparkDrafter
 from dflash.targets import load_target
 
 VOCAB, TEMPERATURE, TOP_K, TOKENS, SAMPLES = 8, 2.0, 3, 3, 300
@@ -36,6 +37,12 @@ def drafter(target, kind: str):
                                    mask_token_id=target.default_mask_token_id())
     if kind == "dflash":
         return DFlashDrafter(cfg).eval()
+    if kind == "dspark":
+        d = DSparkDrafter(DSparkConfig(**cfg.__dict__, markov_rank=4))
+        with torch.no_grad():  # a Markov bias that moves the draft (a fresh one is ~1e-3 per logit)
+            d.markov_head.markov_w1.weight.normal_(std=1.0)
+            d.markov_head.markov_w2.weight.normal_(std=1.0)
+        return d.eval()
     d = DFlash2Drafter(DFlash2Config(**cfg.__dict__, selector_rank=4, selector_top_k=TOP_K))
     with torch.no_grad():  # a selector that re-ranks (a fresh one is plain top-1)
         d.candidate_selector.successor_codebook.normal_(std=2.0)
@@ -85,7 +92,7 @@ def speculative_counts(drafter_, target) -> tuple[dict[tuple[int, ...], int], li
     return counts, accepted
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark"])
 def test_speculative_sampling_is_distributed_as_the_targets_own(target, kind):
     expected = exact(target)
     assert max(expected.values()) < 0.5 and len(expected) == TOP_K ** TOKENS  # a spread, not one answer
@@ -107,7 +114,7 @@ def _biased(drafts, target_probs, draft_probs, draft_indices=None, generator=Non
     return kept, int(draw(target_probs[kept], generator))
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark"])
 def test_the_same_test_rejects_a_biased_sampler(target, kind, monkeypatch):
     monkeypatch.setattr(speculative, "rejection_sample", _biased)
     counts, _ = speculative_counts(drafter(target, kind), target)

@@ -36,6 +36,7 @@ def case(seed: int = 0):
     keep = torch.tensor([[True, True, True], [True, True, False]])
     plan = plan_blocks(ids, loss_mask, B, 3, anchors=(anchors, keep))
     h = torch.randn(plan.num_tokens, H, generator=g, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(seed)  # the head's init: the same case whatever ran before (a shifted reading must differ)
     head = torch.nn.Linear(H, V, bias=False).double().requires_grad_(False)
     return ids, loss_mask, anchors, keep, plan, h, head
 

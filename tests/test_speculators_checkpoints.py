@@ -413,8 +413,12 @@ def test_dflash2_settings_dflash_does_not_run_are_refused_in_one_line(saved2):
               "its speculators_model_type 'dflash2' and speculators_config.algorithm 'dflash' disagree"),
              ({**real, "sample_from_anchor": True}, "(sample_from_anchor)"),
              ({**real, "conv_kernel_size": BLOCK + 1}, f"conv_kernel_size {BLOCK + 1} is longer than the block"),
+             # relabelled DSpark, it reaches DSpark's reader (dspark_formats.py), which refuses its settings
              ({**real, "speculators_config": None, "speculators_model_type": "dspark"},
-              "a speculators 'dspark' checkpoint: dflash reads speculators' 'dflash' and 'dflash2' drafters only")]
+              "sample_from_anchor false"),
+             ({**real, "speculators_config": None, "speculators_model_type": "eagle3"},
+              "a speculators 'eagle3' checkpoint: dflash reads speculators' 'dflash', 'dflash2' and 'dspark' "
+              "drafters only")]
     for d, needle in cases:
         with pytest.raises(DrafterLoadError) as e:
             config_of_export(d, "here")

@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k likeliest tokens (default "
                    "0: all)")
     p.add_argument("--seed", type=int, default=0, help="with --temperature: seed of the draws (default 0)")
+    p.add_argument("--confidence-threshold", type=float, default=None, metavar="P",
+                   help="DSpark: verify each round's drafts only while the confidence head's running product of "
+                   "survival stays at or above P (default: every draft)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--bench", default=None, help="benchmarks instead of --data: comma-separated of gsm8k, math500, "
                    "aime24, aime25, humaneval, mbpp, livecodebench, swe-bench-lite, mt-bench, alpaca, or all "
@@ -71,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
             if benches:
                 return _run_benches(args, drafter, target, benches, sampling)
             result = evaluate(drafter, target, prompts, args.max_new_tokens, check_lossless=not args.no_lossless_check,
-                              block_size=args.block_size, sampling=sampling)
+                              block_size=args.block_size, sampling=sampling,
+                              confidence_threshold=args.confidence_threshold)
     except ValueError as e:
         raise CliError(str(e)) from e
     print(json.dumps(result.to_dict()) if args.json else format_result(result))
@@ -250,7 +254,10 @@ def format_result(r) -> str:
         speed_text(r),
         f"target forwards {r.target_forwards} vs {r.baseline_forwards} greedy (saved {r.forwards_saved})",
         f"accepted drafts per round (count): {hist}",
-        f"acceptance by position 1..{r.block_size - 1}: {acc}",
+        *([f"confidence-scheduled: {r.mean_verified:.2f} drafts verified per round of "
+           f"{len(r.per_position_acceptance)} (running survival >= {r.confidence_threshold:g})"]
+          if r.confidence_threshold is not None else []),
+        f"acceptance by position 1..{len(r.per_position_acceptance)}: {acc}",
         f"lossless: {lossless}" if r.temperature > 0 else f"lossless (== target greedy): {lossless}",
     ])
 

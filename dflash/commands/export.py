@@ -1,5 +1,7 @@
-"""`dflash export CKPT --out DIR`: a training checkpoint -> the reference (z-lab) drafter format, checked
-against what vLLM and SGLang make of it; `dflash export --check vllm|sglang|all DIR` checks an export."""
+"""`dflash export CKPT --out DIR`: a training checkpoint -> the reference (z-lab) drafter format (a DSpark
+drafter: DeepSpec's, the default, carrying the target's embedding and LM head, or speculators' or
+SpecForge's: --format), checked against what vLLM and SGLang make of it; `dflash export --check
+vllm|sglang|all DIR` checks an export."""
 
 from __future__ import annotations
 
@@ -24,8 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="check an existing export against this engine's loader instead of exporting")
     p.add_argument("--trained", default=None, help="with --check: the checkpoint or run the export was made "
                    "from, the truth it is held against (default: the export's config.json as dflash reads it)")
-    p.add_argument("--target", default=None, help="the target named in the serve commands printed (default: "
-                   "the one the drafter's run trained against)")
+    p.add_argument("--format", choices=["deepspec", "speculators", "specforge"], default=None,
+                   help="a DSpark drafter's format: deepspec (default; what vLLM and SGLang both load, carrying "
+                   "the target's embedding and LM head: needs --target), speculators, or specforge")
+    p.add_argument("--target", default=None, metavar="MODEL_DIR",
+                   help="the target: whose embedding and LM head --format deepspec carries, and the model the "
+                   "printed serve commands name (default there: the one the drafter's run trained against)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,9 +58,12 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from e
     name = _DTYPES[args.dtype]
     try:
-        out = export_drafter(drafter, args.out, getattr(torch, name) if name else None)
+        out = export_drafter(drafter, args.out, getattr(torch, name) if name else None, args.format,
+                             _target_tensors(args.target, drafter) if args.target else None)
     except OSError as e:
         raise CliError(f"cannot write {args.out}: {e.strerror or e}") from e
+    except ValueError as e:
+        raise CliError(str(e)) from None
     c = drafter.config
     print(f"exported {drafter.num_parameters() / 1e6:.2f}M-parameter drafter ({c.describe_layers()}, block "
           f"{c.block_size}, taps {c.target_layer_ids}, mask id {c.mask_token_id}) from {drafter.loaded_from} to {out}")
@@ -127,3 +136,17 @@ def _check_out(out: Path, force: bool) -> None:
         shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
         raise CliError(f"--out {out} already holds {shown}; give --force to replace the export there, "
                        "or another --out")
+
+
+def _target_tensors(target: str, drafter) -> dict:
+    """The target's embedding and LM head weights (what a DeepSpec file carries), checked against the
+    drafter's shape."""
+    from dflash.eval.speculative import check_compatible
+    from dflash.targets import TargetError, load_target
+
+    try:
+        t = load_target(target, layer_ids=list(drafter.config.target_layer_ids))
+        check_compatible(drafter, t)
+    except (TargetError, ValueError) as e:
+        raise CliError(f"--target {target}: {e}") from None
+    return {"embed_tokens.weight": t.embed_tokens.weight.detach(), "lm_head.weight": t.lm_head.weight.detach()}

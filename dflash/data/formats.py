@@ -125,10 +125,11 @@ def thinking_mismatch(n_rows: int, n_reasoning: int, mode: str) -> str | None:
     return None
 
 
-def _served_messages(messages: list[dict], thinking: str) -> list[dict]:
-    """The messages as the template should see them. Under thinking off an assistant turn loses its
-    reasoning, field and inline block alike: templates differ in whether enable_thinking=False drops it
-    (Qwen3's still renders the last turn's reasoning_content), so it is dropped here. Otherwise a
+def served_messages(messages: list[dict], thinking: str) -> list[dict]:
+    """The messages as a chat template (ours or a server's) should see them. Under thinking off an
+    assistant turn loses its reasoning, field and inline block alike: templates differ in whether
+    enable_thinking=False drops it (Qwen3's still renders the last turn's reasoning_content), so it is
+    dropped here. Otherwise a
     reasoning field is offered under every name a template reads."""
     out = []
     for m in messages:
@@ -227,7 +228,7 @@ def _encode_messages(row: dict, tokenizer, where: str, thinking: str) -> Sample:
     messages = _check_messages(row, where)
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{where}: 'messages' rows need a tokenizer with a chat template")
-    served = _served_messages(messages, thinking)
+    served = served_messages(messages, thinking)
     # Rendered once, as a whole: templates render a turn differently depending on what follows it
     # (Qwen3 gives the last assistant turn an empty <think> block and drops it once a user turn
     # follows), so a conversation is not its prefixes put together.
@@ -258,13 +259,6 @@ def _encode_messages(row: dict, tokenizer, where: str, thinking: str) -> Sample:
 
 def _tokens(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def chat_prompt(messages: list[dict], tokenizer, where: str, thinking: str = "auto") -> list[int]:
-    """Token ids of a whole conversation ending in a user turn, with the generation prompt, rendered as
-    the target is served (a benchmark's later turns carry the target's own earlier replies)."""
-    _check_thinking(thinking)
-    return _tokens(tokenizer, _render(tokenizer, messages, thinking, where, generation_prompt=True))
 
 
 def encode_row(row: dict, tokenizer, where: str, thinking: str = "auto") -> Sample:
@@ -323,15 +317,11 @@ def prompt_of(row: dict, tokenizer, where: str, thinking: str = "auto") -> list[
 
 def chat_prompt(messages: list[dict], tokenizer, where: str, thinking: str = "auto") -> list[int]:
     """Token ids that ask the target for the next assistant turn after `messages` (the template's
-    generation prompt), earlier assistant turns' reasoning handled as encode_row handles it."""
+    generation prompt), rendered as the target is served, earlier assistant turns' reasoning handled as
+    encode_row handles it (a benchmark's later turns carry the target's own earlier replies)."""
     _check_thinking(thinking)
     return _tokens(tokenizer, _render(tokenizer, served_messages(messages, thinking), thinking, where,
                                       generation_prompt=True))
-
-
-def served_messages(messages: list[dict], thinking: str) -> list[dict]:
-    """The messages as a chat template (ours or a server's) should see them under `thinking`."""
-    return _served_messages(messages, thinking)
 
 
 def split_reasoning(content: str) -> tuple[str, str]:

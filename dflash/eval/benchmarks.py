@@ -155,7 +155,7 @@ def run_benchmark(drafter, target, rows: list[list[str]], max_new_tokens: int, s
     """One benchmark's EvalResult: every row decoded turn by turn, each turn after the target's reply
     to the one before (greedy, that reply is the target's own output, speculative or not)."""
     from dflash.data.formats import chat_prompt
-    from dflash.eval.speculative import decode_prompt, eval_mode, eval_settings, summarize
+    from dflash.eval.speculative import decode_prompt, drafts_per_block, eval_mode, eval_settings, summarize
 
     sampling, check_lossless, stops, bs = eval_settings(drafter, target, sampling, check_lossless, None, block_size)
     runs = []
@@ -170,7 +170,7 @@ def run_benchmark(drafter, target, rows: list[list[str]], max_new_tokens: int, s
                 runs.append(run)
                 messages.append({"role": "assistant",
                                  "content": target.tokenizer.decode(run.spec.tokens, skip_special_tokens=True)})
-    return summarize(runs, bs, max_new_tokens, sampling, check_lossless)
+    return summarize(runs, bs, drafts_per_block(drafter, bs), max_new_tokens, sampling, check_lossless)
 
 
 def paper_figures(target: str, temperature: float) -> dict[str, tuple[float, float]]:

@@ -29,6 +29,7 @@ from dflash.eval.sampling import check_sampling, draw, rejection_sample, samplin
 from dflash.eval.verifier import CachedVerifier, new_cache
 from dflash.model.dflash2 import DFlash2Drafter
 from dflash.model.drafter import DFlashDrafter
+from dflash.model.dspark import DSparkDrafter
 from dflash.targets.base import hidden_states_index
 from dflash.targets.hf import HFTarget
 
@@ -106,11 +107,42 @@ def _plain_generate(target: HFTarget, prompt_ids: list[int], max_new_tokens: int
     return out
 
 
-def _draft(drafter: DFlashDrafter, h: torch.Tensor, anchor: int, head, sampling: Sampling, dev: torch.device):
-    """The block's drafts [L] from the drafter's states h [L, H] at slots 1.., and what rejection
+def drafts_per_block(drafter: DFlashDrafter, block_size: int) -> int:
+    """Tokens a block of ``block_size`` slots drafts: the slots after the anchor, or every slot for a
+    drafter that drafts from the anchor's slot too (DSpark)."""
+    return block_size if isinstance(drafter, DSparkDrafter) else block_size - 1
+
+
+def scheduled_length(confidence: torch.Tensor, threshold: float) -> int:
+    """Drafts a round verifies under confidence scheduling: the longest prefix whose running product of
+    the confidence head's probabilities (``confidence`` [L], logits) stays at or above ``threshold``:
+    the head's estimate that the draft survives that far. 0 verifies the anchor alone (the round yields
+    the target's own next token)."""
+    survive = torch.sigmoid(confidence.float()).cumprod(0)
+    return int((survive >= threshold).int().cumprod(0).sum())
+
+
+def _draft(drafter: DFlashDrafter, h: torch.Tensor, anchor: int, head, sampling: Sampling, dev: torch.device,
+           threshold: float | None = None):
+    """The block's drafts [L] from the drafter's states h [L, H] at its drafting slots, and what rejection
     sampling needs of them: (drafts, their probabilities or None when greedy, the candidates DFlash2
-    chose among or None)."""
+    chose among or None). With ``threshold`` (DSpark) the drafts are cut where the confidence head's
+    running product falls below it (``scheduled_length``): whether a draft is verified depends on the
+    drafts alone, never on the target, so rejection sampling stays exact."""
     logits = head(h.to(dev, head.weight.dtype))
+    if isinstance(drafter, DSparkDrafter):  # the Markov head walked left to right from the anchor
+        drawn: list[torch.Tensor] = []
+
+        def choose(step: torch.Tensor) -> torch.Tensor:
+            if sampling.greedy:
+                return step.argmax(-1)
+            drawn.append(sampling.probs(step))  # q of this slot given the drafts before it
+            return draw(drawn[-1], sampling.generator)
+
+        d = drafter.walk(h[None], logits[None].to(h.device), torch.tensor([anchor], device=h.device), choose)
+        n = d.tokens.shape[1] if threshold is None else scheduled_length(d.confidence[0], threshold)
+        q = torch.cat(drawn)[:n].to(dev) if drawn else None
+        return d.tokens[0, :n].to(dev), q, None
     if isinstance(drafter, DFlash2Drafter):
         anchor_ids = torch.tensor([anchor], device=h.device)
         p = drafter.candidate_selector.walk(h[None], logits[None].to(h.device), anchor_ids, sampling.temperature,
@@ -132,6 +164,7 @@ class SpecOutput:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)
     produced: list[int] = field(default_factory=list)
+    verified: list[int] = field(default_factory=list)  # drafts each round verified (fewer when scheduled)
     target_forwards: int = 0
 
     @property
@@ -171,6 +204,7 @@ def speculative_generate(
     block_size: int | None = None,
     rollback: str | None = None,
     sampling: Sampling | None = None,
+    confidence_threshold: float | None = None,
 ) -> SpecOutput:
     """Draft-then-verify decoding; greedy (``sampling`` None or at temperature 0) it returns the same
     tokens as ``greedy_generate``, sampled they are distributed as ``sample_generate``'s.
@@ -186,10 +220,20 @@ def speculative_generate(
     each round appends the hidden states of the tokens just accepted. The target's cache keeps only
     accepted tokens, whatever its layers (``CachedVerifier``; ``rollback`` picks how, by default the
     cheapest exact way for this target).
+
+    ``confidence_threshold`` (a DSpark drafter's confidence head): each round verifies only the drafts
+    the head expects to survive at that probability (``scheduled_length``), a shorter target forward
+    for a round that would likely have been cut anyway.
     """
+    if confidence_threshold is not None and not isinstance(drafter, DSparkDrafter):
+        raise ValueError("--confidence-threshold schedules verification by a DSpark drafter's confidence head; "
+                         "this drafter has none")
+    if confidence_threshold is not None and not 0 <= confidence_threshold <= 1:
+        raise ValueError(f"--confidence-threshold is a probability in [0, 1], got {confidence_threshold}")
     stops = set(stop_token_ids or [])
     sampling = sampling or Sampling()
     bs = block_size or drafter.config.block_size
+    n_drafts = drafts_per_block(drafter, bs)
     taps = drafter.config.target_layer_ids
     dev = target.device
     ddev = drafter.fc.weight.device  # may differ from the target's (a pipeline's drafter GPU)
@@ -212,17 +256,18 @@ def speculative_generate(
         positions = torch.arange(cur, cur + bs, device=ddev)[None]
         ctx_positions = torch.arange(ctx_start, cur, device=ddev)[None]
         h = drafter(embed(block)[None].to(ddev), ctx.to(ddev), positions, ctx_positions, cache=dcache)
-        block[1:], q, candidates = _draft(drafter, h[0, 1:], seq[-1], head, sampling, dev)
+        drafts, q, candidates = _draft(drafter, h[0, bs - n_drafts:], seq[-1], head, sampling, dev,
+                                       confidence_threshold)
+        res.verified.append(drafts.shape[0])
 
-        out = verifier.verify(block)
+        out = verifier.verify(torch.cat([block[:1], drafts]))  # the anchor, then the drafts
         if sampling.greedy:
             posterior = _pick(out.logits)  # target's choice after each block token
-            accepted = int((block[1:] == posterior[:-1]).int().cumprod(0).sum())
+            accepted = int((drafts == posterior[:-1]).int().cumprod(0).sum())
             after = int(posterior[accepted])
         else:
-            accepted, after = rejection_sample(block[1:], sampling.probs(out.logits), q, candidates,
-                                               sampling.generator)
-        seq += block[1 : accepted + 1].tolist() + [after]
+            accepted, after = rejection_sample(drafts, sampling.probs(out.logits), q, candidates, sampling.generator)
+        seq += drafts[:accepted].tolist() + [after]
         res.accepted.append(accepted)
 
         verifier.commit(accepted + 1)  # keep the anchor and the accepted drafts; drop the rest
@@ -312,6 +357,8 @@ class EvalResult:
     temperature: float = 0.0  # 0: greedy; else sampled at this temperature, top_p and top_k (0: no cut)
     top_p: float = 1.0
     top_k: int = 0
+    confidence_threshold: float | None = None  # DSpark: verification scheduled by the confidence head
+    mean_verified: float | None = None  # drafts a round verified, on average (the block's, unscheduled)
     # wall time of plain greedy decoding over speculative decoding's (< 1: a slow-down); None when
     # the plain decode did not run (no lossless check)
     speedup: float | None = None
@@ -341,10 +388,13 @@ class PromptRun:
 
 
 def decode_prompt(drafter: DFlashDrafter, target: HFTarget, index: int, prompt: list[int], max_new_tokens: int,
-                  stops: list[int], block_size: int, sampling: Sampling, check_lossless: bool) -> PromptRun:
-    """Decode one prompt speculatively and, with ``check_lossless``, plainly too, to compare the two."""
+                  stops: list[int], block_size: int, sampling: Sampling, check_lossless: bool,
+                  confidence_threshold: float | None = None) -> PromptRun:
+    """Decode one prompt speculatively and, with ``check_lossless``, plainly too, to compare the two
+    (``confidence_threshold``: a DSpark drafter's scheduled verification, see speculative_generate)."""
     t0 = time.perf_counter()
-    res = speculative_generate(drafter, target, prompt, max_new_tokens, stops, block_size, sampling=sampling)
+    res = speculative_generate(drafter, target, prompt, max_new_tokens, stops, block_size, sampling=sampling,
+                               confidence_threshold=confidence_threshold)
     run = PromptRun(res, time.perf_counter() - t0)
     if check_lossless:
         t0 = time.perf_counter()
@@ -354,10 +404,12 @@ def decode_prompt(drafter: DFlashDrafter, target: HFTarget, index: int, prompt: 
     return run
 
 
-def summarize(runs: list[PromptRun], block_size: int, max_new_tokens: int, sampling: Sampling,
-              checked: bool) -> EvalResult:
-    """The numbers of a set of decoded prompts (``checked``: each was compared with plain greedy)."""
-    hist = [0] * block_size
+def summarize(runs: list[PromptRun], block_size: int, n_drafts: int, max_new_tokens: int, sampling: Sampling,
+              checked: bool, confidence_threshold: float | None = None) -> EvalResult:
+    """The numbers of a set of decoded prompts (``checked``: each was compared with plain greedy;
+    ``n_drafts``: the drafts a block holds, block - 1, or the block for a drafter that drafts from its
+    anchor slot)."""
+    hist = [0] * (n_drafts + 1)
     accepted = [a for r in runs for a in r.spec.accepted]
     for a in accepted:
         hist[a] += 1
@@ -376,7 +428,7 @@ def summarize(runs: list[PromptRun], block_size: int, max_new_tokens: int, sampl
         baseline_forwards=tokens,
         forwards_saved=tokens - spec_fwd,
         acceptance_histogram=hist,
-        per_position_acceptance=[sum(a > k for a in accepted) / rounds for k in range(block_size - 1)],
+        per_position_acceptance=[sum(a > k for a in accepted) / rounds for k in range(n_drafts)],
         lossless=(not mismatched) if checked else None,
         mismatched_prompts=mismatched,
         near_tie_prompts=[d.prompt for d in divergences if d.near_tie],
@@ -390,6 +442,8 @@ def summarize(runs: list[PromptRun], block_size: int, max_new_tokens: int, sampl
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k,
+        confidence_threshold=confidence_threshold,
+        mean_verified=sum(v for r in runs for v in r.spec.verified) / rounds,
     )
 
 
@@ -403,6 +457,7 @@ def evaluate(
     block_size: int | None = None,
     on_prompt: Callable[[int, int], None] | None = None,
     sampling: Sampling | None = None,
+    confidence_threshold: float | None = None,
 ) -> EvalResult:
     """Speculative decode of every prompt (and, with ``check_lossless``, a plain greedy decode to
     compare against). Stops at the target's EOS ids unless ``stop_token_ids`` is given.
@@ -422,10 +477,12 @@ def evaluate(
     runs = []
     with eval_mode(drafter):
         for i, prompt in enumerate(prompts):
-            runs.append(decode_prompt(drafter, target, i, prompt, max_new_tokens, stops, bs, sampling, check_lossless))
+            runs.append(decode_prompt(drafter, target, i, prompt, max_new_tokens, stops, bs, sampling, check_lossless,
+                                     confidence_threshold))
             if on_prompt is not None:
                 on_prompt(i + 1, len(prompts))
-    return summarize(runs, bs, max_new_tokens, sampling, check_lossless)
+    return summarize(runs, bs, drafts_per_block(drafter, bs), max_new_tokens, sampling, check_lossless,
+                     confidence_threshold)
 
 
 def eval_settings(drafter: DFlashDrafter, target: HFTarget, sampling: Sampling | None, check_lossless: bool,

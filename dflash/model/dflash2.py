@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.dspark import DSparkConfig, DSparkDrafter
 
 #: the published DFlash2 drafters' settings (the reference's Qwen3.6/3.8 configs)
 DEFAULT_KERNEL, DEFAULT_GROUP, DEFAULT_RANK, DEFAULT_TOP_K = 2, 16, 256, 16
@@ -97,14 +98,17 @@ class DFlash2Config(DrafterConfig):
 
 
 def config_from_dict(d: dict) -> DrafterConfig:
-    """The config a checkpoint's ``drafter_config`` holds: a DFlash2Config when it says ``drafter_type``
-    dflash2 (checkpoint_dict writes it), else a DrafterConfig (every checkpoint before DFlash2)."""
-    cls = DFlash2Config if d.get("drafter_type") == DFlash2Config.drafter_type else DrafterConfig
-    return cls.from_dict(d)
+    """The config a checkpoint's ``drafter_config`` holds: a DFlash2Config or DSparkConfig when its
+    ``drafter_type`` says so (checkpoint_dict writes it), else a DrafterConfig (every checkpoint before
+    DFlash2)."""
+    kinds = {c.drafter_type: c for c in (DrafterConfig, DFlash2Config, DSparkConfig)}
+    return kinds.get(d.get("drafter_type"), DrafterConfig).from_dict(d)
 
 
 def build_drafter(config: DrafterConfig) -> DFlashDrafter:
     """The drafter a config describes."""
+    if isinstance(config, DSparkConfig):
+        return DSparkDrafter(config)
     return DFlash2Drafter(config) if isinstance(config, DFlash2Config) else DFlashDrafter(config)
 
 

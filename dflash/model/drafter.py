@@ -227,6 +227,18 @@ class DrafterConfig:
             rope_scaling=rope_scaling_of(target_config),
         )
 
+    @property
+    def plan_block_size(self) -> int:
+        """The block size a training plan is built with (objective.plan_blocks): its slot k is labelled
+        x[a + k], k = 1..plan_block_size - 1. A DFlash block's slot k drafts x[a + k] (the anchor's slot
+        drafts nothing): the block itself. A DSpark block drafts from the anchor's slot too (dspark.py)."""
+        return self.block_size
+
+    @property
+    def drafts_per_block(self) -> int:
+        """Tokens one block drafts: the slots after the anchor."""
+        return self.block_size - 1
+
     def describe_layers(self) -> str:
         """The layers in a few words: "5 layers, full attention" or "4 layers, 3 sliding (window 2048)"."""
         n_sliding = self.layer_types.count(SLIDING)

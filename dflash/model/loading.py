@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.model import speculators_format
+from dflash.model import dspark_formats, speculators_format
 from dflash.model.dflash2 import build_drafter, config_from_dict
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.export import (
@@ -28,6 +28,8 @@ def config_of_export(d: dict, where: str) -> DrafterConfig:
     """The DrafterConfig of an export directory's config.json: the reference format (ours, z-lab's), or
     a speculators DFlash or DFlash2 checkpoint (speculators_format.py); anything else refused in one line."""
     try:
+        if dspark_formats.is_dspark_config(d):  # DeepSpec's, speculators' or SpecForge's DSpark
+            return dspark_formats.read_config(d)
         if speculators_format.is_speculators_config(d):
             return speculators_format.drafter_config(d)
         arch = (d.get("architectures") or [DFLASH])[0]
@@ -41,15 +43,18 @@ def config_of_export(d: dict, where: str) -> DrafterConfig:
 
 
 def load_exported(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
-    """Load an export directory (ours, a z-lab DFlash/DFlash2 drafter, or a speculators DFlash/DFlash2
-    checkpoint) back into its drafter."""
+    """Load an export directory (ours, a z-lab DFlash/DFlash2 drafter, a speculators DFlash/DFlash2
+    checkpoint, or a DSpark drafter in DeepSpec's, speculators' or SpecForge's format) back into its
+    drafter."""
     from safetensors.torch import load_file
 
     path = Path(path)
     d = read_config_json(path)
     cfg = config_of_export(d, str(path))
-    # a speculators checkpoint may hold the target's tensors too (embedding, heads): the drafter's are kept
-    own = speculators_format.drafter_tensors if speculators_format.is_speculators_config(d) else None
+    # a speculators checkpoint or a DeepSpec file may hold the target's tensors too (embedding, heads): the
+    # drafter's are kept
+    own = dspark_formats.drafter_tensors if dspark_formats.is_dspark_config(d) else \
+        speculators_format.drafter_tensors if speculators_format.is_speculators_config(d) else None
     shapes = _safetensors_shapes(path / WEIGHTS_NAME)
     shapes = own(shapes, str(path)) if own else shapes
     check_shapes(cfg, shapes, str(path))

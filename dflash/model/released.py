@@ -124,6 +124,9 @@ def start_from_release(
     if drafter_type == DFlash2Config.drafter_type and not isinstance(cfg, DFlash2Config):
         raise ReleaseMismatch(f"{where}: a DFlash drafter, not a DFlash2 one: drop --drafter-type dflash2 to "
                               "train it as it is")
+    if drafter_type == "dspark" and cfg.drafter_type != "dspark":
+        raise ReleaseMismatch(f"{where}: a {cfg.drafter_type} drafter, not a DSpark one (its Markov and confidence "
+                              "heads would start from nothing): drop --drafter-type dspark to train it as it is")
     if num_layers is not None and num_layers != cfg.num_layers:
         raise ReleaseMismatch(f"{where}: it has {cfg.num_layers} layer(s), the run asks for {num_layers}")
     check_against_target(cfg, target, where)

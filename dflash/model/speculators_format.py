@@ -33,7 +33,8 @@ so aux id = our tap id + 1 (``AUX_ID_OFFSET``, as in the hidden-state caches): i
 maps a release's ``target_layer_ids`` to ``[i + 1 ...]``, and its default ids ``[2, N/2, N-3]`` are
 the reference's ``[1, ..., N-4]`` shifted by one. Aux id 0 (the embedding output) has no tap id.
 
-What dflash cannot use is refused in one line: another algorithm (EAGLE-3, DSpark, ...); a pruned draft
+A DSpark checkpoint (``speculators_model_type: "dspark"``) is dspark_formats.py's, which reuses the checks
+here. What dflash cannot use is refused in one line: another algorithm (EAGLE-3, ...); a pruned draft
 vocabulary (dflash drafts over the target's whole vocabulary through its own LM head);
 ``sample_from_anchor`` (the drafter also predicts the anchor's slot, ``block_size`` tokens a round,
 where dflash and the engines take the anchor from the target and draft ``block_size - 1``); sliding
@@ -127,7 +128,7 @@ def reference_config(d: dict) -> dict:
     if algorithm not in ALGORITHMS or declared not in ALGORITHMS:
         name = algorithm if algorithm not in ALGORITHMS else declared
         raise SpeculatorsRefusal(f"a speculators {name!r} checkpoint: dflash reads speculators' "
-                                 f"{' and '.join(map(repr, ALGORITHMS))} drafters only")
+                                 "'dflash', 'dflash2' and 'dspark' drafters only")
     if declared != algorithm:
         raise SpeculatorsRefusal(f"its {MODEL_TYPE_KEY} {algorithm!r} and speculators_config.algorithm {declared!r} "
                                  "disagree on which drafter it is")

@@ -43,7 +43,7 @@ def register(cls: type[Term]) -> type[Term]:
 
 #: the package's modules that hold no term: every other module here is a term file, imported below so
 #: that its @register runs (a new objective is one new file, nothing to add here)
-_SUPPORT = frozenset({"base", "head", "optim", "positions"})
+_SUPPORT = frozenset({"base", "dspark_pass", "head", "optim", "positions"})
 for _module in pkgutil.iter_modules(__path__):
     if _module.name not in _SUPPORT:
         importlib.import_module(f"{__name__}.{_module.name}")
@@ -74,18 +74,26 @@ def check(loss: str, position_weight: str, extra: Mapping[str, float] | None = N
                              f"known: {', '.join(sorted(n for n, c in TERMS.items() if not c.predicts_tokens))}")
 
 
-def build(settings: Any, gamma: float, extra: Mapping[str, float] | None = None) -> Objective:
+def build(settings: Any, gamma: float, extra: Mapping[str, float] | None = None,
+          token_weight: float = 1.0) -> Objective:
     """The objective ``settings`` (an ObjectiveSettings: loss, position_weight, dpace_alpha) name, with
-    the drafter's ``gamma`` for the exponential weighting and the drafter's ``extra`` terms."""
+    the drafter's ``gamma`` for the exponential weighting, the drafter's ``extra`` terms and the token
+    term's weight."""
     check(settings.loss, settings.position_weight, extra)
+    if "tv" in (extra or {}) and settings.loss != "ce":
+        raise ValueError(f"a DSpark drafter trains its token term as cross-entropy (beside total variation to "
+                         f"the target): use --loss ce, not {settings.loss}")
     weighting = ExpDecay(gamma) if settings.position_weight == "exp" else DPace(settings.dpace_alpha)
-    token = TERMS[settings.loss](weighting)  # type: ignore[call-arg]
+    token = TERMS[settings.loss](weighting, token_weight)  # type: ignore[call-arg]
     return Objective([token, *(TERMS[n].made(w, settings) for n, w in (extra or {}).items())])
 
 
 def for_drafter(settings: Any, drafter: Any) -> Objective:
-    """``build`` for a drafter: its gamma and the extra terms it names (``objective_terms``)."""
-    return build(settings, drafter.config.gamma, getattr(drafter, "objective_terms", None))
+    """``build`` for a drafter: its gamma, the extra terms it names (``objective_terms``) and its token
+    term's weight (``token_term_weight``; 1 unless the drafter says)."""
+    drafter = getattr(drafter, "module", drafter)
+    return build(settings, drafter.config.gamma, getattr(drafter, "objective_terms", None),
+                 getattr(drafter, "token_term_weight", 1.0))
 
 
 __all__ = ["LABELS", "POSITION_WEIGHTS", "TERMS", "VERIFIER", "Forward", "Objective", "PositionWeight", "Term",

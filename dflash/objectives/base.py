@@ -53,6 +53,8 @@ class Forward:
     input_ids: torch.Tensor | None = None  # [Bsz, T] the batch's tokens (a label's predecessor, say)
     gamma: float | None = None  # the drafter's position decay, exp(-(k-1)/gamma)
     drafter: nn.Module | None = None  # the drafter itself (a term over a head of its own: DFlash2's selector)
+    #: what several terms compute once per pass and share (DSpark's chunked head pass), by name
+    shared: dict[str, Any] = field(default_factory=dict)
 
     def verifier_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(row in the batch, position) [S] each of the verifier state whose logits predict each supervised
@@ -152,7 +154,10 @@ class Objective:
         if self.needs_verifier and (verifier is None or verifier_head is None):
             raise ValueError(f"objective {self.describe()} needs the verifier's final states and head")
         cfg = drafter.config
-        bs, device = cfg.block_size, input_ids.device
+        # bs: the plan's block (its slot k labelled x[a + k]); a DSpark block drafts from its anchor slot,
+        # so its plan is one longer than the block the drafter runs (DrafterConfig.plan_block_size)
+        bs, device = cfg.plan_block_size, input_ids.device
+        shift = cfg.block_size - bs + 1  # the drafter slots before a block's first drafting one (1 or 0)
         # Padding blocks sit at position 0: computed like the others, never supervised, never counted. The
         # pass runs on a batch with nothing to learn from too: under DDP every rank's step is one forward and
         # one backward, and the other ranks wait in that forward's collectives (a rank that skipped it hung
@@ -168,9 +173,10 @@ class Objective:
             return LossOutput(zero, torch.zeros(bs + 1 + len(self.terms) + len(self.metric_names), device=device),
                               0, [0] * (bs - 1), self.term_names, self.metric_names)
         with span("drafter_forward"):
-            # Slot k of flat block b is row b * B + k of the (contiguous) output, i.e. sel + b + 1: only
-            # supervised slots go through the (large) LM head, with no copy of all slots.
-            rows = plan.sel + torch.div(plan.sel, bs - 1, rounding_mode="floor") + 1
+            # Plan slot k of flat block b is drafter slot k - 1 + shift, row b * B + k - 1 + shift of the
+            # (contiguous) output, i.e. sel + (b + 1) * shift: only supervised slots go through the (large)
+            # LM head, with no copy of all slots.
+            rows = plan.sel + (torch.div(plan.sel, bs - 1, rounding_mode="floor") + 1) * shift
             h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
         fwd = Forward(hidden, h, plan, lm_head, bs, verifier, verifier_head, extras, span, input_ids, cfg.gamma,
                       drafter)
@@ -196,7 +202,7 @@ class Objective:
         """The objective with the plan built here from ``loss_mask`` (given ``anchors`` (anchors, keep)
         or sampled with ``generator``), reading the batch back to the host: for tests and one-off use;
         the trainer builds plans in its batch producer."""
-        bs = drafter.config.block_size
+        bs = drafter.config.plan_block_size
         plan = plan_blocks(input_ids.cpu(), loss_mask.cpu(), bs, num_anchors, generator,
                            None if anchors is None else (anchors[0].cpu(), anchors[1].cpu()))
         return self(drafter, embed_tokens, lm_head, input_ids, target_hidden, plan.to(input_ids.device), **kw)
@@ -234,8 +240,16 @@ class TokenTerm(Term):
         """The per-chunk loss for this pass and the reference it reads (None: the data's labels only)."""
 
     def __call__(self, fwd: Forward) -> TermValue:
-        loss, reference = self.chunk_loss(fwd)
-        per_slot, extras = head_rows(fwd.lm_head, fwd.h, loss, reference, span=fwd.span)
+        from dflash.objectives.dspark_pass import dspark_rows, uses_dspark_pass
+
+        if uses_dspark_pass(fwd):  # the drafter biases its own logits: its one shared pass (dspark_pass.py)
+            if self.name != "ce":
+                raise ValueError(f"a DSpark drafter's token term is cross-entropy, not {self.name!r}")
+            rows = dspark_rows(fwd)
+            per_slot, extras = rows["ce"], {"pred": rows["pred"], "confidence": torch.exp(-rows["ce"].detach())}
+        else:
+            loss, reference = self.chunk_loss(fwd)
+            per_slot, extras = head_rows(fwd.lm_head, fwd.h, loss, reference, span=fwd.span)
         confidence = extras.get("confidence")
         if self.weighting.needs_confidence and confidence is None:
             raise ValueError(f"position weight {self.weighting.name!r} needs the drafter's confidence in the label, "

@@ -84,14 +84,16 @@ class ModelSettings:
                                     "model.safetensors, e.g. from `dflash export`), checked against the target",
                                     metavar="DIR")
     # DFlash2 (docs/dflash2.md): the published drafters' settings are the defaults
-    drafter_type: str = setting("dflash", "dflash, or dflash2: a convolution around each sublayer and a candidate "
-                                "selector (default dflash; --init-from's release says its own)",
-                                choices=["dflash", "dflash2"])
+    drafter_type: str = setting("dflash", "dflash; dflash2: a convolution around each sublayer and a candidate "
+                                "selector; dspark: a Markov head and a confidence head, drafting from the anchor "
+                                "slot, block 7 (default dflash; --init-from's release says its own)",
+                                choices=["dflash", "dflash2", "dspark"])
     conv_kernel_size: int = setting(2, "dflash2: taps of the convolution over a block's tokens (default 2)")
     conv_group_size: int = setting(16, "dflash2: channels sharing one predicted kernel coefficient; divides the "
                                    "hidden size (default 16)")
     selector_rank: int = setting(256, "dflash2: rank of the selector's codebooks (default 256)")
     selector_top_k: int = setting(16, "dflash2: candidates per slot the selector re-ranks (default 16)")
+    markov_rank: int = setting(256, "dspark: rank of the Markov head's bigram bias on the logits (default 256)")
 
 
     def check_layers(self) -> None:
@@ -116,6 +118,19 @@ class ModelSettings:
                               "layers: give one type per layer")
         if "sliding_attention" in types and window is None and self.init_from is None:
             raise ConfigError("sliding_attention layers need a window: add --drafter-sliding-window W")
+
+    def check_dspark(self, loss: str) -> None:
+        """DSpark's settings: its rank, and the token term its objective is written for."""
+        if self.drafter_type != "dspark":
+            return
+        from dflash.model.dspark import settings_problem
+
+        problem = settings_problem(self.markov_rank)
+        if problem:
+            raise ConfigError(problem)
+        if loss != "ce":
+            raise ConfigError(f"a DSpark drafter trains 0.1 x cross-entropy + 0.9 x total variation + its confidence "
+                              f"loss: use --loss ce, not {loss}")
 
     def check_dflash2(self) -> None:
         """DFlash2's settings, as far as they can be judged before the target loads (its hidden size and
@@ -361,6 +376,7 @@ class TrainConfig:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.optim.warmup_ratio}")
         self.model.check_layers()
         self.model.check_dflash2()
+        self.model.check_dspark(self.objective.loss)
         self.objective.check_selector()
 
 

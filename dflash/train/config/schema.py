@@ -68,6 +68,10 @@ def make_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any],
     _apply(cfg, recipe or {}, RECIPE)
     _apply(cfg, file_values, file)
     _apply(cfg, given, COMMAND_LINE)
+    if cfg.model.drafter_type == "dspark" and not explicit(cfg, "block_size"):
+        from dflash.model.dspark import DEFAULT_BLOCK
+
+        cfg.model.block_size = DEFAULT_BLOCK  # DSpark's recipe drafts 7 tokens a block; its gamma (4) follows
     run = cfg.run
     if run.max_steps is None and run.max_time is None and run.epochs is None:
         run.epochs = 1.0

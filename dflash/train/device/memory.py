@@ -90,14 +90,14 @@ def measure_activations(stage: Any, hidden_width: int, hidden_dtype: torch.dtype
     from dflash.model.objective import plan_blocks
 
     drafter, device = stage.drafter, stage.device
-    block = drafter.config.block_size
+    block = drafter.config.block_size  # queries per block (a DSpark plan is one slot longer: its labels)
     params = {p.untyped_storage().data_ptr() for m in (drafter, stage.embed, stage.lm_head) for p in m.parameters()}
     gen = torch.Generator().manual_seed(0)
 
     def probe(batch: int, anchors: int) -> int:
         ids = torch.randint(0, drafter.config.vocab_size, (batch, seq_len), generator=gen)
         loss_mask = torch.ones_like(ids, dtype=torch.bool)
-        plan = plan_blocks(ids, loss_mask, block, anchors, gen).to(device)
+        plan = plan_blocks(ids, loss_mask, drafter.config.plan_block_size, anchors, gen).to(device)
         hidden = torch.randn(batch, seq_len, hidden_width, generator=gen).to(device, hidden_dtype)
         ids = ids.to(device)
 

@@ -176,6 +176,8 @@ class LogLines:
         measured = m["measured"]
         selector = f"| sel recall {measured['selector_recall']:.3f} acc {measured['selector_accuracy']:.3f} " \
             if "selector_recall" in measured else ""
+        if "accept_rate" in measured:  # DSpark: 1 - TV to the target, and its confidence head's error on it
+            selector += f"| accept {measured['accept_rate']:.3f} conf err {measured['confidence_error']:.3f} "
         self.report.log(f"{self.progress().text()} | loss {m['loss']:.3f} | acc {m['accuracy']:.3f} "
                         f"| sim_tau {m['sim_tau']:.2f} {selector}| {tps:,.0f} tok/s "
                         + (f"| {self.utilisation.text(flops)} " if flops is not None else "")

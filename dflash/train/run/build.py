@@ -185,7 +185,7 @@ def build(cfg: TrainConfig, dist: Dist, target: Target, ckpt: dict | None = None
     cuda = drafter_device.type == "cuda" or any(t.device.type == "cuda" for t in targets)
     # a followed cache is written in row order: its first pass reads the rows in that order too
     source = BatchSource(samples, cfg.data.batch_size, cfg.data.seed, pad, dist.rank, dist.world_size,
-                         block_size=dcfg.block_size, num_anchors=cfg.model.num_anchors, pin=cuda,
+                         block_size=dcfg.plan_block_size, num_anchors=cfg.model.num_anchors, pin=cuda,
                          in_order_first=first.waits_for_inputs, flops=count, bucket=cfg.data.length_buckets,
                          train=train, stats=stats)
     tell = event or (lambda kind, line, **data: log(f"[{kind}] {line}"))
@@ -393,6 +393,11 @@ def new_drafter_config(cfg: TrainConfig, target: Any) -> tuple[Any, dict | None]
         target_layer_ids=target.layer_ids, mask_token_id=target.default_mask_token_id(), gamma=m.gamma,
     )
     dcfg = replace(dcfg, layer_types=m.drafter_layer_types, sliding_window=m.drafter_sliding_window)
+    if m.drafter_type == "dspark":
+        from dflash.model.dspark import DSparkConfig
+
+        gamma = dcfg.gamma if m.gamma is not None else None  # None: DSpark's own decay (4), not DFlash's
+        dcfg = DSparkConfig(**{**dcfg.__dict__, "gamma": gamma}, markov_rank=m.markov_rank)
     if m.drafter_type == "dflash2":
         scale, cap = applied(*target.frozen_head(target.device))
         dcfg = DFlash2Config(**dcfg.__dict__, conv_kernel_size=m.conv_kernel_size, conv_group_size=m.conv_group_size,

@@ -410,7 +410,7 @@ class DrafterStage:
             ids = b.input_ids.to(self.device, non_blocking=True)
             attn = b.attention_mask.to(self.device, non_blocking=True)
             plan = b.plan if b.plan is not None else plan_blocks(
-                b.input_ids, b.loss_mask, self.drafter.config.block_size, self.num_anchors, self.generator)
+                b.input_ids, b.loss_mask, self.drafter.config.plan_block_size, self.num_anchors, self.generator)
             plan = plan.to(self.device)
         for term in self.objective.terms:
             term.at(progress)  # a scheduled weight (DFlash2's selector ramps in)
