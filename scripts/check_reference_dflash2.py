@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter
-from dflash.model.export import export_drafter
+from dflash.model.write_export import export_drafter
 
 
 def load_reference(path: Path):

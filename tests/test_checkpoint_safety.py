@@ -36,8 +36,8 @@ from dflash.checkpoint_files import (
     read_manifest,
     save_checkpoint,
 )
-from dflash.model.export import export_drafter
 from dflash.model.loading import load_drafter
+from dflash.model.write_export import export_drafter
 from dflash.train.checkpoint import rng
 from dflash.train.trainer import Trainer
 

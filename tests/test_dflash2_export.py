@@ -14,9 +14,10 @@ from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 from dflash.cli import main
 from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter
-from dflash.model.export import checkpoint_dict, export_drafter
+from dflash.model.export import checkpoint_dict
 from dflash.model.loading import load_drafter, load_exported
 from dflash.model.released import ReleaseMismatch, start_from_release
+from dflash.model.write_export import export_drafter
 from dflash.targets import load_target
 
 SMALL = dict(selector_top_k=4, selector_rank=8, conv_group_size=16)

@@ -24,9 +24,10 @@ from test_train_pipeline import _write_data
 
 from dflash.cli import main
 from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig, Rotary
-from dflash.model.export import DrafterLoadError, config_from_hf, export_drafter, hf_config
+from dflash.model.export import DrafterLoadError, config_from_hf, hf_config
 from dflash.model.loading import load_exported
 from dflash.model.released import ReleaseMismatch, start_from_release
+from dflash.model.write_export import export_drafter
 from dflash.targets import load_target
 from dflash.train.config.schema import make_config
 from dflash.train.distributed import Dist

@@ -17,10 +17,11 @@ from dflash.cli import main
 from dflash.model.dflash2 import build_drafter
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.dspark import DSparkConfig, DSparkDrafter
-from dflash.model.export import DrafterLoadError, export_drafter
+from dflash.model.export import DrafterLoadError
 from dflash.model.loading import load_drafter, load_exported
 from dflash.model.objective import forward_blocks
 from dflash.model.released import ReleaseMismatch, start_from_release
+from dflash.model.write_export import export_drafter
 from dflash.objectives import for_drafter
 from dflash.targets import load_target
 from dflash.train.config import ObjectiveSettings

@@ -22,7 +22,7 @@ from dflash.eval.benchmarks import (
     run_benchmark,
 )
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.export import export_drafter
+from dflash.model.write_export import export_drafter
 from dflash.targets import load_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "bench"

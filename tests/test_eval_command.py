@@ -14,7 +14,8 @@ from dflash.data import load_prompts
 from dflash.eval import speculative
 from dflash.eval.speculative import greedy_generate
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.export import checkpoint_dict, export_drafter
+from dflash.model.export import checkpoint_dict
+from dflash.model.write_export import export_drafter
 from dflash.targets import load_target
 
 

@@ -14,7 +14,7 @@ from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 from dflash.cli import main
 from dflash.model.drafter import FULL, SLIDING, DFlashDrafter
-from dflash.model.export import export_drafter
+from dflash.model.write_export import export_drafter
 from dflash.targets import load_target
 from dflash.train.config import ConfigError
 from dflash.train.config.recipes import CPU_RECIPE

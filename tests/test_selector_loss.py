@@ -14,9 +14,9 @@ from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
 from test_model_objective import B, H, V, batch
 
 from dflash.model.dflash2 import CandidateSelector, DFlash2Config, DFlash2Drafter
-from dflash.model.objective import plan_blocks
+from dflash.model.objective import plan_blocks, predecessors
 from dflash.objectives import for_drafter
-from dflash.objectives.selector import predecessors, ramp_weight, selector_terms
+from dflash.objectives.selector import ramp_weight, selector_terms
 from dflash.train.config import ObjectiveSettings
 from dflash.train.device.metrics import StepMetrics
 

@@ -43,9 +43,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--trained goes with --check (an export is checked against its own checkpoint)")
     import torch
 
-    from dflash.model.export import DrafterLoadError, export_drafter, read_config_json
+    from dflash.model.export import DrafterLoadError, read_config_json
     from dflash.model.loading import load_drafter
     from dflash.model.speculators_format import speculators_dir
+    from dflash.model.write_export import export_drafter
 
     _check_out(Path(args.out).expanduser(), args.force)
     if speculators_dir(args.checkpoint) is not None:

@@ -277,3 +277,15 @@ def run_blocks(
         extras = {k: v for k, v in out.items() if k != "hidden"}
         out = out["hidden"]
     return out.view(bsz, n, bs, -1), extras
+
+
+def predecessors(input_ids: torch.Tensor, anchors: torch.Tensor, sel: torch.Tensor, slot: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """The data's token before each supervised slot's label: slot k of the block at anchor a is labelled
+    x[a + k], so its predecessor is x[a + k - 1] (``slot`` holds k - 1). ``anchors`` [Bsz, N] and
+    ``sel`` [S] as in a BlockPlan; computed on the device."""
+    t, n = input_ids.shape[1], anchors.shape[1]
+    block = torch.div(sel, block_size - 1, rounding_mode="floor")  # flat block index b * N + j
+    anchor = anchors.reshape(-1)[block].clamp(min=0)
+    row = torch.div(block, n, rounding_mode="floor")
+    return input_ids.reshape(-1)[row * t + anchor + slot]

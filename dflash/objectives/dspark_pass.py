@@ -21,14 +21,15 @@ x[a + k]; its previous token is x[a + k - 1], the data's: teacher forcing):
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash.objectives.base import Forward
+from dflash.model.objective import predecessors
 from dflash.objectives.head import chunk_rows
-from dflash.objectives.selector import predecessors
 
 KEY = "dspark"
 
@@ -48,9 +49,10 @@ def _chunk(drafter: nn.Module, lm_head: nn.Module, verifier_head: nn.Module, h: 
     return ce, tv, bce, extras
 
 
-def dspark_rows(fwd: Forward) -> dict[str, torch.Tensor]:
+def dspark_rows(fwd: Any) -> dict[str, torch.Tensor]:
     """The per-row ``ce``, ``tv``, ``bce`` [S] (differentiable), ``pred`` [S] (the drafter's top-1 token)
-    and ``predicted`` [S] (the confidence head's sigmoid) of this pass, computed once and shared."""
+    and ``predicted`` [S] (the confidence head's sigmoid) of this pass, computed once and shared. ``fwd``
+    is a base.Forward, typed loosely: base calls into this module, and importing it back would circle."""
     if KEY in fwd.shared:
         return fwd.shared[KEY]
     if fwd.verifier is None or fwd.verifier_head is None or fwd.input_ids is None or fwd.drafter is None:
@@ -80,7 +82,7 @@ def dspark_rows(fwd: Forward) -> dict[str, torch.Tensor]:
     return out
 
 
-def uses_dspark_pass(fwd: Forward) -> bool:
+def uses_dspark_pass(fwd: Any) -> bool:
     """Whether the drafter's logits carry a bias of its own (a DSpark drafter's Markov head): its token
     term then reads this pass, not the plain head."""
     return hasattr(getattr(fwd.drafter, "module", fwd.drafter), "logits_and_confidence")
