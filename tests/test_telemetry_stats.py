@@ -277,7 +277,8 @@ class _FakeEvent:
         raise AssertionError("telemetry must never synchronise")
 
 
-def test_cuda_span_device_time_is_resolved_later_without_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[_FakeEvent]:
+    """A torch whose CUDA is "initialised" with _FakeEvent events; returns the events as they are made."""
     events: list[_FakeEvent] = []
 
     class Ev(_FakeEvent):
@@ -289,6 +290,11 @@ def test_cuda_span_device_time_is_resolved_later_without_sync(monkeypatch: pytes
         cuda=types.SimpleNamespace(is_initialized=lambda: True, is_current_stream_capturing=lambda: False, Event=Ev)
     )
     monkeypatch.setitem(sys.modules, "torch", fake)
+    return events
+
+
+def test_cuda_span_device_time_is_resolved_later_without_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    events = _fake_cuda(monkeypatch)
     s = ProfileStats()
     w = s.worker("target-0")
     with w.cuda_span("target_forward", stream="s1"):
@@ -513,17 +519,7 @@ def test_a_step_under_way_is_booked_in_the_windows_its_spans_ran_in(monkeypatch:
 
 
 def test_a_steps_device_time_is_the_sum_of_its_spans_once_all_complete(monkeypatch: pytest.MonkeyPatch) -> None:
-    events: list[_FakeEvent] = []
-
-    class Ev(_FakeEvent):
-        def __init__(self, enable_timing: bool = False) -> None:
-            super().__init__(enable_timing)
-            events.append(self)
-
-    fake = types.SimpleNamespace(
-        cuda=types.SimpleNamespace(is_initialized=lambda: True, is_current_stream_capturing=lambda: False, Event=Ev)
-    )
-    monkeypatch.setitem(sys.modules, "torch", fake)
+    events = _fake_cuda(monkeypatch)
     s = ProfileStats()
     w = s.worker("drafter-0")
     with w.step():
