@@ -205,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 trial.stop()
             record: dict[str, Any] = {"settings": decision.settings, "changes": decision.changes,
-                                      "why": decision.why, "run_dir": str(run_dir), "wall_s": time.monotonic() - t0}
+                                      "why": decision.why, "run_dir": str(run_dir), "pid": trial.pid,
+                                      "wall_s": time.monotonic() - t0}
             try:
                 if rc is None:
                     raise MeasureError(f"ran {trial_s + START_GRACE_S:g} s without ending")

@@ -89,6 +89,16 @@ def fewer_threads(s: Settings, m: Machine) -> list[Move]:
                  "for a core")]
 
 
+def unoversubscribed(s: Settings, m: Machine) -> list[Move]:
+    """Fewer threads wherever the CPU workers' threads outnumber the cores, whatever the verdict: such
+    threads take turns on the cores and each one's cache with them, which no stage's waits show."""
+    t, workers = threads(s, m), _cpu_workers(s)
+    if workers == 0 or workers * t <= m.cores:
+        return []
+    return [Move({"threads_per_worker": max(1, t // 2)},
+                 f"{workers} CPU workers x {t} threads oversubscribe {m.cores} cores")]
+
+
 def more_threads(s: Settings, m: Machine) -> list[Move]:
     t = threads(s, m)
     if t >= m.cores:
@@ -156,8 +166,8 @@ MOVES: dict[str, tuple[Rule, ...]] = {
 
 def moves(s: Settings, verdict: str, m: Machine) -> list[Move]:
     """Every move the verdict suggests from these settings, most promising first (the pipeline first of
-    all: with it off nothing else can be judged)."""
-    return [mv for rule in (pipeline_on, *MOVES.get(verdict, ())) for mv in rule(s, m)]
+    all: with it off nothing else can be judged; then threads that oversubscribe the cores)."""
+    return [mv for rule in (pipeline_on, unoversubscribed, *MOVES.get(verdict, ())) for mv in rule(s, m)]
 
 
 def key(s: Mapping[str, Any]) -> tuple:
