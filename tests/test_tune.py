@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, wait_until
+
 from dflash.cli import main
 from dflash.telemetry.wire.protocol import Event
 from dflash.telemetry.wire.reader import read_frames
@@ -154,7 +154,8 @@ def test_a_real_tune_killed_mid_trial_resumes_and_leaves_nothing(tmp_path, sock_
     tune_dir = tmp_path / "tune"
     cores = len(os.sched_getaffinity(0))  # two workers with this many threads each oversubscribe any machine
     cmd = [sys.executable, "-m", "dflash", "tune", "--tune-dir", str(tune_dir), "--trials", "2",
-           "--trial-time", "5", "--threads-per-worker", str(cores), "--hs-queue-size", "1", "--telemetry-interval", "0.5",
+           "--trial-time", "5", "--threads-per-worker", str(cores), "--hs-queue-size", "1",
+           "--telemetry-interval", "0.5",
            "--socket-dir", str(sock_dir), "--no-gil-probe"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     log = tmp_path / "tune.log"
