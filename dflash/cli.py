@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "train a DFlash drafter (pipelined, instrumented)"),
     "eval": ("eval", "speculative decoding with a drafter: tau, acceptance, lossless check"),
     "export": ("export", "export a checkpoint in the reference (z-lab) drafter format"),
+    "tune": ("tune", "short measured trials of the throughput settings, each chosen by the last one's verdict"),
     "stats": ("stats", "print the per-category summary of a telemetry.jsonl recording"),
     "data": ("data", "dataset tools: regenerate responses with the target, build the demo set"),
     "target": ("target", "target tools: build the built-in tiny target"),

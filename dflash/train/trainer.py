@@ -38,7 +38,7 @@ from dflash.train.device.metrics import StepMetrics
 from dflash.train.distributed import Dist, DistError
 from dflash.train.health.faults import FaultPlan, FaultSpecError
 from dflash.train.health.nonfinite import NonFiniteWatch
-from dflash.train.reporting import Reporter
+from dflash.train.reporting import Reporter, announced_phase
 from dflash.train.reporting.evaluation import Evaluations
 from dflash.train.reporting.logline import LogLines
 from dflash.train.reporting.monitoring import Monitoring
@@ -213,6 +213,9 @@ class Trainer:
                 raise TrainError(str(e)) from None
             report.log(f"trackers:  {', '.join(cfg.telemetry.report_to)}")
         self._wire()
+        phase = announced_phase()
+        if phase is not None:
+            report.event("phase", phase)
         code, supervised = 0, False
         try:
             with stop_on_signals(self.stop_requested, report.log):

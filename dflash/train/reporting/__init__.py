@@ -7,6 +7,7 @@ dflash-top and telemetry.jsonl hold what the log says. Problems go to stderr (`p
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -21,6 +22,17 @@ if TYPE_CHECKING:
 
 #: events kept for the telemetry stream until its publisher starts (the workers start first)
 EARLY_EVENTS = 256
+#: a phase line the process that launched this run asks it to announce first (`dflash tune` names each
+#: trial so that dflash-top, following the tune's run name from trial to trial, shows which one it sees)
+PHASE_ENV = "DFLASH_PHASE"
+#: the longest such line announced: it comes from the environment, not from this run
+MAX_PHASE_CHARS = 500
+
+
+def announced_phase() -> str | None:
+    """The phase line of PHASE_ENV, cut to MAX_PHASE_CHARS and one line; None when it is not set."""
+    line = " ".join(os.environ.get(PHASE_ENV, "").split())
+    return line[:MAX_PHASE_CHARS] or None
 
 
 class Reporter:
