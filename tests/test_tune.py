@@ -206,3 +206,31 @@ def test_a_real_tune_killed_mid_trial_resumes_and_leaves_nothing(tmp_path, sock_
 
     best = make_config(load_toml(tune_dir / "best.toml"), {})
     assert best.pipeline.hs_queue_size == 1 and best.data.batch_size == 8  # the user's own settings kept
+
+
+@pytest.mark.slow
+async def test_dflash_top_follows_the_tune_trial_by_trial(tmp_path, sock_dir):
+    """dflash-top attached to a tune's first trial shows it as a phase on the screen, then, when that trial
+    ends, finds the next trial's socket (the same run name) and shows trial 2."""
+    from conftest import screen_text, until
+
+    from dflash_tui.app import DFlashTop
+
+    cmd = [sys.executable, "-m", "dflash", "tune", "--tune-dir", str(tmp_path / "follow"), "--trials", "2",
+           "--trial-time", "5", "--telemetry-interval", "0.5", "--socket-dir", str(sock_dir), "--no-gil-probe"]
+    tune = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _sockets(sock_dir), timeout=90, what="trial 1's socket", proc=tune)
+        app = DFlashTop(_sockets(sock_dir)[0])
+        async with app.run_test(size=(140, 44)) as pilot:
+            for n in (1, 2):
+                await until(pilot, lambda n=n: f"follow: trial {n}" in screen_text(app), f"trial {n}'s phase",
+                            timeout=120)
+    finally:
+        tune.send_signal(signal.SIGTERM)  # the tune stops its trial (its own process group) cleanly
+        try:
+            tune.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            tune.kill()
+            tune.wait()
