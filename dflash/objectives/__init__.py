@@ -3,8 +3,8 @@ weights, and ``build`` picking them by the run's settings.
 
 A term is one file here (ce.py, kl.py, selector.py; each found by itself) whose class is decorated
 with ``@register``: its ``name`` is what ``--loss`` (or an extra term) says, its ``needs`` what the
-batch or the pass must carry (LABELS, VERIFIER, CANDIDATES; see base.py). A position weighting is a PositionWeight in
-positions.py. The optimizers are optim.py.
+batch or the pass must carry (LABELS, VERIFIER, CANDIDATES; see base.py). A position weighting is a
+PositionWeight in positions.py. The optimizers are optim.py.
 
 Extra terms (beside the token term ``--loss`` names) come from the drafter: a drafter whose forward
 returns more than its states (a mapping with ``"hidden"`` and other outputs) names the terms that read
