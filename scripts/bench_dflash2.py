@@ -41,9 +41,9 @@ def one(kind: str, a: dict) -> dict:
     """Time ``a["steps"]`` training steps of one drafter kind in this process; its peak RSS."""
     import torch
 
+    from dflash.model.blocks import plan_blocks
     from dflash.model.dflash2 import DFlash2Config, build_drafter
     from dflash.model.drafter import DrafterConfig
-    from dflash.model.objective import plan_blocks
     from dflash.objectives import for_drafter
     from dflash.train.config import ObjectiveSettings
 

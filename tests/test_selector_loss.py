@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_dflash2_model import BASE, dflash2
+from test_model_blocks import B, H, V, batch
 from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
-from test_model_objective import B, H, V, batch
 
 from dflash import objectives
+from dflash.model.blocks import plan_blocks
 from dflash.model.dflash2 import CandidateSelector, DFlash2Config, DFlash2Drafter
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.objective import plan_blocks
 from dflash.objectives import Forward, Objective, Term, TermValue, for_drafter
 from dflash.objectives.ce import CrossEntropy
 from dflash.objectives.head import candidate_logits

@@ -1,6 +1,6 @@
 """The objective's seam: what one drafter pass hands the loss terms, what a term is, and how terms add up.
 
-A training step runs the drafter once over a batch's packed blocks (dflash.model.objective) and gives
+A training step runs the drafter once over a batch's packed blocks (dflash.model.blocks) and gives
 every term the same ``Forward``: the drafter's states at the supervised slots, the block plan (labels,
 slots, anchors), the frozen LM head, the verifier's final states when a term asked for them, and
 whatever else the drafter's forward returned (``extras``: a drafter with more heads hands their
@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from dflash.model.objective import BlockPlan, LossOutput, plan_blocks, run_blocks
+from dflash.model.blocks import BlockPlan, LossOutput, plan_blocks, run_blocks
 from dflash.objectives.head import ChunkLoss, Span, head_rows, top_k_loss
 
 #: what a term may need from the batch
@@ -161,7 +161,7 @@ class Objective:
                  attn_backend: str = "auto", verifier: torch.Tensor | None = None,
                  verifier_head: nn.Module | None = None, span: Span | None = None) -> LossOutput:
         """The objective on one batch: input_ids [Bsz, T], target_hidden [Bsz, T, taps * H] (the tap
-        states), ``plan`` on input_ids' device (dflash.model.objective.plan_blocks), ``verifier``
+        states), ``plan`` on input_ids' device (dflash.model.blocks.plan_blocks), ``verifier``
         [Bsz, T, Hv] with ``verifier_head`` when ``needs_verifier``. ``span(category)`` times the
         drafter's pass as ``drafter_forward`` and what the terms time apart (the verifier's logits)."""
         span = span or (lambda _category: nullcontext())

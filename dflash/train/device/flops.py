@@ -1,7 +1,7 @@
 """Model FLOPs of a training step, and the MFU they make on the run's devices: counted here once, for the
 trainer's gauges and log line and for scripts/gpu_check.py.
 
-What one step computes (dflash/model/objective.py, dflash/objectives/), and what is counted of it:
+What one step computes (dflash/model/blocks.py, dflash/objectives/), and what is counted of it:
 
 * **The target** (in process only; a cache's states cost nothing here): a frozen forward over the batch,
   forward only. Every decoder layer's projections and MLP (a mixture of experts: the routed experts a
