@@ -6,9 +6,9 @@ Both drafters have the same backbone (``--layers`` Qwen3-style layers of ``--hid
 and the AdamW step, on ``--batch`` sequences of ``--tokens`` with ``--anchors`` blocks each. Reported:
 the median step time of each, DFlash2's over DFlash's, each one's peak resident memory (each drafter
 measured in its own process, so one's peak cannot hide the other's), the selector's share of
-DFlash2's step (its ``selector`` span: the head again over the supervised rows, the re-ranking, its
-cross-entropy; its backward is inside the step's backward, not in the share), and the codebooks' size
-with their AdamW state. Torch runs one intra-op thread (set here), as a trainer worker with
+DFlash2's step (its ``selector`` span: the candidates' unary logits from their K columns of the head,
+the re-ranking, its cross-entropy; its backward is inside the step's backward, not in the share),
+and the codebooks' size with their AdamW state. Torch runs one intra-op thread (set here), as a trainer worker with
 threads_per_worker 1.
 
     python scripts/bench_dflash2.py [--json] [--quick] [--steps 6] [--hidden 1024] [--vocab 32000] ...
@@ -41,9 +41,9 @@ def one(kind: str, a: dict) -> dict:
     """Time ``a["steps"]`` training steps of one drafter kind in this process; its peak RSS."""
     import torch
 
+    from dflash.model.blocks import plan_blocks
     from dflash.model.dflash2 import DFlash2Config, build_drafter
     from dflash.model.drafter import DrafterConfig
-    from dflash.model.objective import plan_blocks
     from dflash.objectives import for_drafter
     from dflash.train.config import ObjectiveSettings
 

@@ -290,7 +290,7 @@ def _flex_against_sdpa(ctx: Ctx, target, dstage, seq: int, n: int, pad: int, see
     import torch
     import torch.nn.functional as F
 
-    from dflash.model.objective import forward_blocks
+    from dflash.model.blocks import forward_blocks
 
     dev = torch.device(ctx.device)
     g = torch.Generator().manual_seed(seed)
@@ -361,7 +361,7 @@ def check_compile_count(ctx: Ctx) -> dict:
     from torch._dynamo.utils import counters
 
     from dflash.model import masks
-    from dflash.model.objective import forward_blocks
+    from dflash.model.blocks import forward_blocks
 
     if not ctx.cuda:
         raise Skip("compiled flex has no CPU backward; the forward count is tests/test_model_masks.py's")
@@ -835,7 +835,7 @@ def check_prewarm(ctx: Ctx) -> dict:
     import torch
 
     from dflash.model import masks
-    from dflash.model.objective import forward_blocks
+    from dflash.model.blocks import forward_blocks
     from dflash.targets import load_target
 
     dev = torch.device(ctx.device)
@@ -1089,7 +1089,7 @@ def plan() -> dict:
 WARM_MODULES = (
     "torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.nn.attention.flex_attention",
     "transformers", "transformers.models.qwen3.modeling_qwen3",
-    "dflash.model.objective", "dflash.targets.hf", "dflash.train.trainer", "dflash.train.run.build",
+    "dflash.model.blocks", "dflash.targets.hf", "dflash.train.trainer", "dflash.train.run.build",
     "dflash.train.run.pipeline", "dflash.testing", "dflash.telemetry.verdict.evidence",
     "dflash.telemetry.wire.system", "dflash.eval.speculative",
 )

@@ -20,7 +20,7 @@ from conftest import demo_cache, screen_text, train_following
 from dflash.cli import main
 from dflash.data.cache_format import SIDECAR, CacheError, read_sample, sample_path, write_sample
 from dflash.data.cache_reader import PROBE_FILES
-from dflash.model.objective import plan_blocks
+from dflash.model.blocks import plan_blocks
 from dflash.targets.base import TargetError
 from dflash.targets.cache import SHARE_AFTER, load_cache_target
 from dflash.train.config import ConfigError, TrainConfig

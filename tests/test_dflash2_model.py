@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_model_blocks import MASK, B, H, V, batch, block_alone
 from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
-from test_model_objective import MASK, B, H, V, batch, block_alone
 
+from dflash.model.blocks import forward_blocks
 from dflash.model.dflash2 import (
     CandidateSelector,
     DFlash2Config,
@@ -17,7 +18,6 @@ from dflash.model.dflash2 import (
     settings_problem,
 )
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.objective import forward_blocks
 
 BASE = dict(hidden_size=H, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=V, num_target_layers=6, target_layer_ids=[1, 3], mask_token_id=MASK,

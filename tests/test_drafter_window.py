@@ -14,9 +14,9 @@ from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
 from test_model_masks import _LargestOutput, _materialise
 from torch.nn.attention.flex_attention import create_block_mask
 
+from dflash.model.blocks import forward_blocks
 from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig
 from dflash.model.masks import block_attention_mask, flex_block_mask
-from dflash.model.objective import forward_blocks
 
 
 def reference_mask(anchors, bs, t, valid, window, lengths=None) -> torch.Tensor:

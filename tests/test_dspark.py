@@ -14,12 +14,12 @@ from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 from dflash import objectives
 from dflash.cli import main
+from dflash.model.blocks import forward_blocks
 from dflash.model.dflash2 import build_drafter
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.dspark import DSparkConfig, DSparkDrafter
 from dflash.model.export import DrafterLoadError
 from dflash.model.loading import load_drafter, load_exported
-from dflash.model.objective import forward_blocks
 from dflash.model.released import ReleaseMismatch, start_from_release
 from dflash.model.write_export import export_drafter
 from dflash.objectives import for_drafter

@@ -13,10 +13,10 @@ from safetensors import safe_open
 from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 from dflash.cli import main
+from dflash.model.blocks import forward_blocks
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.export import DrafterLoadError, checkpoint_dict, config_from_hf
 from dflash.model.loading import load_drafter, load_exported
-from dflash.model.objective import forward_blocks
 from dflash.model.write_export import export_drafter
 
 H, V = 32, 60

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 from dflash import objectives
+from dflash.model.blocks import plan_blocks
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.objective import plan_blocks
 from dflash.objectives import TERMS, Forward, Term, TermValue, build
 from dflash.objectives.head import head_rows
 from dflash.objectives.optim import GuardedMuon, Optimizers, build_optimizer, split_for_muon

@@ -40,10 +40,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from dflash.model.blocks import plan_blocks
 from dflash.model.dflash2 import DFlash2Config, build_drafter
 from dflash.model.drafter import SLIDING, DrafterConfig
 from dflash.model.masks import block_attention_mask
-from dflash.model.objective import plan_blocks
 from dflash.objectives import for_drafter
 from dflash.targets.heads import NormedHead
 from dflash.telemetry import ProfileStats

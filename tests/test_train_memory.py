@@ -12,8 +12,8 @@ from test_model_helpers import one_thread  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from dflash.model.blocks import plan_blocks
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.objective import plan_blocks
 from dflash.objectives import for_drafter
 from dflash.telemetry import ProfileStats
 from dflash.train.config.schema import make_config

@@ -229,7 +229,7 @@ class DrafterConfig:
 
     @property
     def plan_block_size(self) -> int:
-        """The block size a training plan is built with (objective.plan_blocks): its slot k is labelled
+        """The block size a training plan is built with (blocks.plan_blocks): its slot k is labelled
         x[a + k], k = 1..plan_block_size - 1. A DFlash block's slot k drafts x[a + k] (the anchor's slot
         drafts nothing): the block itself. A DSpark block drafts from the anchor's slot too (dspark.py)."""
         return self.block_size

@@ -1,6 +1,6 @@
 """The packed-block attention mask, in two forms: dense (SDPA, CPU) and block-sparse (FlexAttention, CUDA).
 
-Layout (see objective.py): queries are the N*B slots of N packed blocks; keys are ``[T context positions ;
+Layout (see blocks.py): queries are the N*B slots of N packed blocks; keys are ``[T context positions ;
 N*B block slots]``. Query slot of block n sees context position j iff ``j < anchors[n]`` (and
 ``ctx_valid[j]``), and the block keys of block n itself; nothing of any other block.
 

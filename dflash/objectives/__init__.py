@@ -3,8 +3,8 @@ weights, and ``build`` picking them by the run's settings.
 
 A term is one file here (ce.py, kl.py, selector.py; each found by itself) whose class is decorated
 with ``@register``: its ``name`` is what ``--loss`` (or an extra term) says, its ``needs`` what the
-batch must carry (LABELS, VERIFIER; see base.py). A position weighting is a PositionWeight in
-positions.py. The optimizers are optim.py.
+batch or the pass must carry (LABELS, VERIFIER, CANDIDATES; see base.py). A position weighting is a
+PositionWeight in positions.py. The optimizers are optim.py.
 
 Extra terms (beside the token term ``--loss`` names) come from the drafter: a drafter whose forward
 returns more than its states (a mapping with ``"hidden"`` and other outputs) names the terms that read
@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dflash.objectives.base import (
+    CANDIDATES,
     LABELS,
     VERIFIER,
     Forward,
@@ -96,5 +97,5 @@ def for_drafter(settings: Any, drafter: Any) -> Objective:
                  getattr(drafter, "token_term_weight", 1.0))
 
 
-__all__ = ["LABELS", "POSITION_WEIGHTS", "TERMS", "VERIFIER", "Forward", "Objective", "PositionWeight", "Term",
-           "TermValue", "TokenTerm", "build", "check", "for_drafter", "losses", "register"]
+__all__ = ["CANDIDATES", "LABELS", "POSITION_WEIGHTS", "TERMS", "VERIFIER", "Forward", "Objective", "PositionWeight",
+           "Term", "TermValue", "TokenTerm", "build", "check", "for_drafter", "losses", "register"]

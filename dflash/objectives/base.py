@@ -1,6 +1,6 @@
 """The objective's seam: what one drafter pass hands the loss terms, what a term is, and how terms add up.
 
-A training step runs the drafter once over a batch's packed blocks (dflash.model.objective) and gives
+A training step runs the drafter once over a batch's packed blocks (dflash.model.blocks) and gives
 every term the same ``Forward``: the drafter's states at the supervised slots, the block plan (labels,
 slots, anchors), the frozen LM head, the verifier's final states when a term asked for them, and
 whatever else the drafter's forward returned (``extras``: a drafter with more heads hands their
@@ -9,7 +9,13 @@ logs each one apart, and computes the acceptance metrics from the term that pred
 
 Terms declare what they need from the batch (``needs``): ``LABELS`` (the data's next tokens, always
 there) or ``VERIFIER`` (the target's final hidden states, which the target stage then appends to the
-tap states it sends, and the objective turns into the verifier's logits chunk by chunk).
+tap states it sends, and the objective turns into the verifier's logits chunk by chunk), or from the
+pass: ``CANDIDATES`` (the drafter's candidate selector, and each supervised slot's top-k tokens under the
+head, which the token term takes inside its own chunks while their logits exist).
+
+The token term runs first, and leaves on the Forward what the other terms share with it: the position
+weights it weighed its slots with (so every term is on its scale, whatever ``--position-weight`` says)
+and, when asked, the candidates.
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from dflash.model.objective import BlockPlan, LossOutput, plan_blocks, run_blocks
-from dflash.objectives.head import ChunkLoss, Span, head_rows
+from dflash.model.blocks import BlockPlan, LossOutput, plan_blocks, run_blocks
+from dflash.objectives.head import ChunkLoss, Span, head_rows, top_k_loss
 
 #: what a term may need from the batch
 LABELS = "labels"  # the data's tokens at the label positions (in every BlockPlan)
 VERIFIER = "verifier"  # the target's final hidden states at every position
+CANDIDATES = "candidates"  # the drafter's candidate selector and the head's top-k tokens per supervised slot
 
 
 @dataclass
@@ -39,6 +46,8 @@ class Forward:
     rows of it, in the plan's order (``plan.sel``, ``plan.labels``, ``plan.slot`` index the same S).
     verifier [Bsz, T, Hv] and verifier_head (final norm + LM head, frozen) when a term needs VERIFIER.
     extras: the drafter's other outputs by name. span(category): times a part of the work.
+    selector: the drafter's candidate selector when a term needs CANDIDATES. The token term fills in
+    ``position_weights`` and ``candidates`` for the terms after it.
     """
 
     hidden: torch.Tensor
@@ -52,7 +61,12 @@ class Forward:
     span: Span = field(default=lambda _category: nullcontext())
     input_ids: torch.Tensor | None = None  # [Bsz, T] the batch's tokens (a label's predecessor, say)
     gamma: float | None = None  # the drafter's position decay, exp(-(k-1)/gamma)
-    drafter: nn.Module | None = None  # the drafter itself (a term over a head of its own: DFlash2's selector)
+    drafter: nn.Module | None = None  # the drafter itself (a term over a head of its own: DSpark's Markov head)
+    selector: nn.Module | None = None  # DFlash2's CandidateSelector, when a term needs CANDIDATES
+    #: (weight per supervised slot [S], the weighted sum's denominator) the token term weighed its slots with
+    position_weights: tuple[torch.Tensor, torch.Tensor | float] | None = None
+    #: [S, selector.top_k] the head's top-k token ids per supervised slot, from the token term's chunks
+    candidates: torch.Tensor | None = None
     #: what several terms compute once per pass and share (DSpark's chunked head pass), by name
     shared: dict[str, Any] = field(default_factory=dict)
 
@@ -147,7 +161,7 @@ class Objective:
                  attn_backend: str = "auto", verifier: torch.Tensor | None = None,
                  verifier_head: nn.Module | None = None, span: Span | None = None) -> LossOutput:
         """The objective on one batch: input_ids [Bsz, T], target_hidden [Bsz, T, taps * H] (the tap
-        states), ``plan`` on input_ids' device (dflash.model.objective.plan_blocks), ``verifier``
+        states), ``plan`` on input_ids' device (dflash.model.blocks.plan_blocks), ``verifier``
         [Bsz, T, Hv] with ``verifier_head`` when ``needs_verifier``. ``span(category)`` times the
         drafter's pass as ``drafter_forward`` and what the terms time apart (the verifier's logits)."""
         span = span or (lambda _category: nullcontext())
@@ -179,8 +193,10 @@ class Objective:
             rows = plan.sel + (torch.div(plan.sel, bs - 1, rounding_mode="floor") + 1) * shift
             h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
         fwd = Forward(hidden, h, plan, lm_head, bs, verifier, verifier_head, extras, span, input_ids, cfg.gamma,
-                      drafter)
-        values = {t.name: t(fwd) for t in self.terms}
+                      drafter, selector=self.selector_of(drafter))
+        # the token term first: the others read the position weights (and candidates) it leaves on fwd
+        values = {self.token_term.name: self.token_term(fwd)}
+        values.update({t.name: t(fwd) for t in self.terms if t is not self.token_term})
         with span("drafter_forward"):
             loss = sum(t.weight * values[t.name].value for t in self.terms)
             with torch.no_grad():
@@ -194,6 +210,16 @@ class Objective:
                 stats = torch.cat([loss.detach().float().reshape(1), runs.reshape(1), per_slot, terms, *measured])
         return LossOutput(loss, stats, plan.num_blocks, plan.per_position_count, self.term_names,
                           self.metric_names)
+
+    def selector_of(self, drafter: nn.Module) -> nn.Module | None:
+        """The drafter's candidate selector when a term needs CANDIDATES (None otherwise); one line when
+        the drafter has none."""
+        if CANDIDATES not in self.needs:
+            return None
+        selector = getattr(getattr(drafter, "module", drafter), "candidate_selector", None)  # DDP: .module
+        if selector is None:
+            raise ValueError(f"objective {self.describe()} needs a drafter with a candidate selector (DFlash2)")
+        return selector
 
     def on_batch(self, drafter: nn.Module, embed_tokens: nn.Module, lm_head: nn.Module, input_ids: torch.Tensor,
                  target_hidden: torch.Tensor, loss_mask: torch.Tensor, num_anchors: int = 512,
@@ -242,6 +268,8 @@ class TokenTerm(Term):
     def __call__(self, fwd: Forward) -> TermValue:
         from dflash.objectives.dspark_pass import dspark_rows, uses_dspark_pass
 
+        if uses_dspark_pass(fwd) and fwd.selector is not None:
+            raise ValueError("a DSpark drafter's pass keeps no candidates for a selector")
         if uses_dspark_pass(fwd):  # the drafter biases its own logits: its one shared pass (dspark_pass.py)
             if self.name != "ce":
                 raise ValueError(f"a DSpark drafter's token term is cross-entropy, not {self.name!r}")
@@ -249,10 +277,14 @@ class TokenTerm(Term):
             per_slot, extras = rows["ce"], {"pred": rows["pred"], "confidence": torch.exp(-rows["ce"].detach())}
         else:
             loss, reference = self.chunk_loss(fwd)
+            if fwd.selector is not None:  # its candidates from these chunks' logits: no head pass of its own
+                loss = top_k_loss(loss, fwd.selector.top_k)
             per_slot, extras = head_rows(fwd.lm_head, fwd.h, loss, reference, span=fwd.span)
+            fwd.candidates = extras.get("candidates")
         confidence = extras.get("confidence")
         if self.weighting.needs_confidence and confidence is None:
             raise ValueError(f"position weight {self.weighting.name!r} needs the drafter's confidence in the label, "
                              f"which loss {self.name!r} does not compute")
         w, den = self.weighting(fwd.plan, fwd.block_size, confidence)
+        fwd.position_weights = (w, den)
         return TermValue((per_slot * w).sum() / den, extras["pred"])

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash.model.objective import predecessors
+from dflash.model.blocks import predecessors
 from dflash.objectives.head import chunk_rows
 
 KEY = "dspark"

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash.targets.heads import SoftCappedHead
 from dflash.telemetry.wire.vocab import OBJECTIVE_CATEGORIES
 
 #: the float32 [chunk, vocab] logits of one chunk stay under this many bytes (a few such tensors live
@@ -106,3 +107,36 @@ def head_rows(lm_head: nn.Module, h: torch.Tensor, loss: ChunkLoss, reference: C
     if grad:
         value = _RowGradients.apply(h, value, torch.cat(grads))
     return value, out
+
+
+def top_k_loss(loss: ChunkLoss, k: int) -> ChunkLoss:
+    """``loss`` that also returns each row's ``k`` largest logits' token ids as the extra ``candidates``
+    ([c, k], detached): taken while the chunk's logits exist, so a term that reads only those columns
+    (the DFlash2 selector's) needs no pass of its own over the head (``candidate_logits``)."""
+
+    def with_candidates(logits: torch.Tensor, rows: slice, reference: Any):
+        value, extras = loss(logits, rows, reference)
+        with torch.no_grad():
+            extras = {**extras, "candidates": torch.topk(logits, k, dim=-1).indices}
+        return value, extras
+
+    return with_candidates
+
+
+def candidate_logits(lm_head: nn.Module, h: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """float32 [S, K]: the logits ``lm_head(h)`` [S, V] would hold at the columns ``candidates`` [S, K],
+    from those K rows of the head's weight alone (2 x hidden x K FLOPs a row, not x vocabulary),
+    differentiable with respect to ``h``. The head as the target applies it: a bias-free linear map,
+    soft-capped where the target caps its logits. The gathered weights are [S, K, hidden]: callers pass
+    a chunk of rows at a time (``chunk_rows``; K x hidden is far below the vocabulary's columns a
+    token chunk holds, so the memory plan's one chunk covers it)."""
+    cap = lm_head.cap if isinstance(lm_head, SoftCappedHead) else None
+    linear = lm_head.inner if cap is not None else lm_head
+    if not isinstance(linear, nn.Linear) or linear.bias is not None:
+        raise ValueError(f"candidate logits need the head as a bias-free linear map (soft-capped or not), "
+                         f"not {type(lm_head).__name__}")
+    weight = linear.weight
+    logits = torch.matmul(weight[candidates], h.to(weight.dtype).unsqueeze(-1)).squeeze(-1)
+    if cap is not None:  # as SoftCappedHead applies it, in the head's dtype
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash.model.objective import BlockPlan
+from dflash.model.blocks import BlockPlan
 from dflash.objectives.base import PositionWeight
 
 

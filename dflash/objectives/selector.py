@@ -10,9 +10,9 @@ it sees when serving:
   state (``selector_top_k``), and the loss is a K-way cross-entropy of the selector's scores with the
   gold token's place among them. A slot whose gold token is not among its candidates adds nothing: no
   re-ranking could have drafted it (a miss of the backbone, counted as recall, not a selector error).
-* **The token loss's weighting.** Each slot is weighted by the block position's decay exp(-(k-1)/gamma),
-  and the sum joins the token loss's numerator over the same denominator (the token loss's weights), so
-  the two are on one scale: ``loss = (sum w ce + alpha sum w [covered] ce_sel) / sum w``.
+* **The token loss's weighting.** Each slot is weighted as the token term weighed it (``--position-weight``:
+  the exponential decay exp(-(k-1)/gamma), or D-PACE's), over the token term's denominator, so the two
+  are on one scale: ``loss = (sum w ce + alpha sum w [covered] ce_sel) / den`` (``Forward.position_weights``).
 * **Ramped in.** ``alpha`` is 0 for the first ``warmup`` fraction of the run, rises linearly over the
   next ``ramp`` fraction, then stays at the weight set. The selector stays in the graph meanwhile (its
   gradient is 0, not absent), which multi-rank gradient reduction needs.
@@ -23,14 +23,17 @@ What the log reports: **recall**, the share of supervised slots whose gold token
 and **accuracy**, the share of those where the selector's best-scoring candidate is the gold token
 (teacher-forced). Both are summed on the device with the step's other metrics and read once per interval.
 
-The head is applied again to the supervised rows here, chunk by chunk under activation checkpointing (the
-token loss keeps no logits), so the selector's cost is its own span of the step (``selector``). Its chunks
-are the token loss's (``head.chunk_rows``): one policy for the head, whose one chunk at a time is what the
-memory plan counts (``head.chunk_peak_bytes``). A chunk keeps no logits for backward either way (top-k
-keeps its indices), so the measuring forwards of the plan see a row's bytes as a full step keeps them.
+The head is not applied again: the token term takes each slot's top-k token ids inside its own chunks,
+while their logits exist (``Forward.candidates``; head.py ``top_k_loss``), and the unary scores here are
+those K columns of the head alone (``head.candidate_logits``: K rows of its weight per slot, 2 x hidden x K
+FLOPs, not x vocabulary). Their values and gradients are the full head's at those columns. The rest (the
+gathered weights, the codebook rows, the scores) runs chunk by chunk, the head's chunks
+(``head.chunk_rows``: one policy), each recomputed in backward when there are several, so autograd keeps
+the chunk's inputs only. It is its own span of the step (``selector``).
 
 A DFlash2 drafter asks for this term (``objective_terms``); its weight and schedule are the run's
-``--selector-loss-weight``, ``--selector-warmup`` and ``--selector-ramp``.
+``--selector-loss-weight``, ``--selector-warmup`` and ``--selector-ramp``. It reaches the selector
+through the Forward (``CANDIDATES``), not the drafter.
 """
 
 from __future__ import annotations
@@ -41,11 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.model.objective import predecessors
+from dflash.model.blocks import predecessors
 from dflash.objectives import register
-from dflash.objectives.base import LABELS, Forward, Term, TermValue
-from dflash.objectives.head import chunk_rows
-from dflash.objectives.positions import exp_weights
+from dflash.objectives.base import CANDIDATES, LABELS, Forward, Term, TermValue
+from dflash.objectives.head import candidate_logits, chunk_rows
 from dflash.telemetry.wire.vocab import SELECTOR
 
 
@@ -60,9 +62,9 @@ def ramp_weight(progress: float, weight: float, warmup: float, ramp: float) -> f
 
 
 def _chunk_terms(selector: nn.Module, lm_head: nn.Module, h: torch.Tensor, labels: torch.Tensor,
-                 before: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = lm_head(h.to(lm_head.weight.dtype)).float()
-    unary, candidates = selector.candidates(logits)
+                 before: torch.Tensor, weights: torch.Tensor,
+                 candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    unary = candidate_logits(lm_head, h, candidates)
     match = candidates == labels[:, None]
     covered = match.any(-1)
     gold = match.int().argmax(-1)  # the gold token's place among the candidates (0 where it is absent)
@@ -76,19 +78,22 @@ def _chunk_terms(selector: nn.Module, lm_head: nn.Module, h: torch.Tensor, label
 
 
 def selector_terms(selector: nn.Module, lm_head: nn.Module, h: torch.Tensor, labels: torch.Tensor,
-                   before: torch.Tensor, weights: torch.Tensor,
+                   before: torch.Tensor, weights: torch.Tensor, candidates: torch.Tensor,
                    chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum over the covered slots of weight x the selector's cross-entropy, differentiable; float32
     [covered, correct] counts) for the supervised slots' drafter states ``h`` [S, H], their ``labels``,
-    the tokens ``before`` them and their position ``weights``. ``selector`` is a CandidateSelector,
-    ``lm_head`` the target's frozen head as the target applies it. Chunks of ``chunk`` rows (default: the
-    head's policy, ``chunk_rows``), each recomputed in backward when it needs a gradient."""
+    the tokens ``before`` them, their position ``weights`` and their ``candidates`` [S, K] (the unary
+    top-k of ``lm_head(h)``, in descending order, as the token term's chunks took them). ``selector`` is
+    a CandidateSelector, ``lm_head`` the target's frozen head as the target applies it. Chunks of
+    ``chunk`` rows (default: the head's policy, ``chunk_rows``), each recomputed in backward when there
+    are several."""
     if h.shape[0] == 0:
         return h.sum() * 0.0, torch.zeros(2, device=h.device)
     chunk = chunk or chunk_rows(int(lm_head.weight.shape[0]))
     parts = []
     for i in range(0, h.shape[0], chunk):
-        args = (h[i:i + chunk], labels[i:i + chunk], before[i:i + chunk], weights[i:i + chunk])
+        args = (h[i:i + chunk], labels[i:i + chunk], before[i:i + chunk], weights[i:i + chunk],
+                candidates[i:i + chunk])
         if torch.is_grad_enabled() and h.shape[0] > chunk:
             from torch.utils.checkpoint import checkpoint
 
@@ -100,14 +105,16 @@ def selector_terms(selector: nn.Module, lm_head: nn.Module, h: torch.Tensor, lab
 
 @register
 class SelectorLoss(Term):
-    """The candidate selector's K-way cross-entropy (module docstring), over the position weights'
-    sum: on the token term's scale when that is the exponential decay. Reports the selector's recall
-    and teacher-forced accuracy on each step."""
+    """The candidate selector's K-way cross-entropy (module docstring), weighed as the token term weighs
+    its slots, over its denominator: on its scale. Reports the selector's recall and teacher-forced
+    accuracy on each step."""
 
     name = "selector"
-    needs = frozenset({LABELS})
+    needs = frozenset({LABELS, CANDIDATES})
     metrics = ("selector_recall", "selector_accuracy")
-    head_passes = 2  # the unary logits again, and their gradient with respect to the states
+    # none: the candidates come from the token term's pass, their K columns are counted with the selector's
+    # scores (dflash/train/device/flops.py)
+    head_passes = 0
 
     def __init__(self, weight: float = 1.0, warmup: float = 0.0, ramp: float = 0.0) -> None:
         super().__init__(weight)
@@ -121,16 +128,18 @@ class SelectorLoss(Term):
         self.weight = ramp_weight(progress, self.full_weight, self.warmup, self.ramp)
 
     def __call__(self, fwd: Forward) -> TermValue:
-        if fwd.input_ids is None or fwd.drafter is None or fwd.gamma is None:
-            raise ValueError("the selector's loss needs the batch's tokens, the drafter and its gamma")
-        drafter = getattr(fwd.drafter, "module", fwd.drafter)  # DDP holds the drafter as .module
+        if fwd.input_ids is None or fwd.selector is None:
+            raise ValueError("the selector's loss needs the batch's tokens and the drafter's candidate selector")
+        if fwd.position_weights is None or fwd.candidates is None:
+            raise ValueError("the selector's loss reads the token term's position weights and candidates; "
+                             "the token term left none")
         plan = fwd.plan
+        w, den = fwd.position_weights
         with fwd.span(SELECTOR):
-            w = exp_weights(fwd.block_size, fwd.gamma, plan.slot.device)[plan.slot]
             before = predecessors(fwd.input_ids, plan.anchors, plan.sel, plan.slot, fwd.block_size)
-            num, (covered, correct) = selector_terms(drafter.candidate_selector, fwd.lm_head, fwd.h, plan.labels,
-                                                     before, w)
-            value = num / w.sum().clamp(min=1e-12)
+            num, (covered, correct) = selector_terms(fwd.selector, fwd.lm_head, fwd.h, plan.labels, before, w,
+                                                     fwd.candidates)
+            value = num / den  # the token term's denominator (the objective runs no term on an empty plan)
             supervised = float(max(plan.num_tokens, 1))
             metrics = {"selector_recall": covered / supervised, "selector_accuracy": correct / covered.clamp(min=1)}
         return TermValue(value, metrics=metrics)

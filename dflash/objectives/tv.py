@@ -2,8 +2,9 @@
 
 ``1 - TV`` is exactly the chance that rejection sampling keeps a draft drawn from q when the target
 samples from p, so this term trains what sampled verification accepts, where cross-entropy to the
-data's token trains it only indirectly. Slot k weighs exp(-(k-1)/gamma) as the token term's fixed decay
-does, over the same denominator (the weights' sum). Computed in DSpark's shared head pass
+data's token trains it only indirectly. Each slot weighs what the token term's position weights give it
+(the recipe's exp(-(k-1)/gamma), or D-PACE's), over the same denominator, read from the Forward the token
+term filled: the terms stay on one scale whichever weighting the run uses. Computed in DSpark's shared head pass
 (dspark_pass.py); also reports the mean acceptance rate 1 - TV of the step (``accept_rate``).
 """
 
@@ -12,13 +13,14 @@ from __future__ import annotations
 from dflash.objectives import register
 from dflash.objectives.base import LABELS, VERIFIER, Forward, Term, TermValue
 from dflash.objectives.dspark_pass import dspark_rows
-from dflash.objectives.positions import exp_weights
 
 
 def decayed_mean(fwd: Forward, per_slot):
-    """``sum w * per_slot / sum w`` with w = exp(-(k-1)/gamma) of each supervised slot."""
-    w = exp_weights(fwd.block_size, fwd.gamma, fwd.plan.slot.device)[fwd.plan.slot]
-    return (per_slot * w).sum() / w.sum().clamp(min=1e-12)
+    """``sum w * per_slot / den`` with the token term's position weights and denominator (it runs first)."""
+    if fwd.position_weights is None:
+        raise ValueError("a DSpark term reads the token term's position weights: the token term runs first")
+    w, den = fwd.position_weights
+    return (per_slot * w).sum() / den
 
 
 @register

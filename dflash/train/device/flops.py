@@ -1,7 +1,7 @@
 """Model FLOPs of a training step, and the MFU they make on the run's devices: counted here once, for the
 trainer's gauges and log line and for scripts/gpu_check.py.
 
-What one step computes (dflash/model/objective.py, dflash/objectives/), and what is counted of it:
+What one step computes (dflash/model/blocks.py, dflash/objectives/), and what is counted of it:
 
 * **The target** (in process only; a cache's states cost nothing here): a frozen forward over the batch,
   forward only. Every decoder layer's projections and MLP (a mixture of experts: the routed experts a
@@ -16,8 +16,10 @@ What one step computes (dflash/model/objective.py, dflash/objectives/), and what
   trained on.
 * **The frozen LM head** on the supervised slots, once per pass the objective's terms make over it
   (``Term.head_passes``: a token loss's logits and their gradient with respect to the input, 2; the
-  verifier's logits for ``kl``, one more; DFlash2's selector, 2), 2 x hidden x vocabulary each; and
-  DFlash2's selector projection and candidate scores, forward and backward. DFlash2's convolutions
+  verifier's logits for ``kl``, one more; DFlash2's selector, none: its candidates are the token pass's
+  top-k), 2 x hidden x vocabulary each; and DFlash2's selector: its candidates' K columns of the head
+  (forward, and the gradient with respect to the state), its projection and its candidate scores
+  (forward and backward). DFlash2's convolutions
   count with the drafter's layers (their kernel projections; the convolution itself is elementwise).
 
 Counted: every matrix multiply, 2 FLOPs per multiply-add. Left out: norms, RoPE, activations, softmax,
@@ -194,12 +196,14 @@ class FlopCount:
         self.per_context = 2.0 * 2 * h * kv_width * d.num_layers  # the context's k, v in every layer
         self.fc = 2.0 * len(d.target_layer_ids) * h * h  # per context token
         self.attention_width = attn_width
-        # per supervised slot: the head's passes, and DFlash2's selector (its projection of the state and
-        # the candidates' scores, forward and backward)
+        # per supervised slot: the head's passes, and DFlash2's selector (its candidates' unary logits from K
+        # rows of the frozen head, forward and the state's gradient; its projection of the state and the
+        # candidates' scores, forward and backward)
         self.per_supervised = 2.0 * h * d.vocab_size * head_passes
         rank = getattr(d, "selector_rank", None)
         if rank is not None:
-            self.per_supervised += 3 * 2.0 * (h * rank + d.selector_top_k * rank)
+            k = d.selector_top_k
+            self.per_supervised += 2 * 2.0 * h * k + 3 * 2.0 * (h * rank + k * rank)
 
     @classmethod
     def for_run(cls, drafter: Any, target: Any, objective: Any) -> FlopCount:

@@ -87,7 +87,7 @@ def measure_activations(stage: Any, hidden_width: int, hidden_dtype: torch.dtype
     at `probe_anchors`, batch 1 at twice as many) on its device, as the step runs them."""
     from contextlib import nullcontext
 
-    from dflash.model.objective import plan_blocks
+    from dflash.model.blocks import plan_blocks
 
     drafter, device = stage.drafter, stage.device
     block = drafter.config.block_size  # queries per block (a DSpark plan is one slot longer: its labels)

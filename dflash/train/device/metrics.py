@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dflash.model.objective import metrics_of
+from dflash.model.blocks import metrics_of
 
 
 @dataclass

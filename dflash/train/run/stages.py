@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from dflash.data import Sample
-from dflash.model.objective import BlockPlan, LossOutput, plan_blocks
+from dflash.model.blocks import BlockPlan, LossOutput, plan_blocks
 from dflash.objectives import Objective
 from dflash.objectives.optim import build_optimizer
 from dflash.targets.base import Target
@@ -41,7 +41,7 @@ class Batch:
     attention_mask: torch.Tensor  # [B, T] 1 = real token
     loss_mask: torch.Tensor  # [B, T] 1 = the drafter learns to predict this token
     num_tokens: int = 0  # real tokens, counted on the host while building (no device read later)
-    plan: BlockPlan | None = None  # the blocks the drafter trains on (see objective.plan_blocks)
+    plan: BlockPlan | None = None  # the blocks the drafter trains on (see blocks.plan_blocks)
     sample_ids: list[int] = field(default_factory=list)  # each row's index in the data set (a cache's key)
     skipped: list[int] = field(default_factory=list)  # rows masked out: their sample did not read (mask_rows)
     flops: float = 0.0  # the model FLOPs of the step on this batch, counted where it is built (0: not counted)

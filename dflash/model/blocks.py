@@ -1,4 +1,4 @@
-"""What the DFlash objective trains on: random anchors, packed blocks, the block attention mask, the
+"""The blocks a drafter trains on: random anchors, packed blocks, the block attention mask, the
 drafter's pass over them, and the acceptance metrics. The losses on top are dflash/objectives/.
 
 One training sequence of T tokens (with the target's tap-layer hidden states for every position) yields
@@ -13,7 +13,7 @@ This mirrors decoding exactly: after the target has verified up to position a-1 
 from its last logits, the drafter gets the target's hidden states for positions < a and the block
 [x[a], MASK, ...] at positions a.., and must fill x[a+1], x[a+2], ... The two bugs public trainers had
 (a label offset of one; context at or after the anchor leaking in) both yield near-perfect *training*
-accuracy and useless drafts; tests/test_model_objective.py pins both.
+accuracy and useless drafts; tests/test_model_blocks.py pins both.
 
 All blocks of a sequence are packed into one drafter pass: queries are the N*B block slots, keys are
 [T context positions ; N*B block slots], and the mask above is built explicitly (SDPA, CPU) or as a

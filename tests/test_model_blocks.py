@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
 
+from dflash.model.blocks import block_attention_mask, build_blocks, forward_blocks, sample_anchors
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, default_gamma
-from dflash.model.objective import block_attention_mask, build_blocks, forward_blocks, sample_anchors
 from dflash.objectives import build
 from dflash.objectives.head import head_rows
 from dflash.objectives.positions import exp_weights as loss_weights
@@ -298,7 +298,7 @@ def test_cuda_flex_equals_sdpa_forward_and_backward():
 def test_step_metrics_summed_on_the_device_equal_the_pooled_figures():
     """The trainer adds each step's device-side stats to a running sum and reads it once per interval:
     that read must give the mean loss and the acceptance figures pooled over every supervised slot."""
-    from dflash.model.objective import metrics_of
+    from dflash.model.blocks import metrics_of
     from dflash.train.device.metrics import StepMetrics
 
     drafter, embed, head = make_parts()
