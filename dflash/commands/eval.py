@@ -239,11 +239,15 @@ def format_result(r) -> str:
     hist = " ".join(f"{i}:{n}" for i, n in enumerate(r.acceptance_histogram))
     acc = " ".join(f"{a:.2f}" for a in r.per_position_acceptance)
     lossless = {True: "yes", False: "NO", None: "not checked"}[r.lossless]
+    if r.lossless is not None:
+        lossless = (f"{lossless}, {r.exact_prompts} of {r.num_prompts} prompts token for token"
+                    if r.near_ties or r.lossless is False else lossless)
     if r.temperature > 0:
         lossless = (f"sampled at temperature {r.temperature:g}, top-p {r.top_p:g}, top-k {r.top_k or 'all'}: "
                     "verified by rejection sampling, no token-for-token check")
-    if r.near_tie_prompts:
-        lossless += f" ({len(r.near_tie_prompts)} prompt(s) left greedy only at a near-tie: {r.near_tie_prompts})"
+    if r.near_ties:
+        lossless += (f"; {r.near_ties} near-tie(s), not exact: prompt(s) {r.near_tie_prompts} left greedy where "
+                     "two logits were within bf16-measured rounding")
     return "\n".join([
         f"tau {r.tau:.3f} tokens/round over {r.rounds} rounds ({r.num_prompts} prompts, block {r.block_size}, "
         f"{r.tokens_generated} tokens); mean over prompts {r.acceptance_length:.3f}",
