@@ -343,8 +343,8 @@ def format_result(r) -> str:
         lossless = (f"sampled at temperature {r.temperature:g}, top-p {r.top_p:g}, top-k {r.top_k or 'all'}: "
                     "verified by rejection sampling, no token-for-token check")
     if r.near_ties:
-        lossless += (f"; {r.near_ties} near-tie(s), not exact: prompt(s) {r.near_tie_prompts} left greedy where "
-                     "two logits were within bf16-measured rounding")
+        lossless += (f"; {r.near_ties} near-tie(s), not exact: prompt(s) {r.near_tie_prompts} left greedy only at a "
+                     "near-tie (two logits within the rounding measured between verification and plain decoding)")
     return "\n".join([
         f"tau {r.tau:.3f} tokens/round over {r.rounds} rounds ({r.num_prompts} prompts, block {r.block_size}, "
         f"{r.tokens_generated} tokens); mean over prompts {r.acceptance_length:.3f}",
