@@ -5,7 +5,8 @@ A drafter that trains well and accepts little when served is the field's most co
 engines do not say why. So ``dflash eval --endpoint URL --bench ...`` sends each benchmark's prompts to
 the server as chat requests (the same turns ``--bench`` decodes, MT-Bench turn by turn after the
 server's own reply; the server renders its chat template, ``--thinking`` passed as its
-``enable_thinking``) and reads the engine's own count of what it accepted:
+``enable_thinking``; an asyncio client, httpx where installed, else urllib on worker threads) and
+reads the engine's own count of what it accepted:
 
 * vLLM (v1 engine, ``vllm/v1/spec_decode/metrics.py``: ``SpecDecodingProm``): the Prometheus counters
   ``vllm:spec_decode_num_drafts``, ``vllm:spec_decode_num_draft_tokens``,
@@ -153,23 +154,86 @@ class Server:
     model: str
 
 
-def _client(timeout: float):
-    import httpx
+class _Answer:
+    """An HTTP answer as both clients give it: status, body bytes, body text."""
 
+    def __init__(self, status_code: int, content: bytes):
+        self.status_code, self.content = status_code, content[: MAX_BODY_BYTES + 1]
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+
+class _StdlibClient:
+    """The asyncio client where httpx is not installed: urllib, each request on a worker thread
+    (asyncio's default pool), so ``--concurrency`` rows are still in flight at once."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return None
+
+    def _call(self, url: str, body: bytes | None) -> _Answer:
+        import urllib.error
+        import urllib.request
+
+        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"} if body else {})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:  # noqa: S310 - the URL the user gave
+                return _Answer(r.status, r.read(MAX_BODY_BYTES + 1))
+        except urllib.error.HTTPError as e:
+            return _Answer(e.code, e.read(MAX_BODY_BYTES + 1))
+
+    async def get(self, url: str) -> _Answer:
+        return await asyncio.to_thread(self._call, url, None)
+
+    async def post(self, url: str, json: dict) -> _Answer:
+        import json as _json_mod
+
+        return await asyncio.to_thread(self._call, url, _json_mod.dumps(json).encode())
+
+
+def _httpx():
+    """httpx where it is installed (the default client), else None (the stdlib client)."""
+    try:
+        import httpx
+    except ImportError:
+        return None
+    return httpx
+
+
+def _client(timeout: float):
+    httpx = _httpx()
+    if httpx is None:
+        return _StdlibClient(timeout)
     return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), follow_redirects=False)
 
 
-async def _get(client, url: str) -> tuple[int, bytes]:
-    import httpx
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    httpx = _httpx()
+    return (OSError,) + ((httpx.HTTPError,) if httpx is not None else ())
 
+
+async def _send(client, url: str, body: dict | None = None):
+    """GET (or POST ``body`` as JSON) ``url``; a server that does not answer is one line."""
     try:
-        r = await client.get(url)
-    except httpx.HTTPError as e:
-        raise ServedError(f"{url}: unreachable ({type(e).__name__}: {str(e) or 'no answer'})") from None
-    body = r.content
-    if len(body) > MAX_BODY_BYTES:
-        raise ServedError(f"{url}: a {len(body):,}-byte answer, far larger than any this reads")
-    return r.status_code, body
+        r = await (client.get(url) if body is None else client.post(url, json=body))
+    except _transport_errors() as e:
+        reason = getattr(e, "reason", None) or str(e) or "no answer"
+        raise ServedError(f"{url}: unreachable ({type(e).__name__}: {reason})") from None
+    if len(r.content) > MAX_BODY_BYTES:
+        raise ServedError(f"{url}: a {len(r.content):,}-byte answer, far larger than any this reads")
+    return r
+
+
+async def _get(client, url: str) -> tuple[int, bytes]:
+    r = await _send(client, url)
+    return r.status_code, r.content
 
 
 def _json(body: bytes, what: str):
@@ -237,20 +301,13 @@ async def _settled(client, server: Server, seen: VllmCounters, tries: int = 20) 
 
 async def _chat(client, server: Server, messages: list[dict], max_tokens: int, sampling: dict,
                 thinking: str) -> dict:
-    import httpx
-
     req = {"model": server.model, "messages": messages, "max_tokens": max_tokens, **sampling}
     if thinking != "auto":
         req["chat_template_kwargs"] = {"enable_thinking": thinking == "on"}
     if server.engine == "sglang":
         req["return_meta_info"] = True  # SGLang attaches meta_info to a chat choice only when asked
     url = f"{server.url}/v1/chat/completions"
-    try:
-        r = await client.post(url, json=req)
-    except httpx.HTTPError as e:
-        raise ServedError(f"{url}: unreachable ({type(e).__name__}: {str(e) or 'no answer'})") from None
-    if len(r.content) > MAX_BODY_BYTES:
-        raise ServedError(f"{url}: a {len(r.content):,}-byte answer, far larger than any chat response")
+    r = await _send(client, url, req)
     if r.status_code == 404 and b"model" in r.content.lower():
         raise ServedError(f"unknown model {server.model!r} at {server.url} (HTTP 404)")
     if r.status_code != 200:
