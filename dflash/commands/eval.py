@@ -12,8 +12,9 @@ from dflash.commands import CliError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", required=True, help="checkpoint file, run directory, export directory, or a "
-                   "speculators DFlash or DFlash2 checkpoint (or `speculators train` save path)")
+    p.add_argument("--drafter", default=None, help="checkpoint file, run directory, export directory, or a "
+                   "speculators DFlash or DFlash2 checkpoint (or `speculators train` save path); required unless "
+                   "--endpoint or --compare")
     p.add_argument("--target", default=None, help="local Hugging Face model directory, or 'tiny' (default: the "
                    "target the drafter's run trained against, from its config.json, or the verifier a speculators "
                    "checkpoint names; else 'tiny')")
@@ -42,6 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "mode, as the target is served (default: the template's own)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None, help="print two saved `--bench ... "
                    "--json` results side by side (loads no model)")
+    p.add_argument("--endpoint", default=None, metavar="URL", help="with --bench: a running vLLM or SGLang server "
+                   "(e.g. http://localhost:8000): send it the benchmarks' prompts and report the tau it serves, "
+                   "beside dflash's own on the same prompts when --drafter is given")
+    p.add_argument("--served-model", default=None, help="with --endpoint: the model name to request (default: the "
+                   "one the server lists)")
+    p.add_argument("--concurrency", type=int, default=8, help="with --endpoint: rows in flight at once (default 8)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the threads per "
                    "worker of the drafter's run, from its config.json; else torch's default)")
 
@@ -53,6 +60,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.compare:
         return _compare(args.compare)
+    if args.drafter is None and args.endpoint is None:
+        raise CliError("--drafter is required (or --endpoint URL --bench ... to read a server's served tau, or "
+                       "--compare A B)")
+    if args.endpoint is not None and args.bench is None:
+        raise CliError("--endpoint needs --bench: served tau is measured on the benchmarks' prompts")
     sampling = _sampling(args)
     benches = {}
     if args.bench is not None:  # read (and refused) before any model loads
@@ -60,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
             benches = {name: bench_rows(name, args.bench_dir, args.num_prompts) for name in parse_bench(args.bench)}
         except BenchError as e:
             raise CliError(str(e)) from None
+    served = _measure_served(args, benches, sampling) if args.endpoint is not None else None
+    if args.drafter is None:
+        return _report_served(args, served, None, None, None)
     drafter, target, prompts, run_cfg = _load(args, need_prompts=not benches)
     if not sampling.greedy:
         import torch
@@ -72,7 +87,10 @@ def run(args: argparse.Namespace) -> int:
         with torch_threads(threads) as n:
             print(f"dflash eval: {threads_text(n, source if threads else None)}", file=sys.stderr)
             if benches:
-                return _run_benches(args, drafter, target, benches, sampling)
+                results = _run_benches(args, drafter, target, benches, sampling, quiet=served is not None)
+                if served is not None:
+                    return max(_report_served(args, served, results, drafter, target), _lossless_status(results))
+                return _lossless_status(results)
             result = evaluate(drafter, target, prompts, args.max_new_tokens, check_lossless=not args.no_lossless_check,
                               block_size=args.block_size, sampling=sampling,
                               confidence_threshold=args.confidence_threshold)
@@ -90,8 +108,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_benches(args: argparse.Namespace, drafter, target, benches: dict, sampling) -> int:
-    """Every benchmark asked for, then the table (or one JSON object); 1 where any was not lossless."""
+def _run_benches(args: argparse.Namespace, drafter, target, benches: dict, sampling, quiet: bool = False) -> dict:
+    """Every benchmark asked for, then the table (or one JSON object, left to the served report when
+    ``quiet``); their EvalResults' dicts by name."""
     from dflash.eval.benchmarks import format_table, paper_figures, run_benchmark
 
     results = {}
@@ -101,16 +120,94 @@ def _run_benches(args: argparse.Namespace, drafter, target, benches: dict, sampl
                                       check_lossless=not args.no_lossless_check, thinking=args.thinking,
                                       block_size=args.block_size).to_dict()
     paper = paper_figures(args.target, sampling.temperature)
+    if quiet:
+        return results
     if args.json:
         print(json.dumps({"target": args.target, "drafter": args.drafter, "thinking": args.thinking,
                           "temperature": sampling.temperature, "benchmarks": results,
                           "paper": {k: {"speedup": v[0], "tau": v[1]} for k, v in paper.items() if k in results}}))
     else:
         print(format_table(results, paper))
+    return results
+
+
+def _lossless_status(results: dict) -> int:
+    """1 where any benchmark diverged for real from the target's greedy output (said on stderr)."""
     bad = [n for n, r in results.items() if r["lossless"] is False]
     if bad:
         print(f"dflash eval: NOT LOSSLESS on {', '.join(bad)}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def _measure_served(args: argparse.Namespace, benches: dict, sampling) -> tuple:
+    """The server's own acceptance on the benchmarks (before any model loads here), refused in one line."""
+    from dflash.eval.served import ServedError, measure_served
+
+    if args.concurrency < 1:
+        raise CliError("--concurrency must be at least 1")
+    if args.max_new_tokens < 1:
+        raise CliError("--max-new-tokens must be at least 1")
+    try:
+        return measure_served(args.endpoint, benches, args.max_new_tokens, temperature=sampling.temperature,
+                              top_p=sampling.top_p, top_k=sampling.top_k, thinking=args.thinking,
+                              model=args.served_model, concurrency=args.concurrency)
+    except ServedError as e:
+        raise CliError(str(e)) from None
+
+
+def _report_served(args: argparse.Namespace, measured: tuple, own: dict | None, drafter, target) -> int:
+    """Served tau beside dflash's own per benchmark, a gap beyond noise said with its likely causes;
+    1 where there is such a gap."""
+    from dflash.eval.served import explain, format_served
+
+    server, served = measured
+    contract = _contract_lines(drafter, server.engine) if drafter is not None else []
+    verdicts = {}
+    for name, s in served.items():
+        prompt_tokens = _first_turn_tokens(args, target, name) if target is not None else None
+        verdicts[name] = explain(s, (own or {}).get(name), drafter.config.block_size if drafter is not None else None,
+                                 prompt_tokens, contract)
+    if args.json:
+        print(json.dumps({"endpoint": server.url, "engine": server.engine, "model": server.model,
+                          "drafter": args.drafter, "target": args.target, "thinking": args.thinking,
+                          "served": {n: {**s.to_dict(), **verdicts[n]} for n, s in served.items()},
+                          "benchmarks": own or {}}))
+    else:
+        if own:
+            from dflash.eval.benchmarks import format_table
+
+            print(format_table(own, {}))
+        print(format_served(server, served, verdicts))
+    gaps = [n for n, v in verdicts.items() if v["beyond_noise"]]
+    if gaps:
+        print(f"dflash eval: served tau differs beyond noise on {', '.join(gaps)}", file=sys.stderr)
+    return 1 if gaps else 0
+
+
+def _contract_lines(drafter, engine: str) -> list[str]:
+    """How ``engine`` reads the export the drafter was loaded from, where it was one (engine_contracts)."""
+    from pathlib import Path
+
+    from dflash.eval.engine_contracts import check_config
+    from dflash.model.export import CONFIG_NAME, read_config_json
+
+    where = Path(str(getattr(drafter, "loaded_from", "") or ""))
+    if not (where / CONFIG_NAME).is_file():
+        return []
+    try:
+        return [str(x) for x in check_config(read_config_json(where), drafter.config, (engine,))]
+    except (KeyError, ValueError, TypeError) as e:
+        return [f"{where / CONFIG_NAME} does not resolve ({e})"]
+
+
+def _first_turn_tokens(args: argparse.Namespace, target, name: str) -> list[int] | None:
+    """Each row's first turn as dflash renders it (chat template, thinking mode): its length in tokens."""
+    from dflash.data.formats import chat_prompt
+    from dflash.eval.benchmarks import bench_rows
+
+    rows = bench_rows(name, args.bench_dir, args.num_prompts)
+    return [len(chat_prompt([{"role": "user", "content": r[0]}], target.tokenizer, f"{name} row {i + 1}",
+                            args.thinking)) for i, r in enumerate(rows)]
 
 
 def _compare(paths: list[str]) -> int:
@@ -243,11 +340,15 @@ def format_result(r) -> str:
     hist = " ".join(f"{i}:{n}" for i, n in enumerate(r.acceptance_histogram))
     acc = " ".join(f"{a:.2f}" for a in r.per_position_acceptance)
     lossless = {True: "yes", False: "NO", None: "not checked"}[r.lossless]
+    if r.lossless is not None:
+        lossless = (f"{lossless}, {r.exact_prompts} of {r.num_prompts} prompts token for token"
+                    if r.near_ties or r.lossless is False else lossless)
     if r.temperature > 0:
         lossless = (f"sampled at temperature {r.temperature:g}, top-p {r.top_p:g}, top-k {r.top_k or 'all'}: "
                     "verified by rejection sampling, no token-for-token check")
-    if r.near_tie_prompts:
-        lossless += f" ({len(r.near_tie_prompts)} prompt(s) left greedy only at a near-tie: {r.near_tie_prompts})"
+    if r.near_ties:
+        lossless += (f"; {r.near_ties} near-tie(s), not exact: prompt(s) {r.near_tie_prompts} left greedy only at a "
+                     "near-tie (two logits within the rounding measured between verification and plain decoding)")
     return "\n".join([
         f"tau {r.tau:.3f} tokens/round over {r.rounds} rounds ({r.num_prompts} prompts, block {r.block_size}, "
         f"{r.tokens_generated} tokens); mean over prompts {r.acceptance_length:.3f}",

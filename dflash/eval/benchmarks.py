@@ -186,13 +186,16 @@ def bar_chart(per_position: list[float], width: int = 30) -> list[str]:
 
 def format_table(results: dict[str, dict], paper: dict[str, tuple[float, float]]) -> str:
     """The table users compare: per benchmark prompts, tau, speedup and lossless (the paper's beside
-    where it applies), then each benchmark's acceptance by position."""
-    head = f"{'benchmark':<15} {'prompts':>7} {'tau':>6} {'speedup':>8} {'lossless':>9}"
+    where it applies), then each benchmark's acceptance by position. Lossless is "yes" only where every
+    prompt agreed token for token; near-ties are counted apart ("near-tie N")."""
+    from dflash.eval.speculative import lossless_label
+
+    head = f"{'benchmark':<15} {'prompts':>7} {'tau':>6} {'speedup':>8} {'lossless':>10}"
     lines = [head + ("   paper tau  speedup" if paper else "")]
     for name, r in results.items():
         speed = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
         row = (f"{name:<15} {r['num_prompts']:>7} {r['tau']:>6.2f} {speed:>8} "
-               f"{ {True: 'yes', False: 'NO', None: '-'}[r['lossless']]:>9}")
+               f"{lossless_label(r['lossless'], r.get('near_ties', 0)):>10}")
         if name in paper:
             row += f"   {paper[name][1]:>9.2f} {paper[name][0]:>7.2f}x"
         lines.append(row)
