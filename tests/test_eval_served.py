@@ -32,10 +32,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_model_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 from dflash.cli import main
-from dflash.eval import served
 from dflash.eval.served import ServedResult, explain, parse_prometheus, vllm_counters
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.export import export_drafter
+from dflash.model.write_export import export_drafter
 from dflash.targets import load_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "bench"
@@ -196,10 +195,7 @@ def test_vllm_counters_read_what_prometheus_client_exposes(tiny):
     assert vllm_counters('vllm:num_requests_running{engine="0"} 0.0\n') is None
 
 
-@pytest.mark.parametrize("client", ["httpx", "stdlib"])
-def test_served_tau_from_vllm_counters_as_deltas(tiny, capsys, monkeypatch, client):
-    if client == "stdlib":  # the client used where httpx is not installed
-        monkeypatch.setattr(served, "_httpx", lambda: None)
+def test_served_tau_from_vllm_counters_as_deltas(tiny, capsys):
     with Engine("vllm", tiny.tokenizer, accepted=(3, 2, 1)) as e:
         e.chat({"model": MODEL, "messages": [{"role": "user", "content": "traffic before the run"}]})
         rc, out, err = run_cli(capsys, *bench_args(e.url, "--json"))
@@ -281,12 +277,9 @@ def test_bad_input_is_one_line(tiny, capsys):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    for httpx in (served._httpx, lambda: None):  # both clients
-        with pytest.MonkeyPatch.context() as m:
-            m.setattr(served, "_httpx", httpx)
-            rc = main(["eval", *bench_args(dead)])
-        err = capsys.readouterr().err
-        assert rc == 2 and "unreachable" in err and len(err.strip().splitlines()) == 1
+    rc = main(["eval", *bench_args(dead)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unreachable" in err and len(err.strip().splitlines()) == 1
 
     class NotOpenAI(BaseHTTPRequestHandler):
         def log_message(self, *args):

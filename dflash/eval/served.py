@@ -5,7 +5,7 @@ A drafter that trains well and accepts little when served is the field's most co
 engines do not say why. So ``dflash eval --endpoint URL --bench ...`` sends each benchmark's prompts to
 the server as chat requests (the same turns ``--bench`` decodes, MT-Bench turn by turn after the
 server's own reply; the server renders its chat template, ``--thinking`` passed as its
-``enable_thinking``; an asyncio client, httpx where installed, else urllib on worker threads) and
+``enable_thinking``; an asyncio httpx client, the one `dflash data regenerate` uses) and
 reads the engine's own count of what it accepted:
 
 * vLLM (v1 engine, ``vllm/v1/spec_decode/metrics.py``: ``SpecDecodingProm``): the Prometheus counters
@@ -154,69 +154,16 @@ class Server:
     model: str
 
 
-class _Answer:
-    """An HTTP answer as both clients give it: status, body bytes, body text."""
-
-    def __init__(self, status_code: int, content: bytes):
-        self.status_code, self.content = status_code, content[: MAX_BODY_BYTES + 1]
-
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", "replace")
-
-
-class _StdlibClient:
-    """The asyncio client where httpx is not installed: urllib, each request on a worker thread
-    (asyncio's default pool), so ``--concurrency`` rows are still in flight at once."""
-
-    def __init__(self, timeout: float):
-        self.timeout = timeout
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        return None
-
-    def _call(self, url: str, body: bytes | None) -> _Answer:
-        import urllib.error
-        import urllib.request
-
-        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"} if body else {})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:  # noqa: S310 - the URL the user gave
-                return _Answer(r.status, r.read(MAX_BODY_BYTES + 1))
-        except urllib.error.HTTPError as e:
-            return _Answer(e.code, e.read(MAX_BODY_BYTES + 1))
-
-    async def get(self, url: str) -> _Answer:
-        return await asyncio.to_thread(self._call, url, None)
-
-    async def post(self, url: str, json: dict) -> _Answer:
-        import json as _json_mod
-
-        return await asyncio.to_thread(self._call, url, _json_mod.dumps(json).encode())
-
-
-def _httpx():
-    """httpx where it is installed (the default client), else None (the stdlib client)."""
-    try:
-        import httpx
-    except ImportError:
-        return None
-    return httpx
-
-
 def _client(timeout: float):
-    httpx = _httpx()
-    if httpx is None:
-        return _StdlibClient(timeout)
+    import httpx
+
     return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), follow_redirects=False)
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
-    httpx = _httpx()
-    return (OSError,) + ((httpx.HTTPError,) if httpx is not None else ())
+    import httpx
+
+    return (OSError, httpx.HTTPError)
 
 
 async def _send(client, url: str, body: dict | None = None):
