@@ -299,7 +299,7 @@ def test_bad_input_is_one_line(tiny, capsys):
         server.shutdown()
         server.server_close()
     err = capsys.readouterr().err
-    assert rc == 2 and "not JSON, so not an OpenAI-compatible server" in err
+    assert rc == 2 and "not an OpenAI-compatible server (GET /v1/models answered HTTP 200: <html></html>)" in err
 
     with Engine("vllm", tiny.tokenizer, spec_metrics=False) as e:
         rc = main(["eval", *bench_args(e.url)])
@@ -307,7 +307,7 @@ def test_bad_input_is_one_line(tiny, capsys):
         assert rc == 2 and "exports no speculative-decoding metrics" in err and not e.requests
         rc = main(["eval", *bench_args(e.url, "--served-model", "Qwen/Qwen3-32B")])
         err = capsys.readouterr().err
-        assert rc == 2 and "unknown model 'Qwen/Qwen3-32B'" in err and "it serves Qwen/Qwen3-8B" in err
+        assert rc == 2 and "does not serve model 'Qwen/Qwen3-32B'" in err and "it serves: Qwen/Qwen3-8B" in err
     with Engine("sglang", tiny.tokenizer, spec_metrics=False) as e:
         rc = main(["eval", *bench_args(e.url)])
         assert rc == 2 and "no response was speculated" in capsys.readouterr().err

@@ -141,7 +141,8 @@ def _lossless_status(results: dict) -> int:
 
 def _measure_served(args: argparse.Namespace, benches: dict, sampling) -> tuple:
     """The server's own acceptance on the benchmarks (before any model loads here), refused in one line."""
-    from dflash.eval.served import ServedError, measure_served
+    from dflash.eval.served import measure_served
+    from dflash.server_api import ServerError
 
     if args.concurrency < 1:
         raise CliError("--concurrency must be at least 1")
@@ -151,7 +152,7 @@ def _measure_served(args: argparse.Namespace, benches: dict, sampling) -> tuple:
         return measure_served(args.endpoint, benches, args.max_new_tokens, temperature=sampling.temperature,
                               top_p=sampling.top_p, top_k=sampling.top_k, thinking=args.thinking,
                               model=args.served_model, concurrency=args.concurrency)
-    except ServedError as e:
+    except ServerError as e:  # ServedError too
         raise CliError(str(e)) from None
 
 

@@ -21,6 +21,7 @@ import httpx
 from dflash.data.formats import DataError, chat_prompt
 from dflash.data.regen_output import META, RegenOutput
 from dflash.data.regenerate import Answer, Conversation, passes_through, read_shard, request_thinking
+from dflash.server_api import ServerError, base_url, chosen_model, model_cards
 from dflash.telemetry.wire.vocab import (
     CLIENT_WORK,
     ROW_WRITE,
@@ -52,12 +53,6 @@ def _retryable(status: int) -> bool:
 def _detail(r: httpx.Response) -> str:
     text = r.text.strip().replace("\n", " ")
     return f"HTTP {r.status_code}" + (f": {text[:MAX_REASON]}" if text else "")
-
-
-def base_url(url: str) -> str:
-    """The server's root: `http://h:8000`, `http://h:8000/` and `http://h:8000/v1` all name it."""
-    url = url.rstrip("/")
-    return url[:-3] if url.endswith("/v1") else url
 
 
 @dataclass
@@ -99,32 +94,14 @@ class ServerJob:
 
     async def connect(self) -> None:
         async with httpx.AsyncClient(timeout=self.timeout, headers=self.headers) as client:
-            models = [await self._models(client, ep) for ep in self.endpoints]
-            for ep, served in zip(self.endpoints, models, strict=True):
-                if self.model is None:
-                    if len(served) != 1:
-                        raise DataError(f"endpoint {ep.url} serves {len(served)} models ({', '.join(served[:5])}): "
-                                        "name one with --model")
-                    self.model = served[0]
-                elif self.model not in served:
-                    raise DataError(f"endpoint {ep.url} does not serve model {self.model!r} (it serves: "
-                                    f"{', '.join(served[:5]) or 'none'})")
+            try:
+                for ep in self.endpoints:
+                    names = [c["id"] for c in await model_cards(client, ep.url)]
+                    self.model = chosen_model(names, self.model, ep.url, "--model")
+            except ServerError as e:
+                raise DataError(f"endpoint {e}") from None
             flags = {await self._probe(client, ep) for ep in self.endpoints}
             self.token_ids = flags == {True}
-
-    async def _models(self, client: httpx.AsyncClient, ep: Endpoint) -> list[str]:
-        try:
-            r = await client.get(f"{ep.url}/v1/models")
-        except httpx.TransportError as e:
-            raise DataError(f"endpoint {ep.url}: unreachable ({type(e).__name__}: {e})") from None
-        try:
-            ids = [m["id"] for m in r.json()["data"]] if r.status_code == 200 else None
-        except (ValueError, KeyError, TypeError):
-            ids = None
-        if ids is None or not all(isinstance(i, str) for i in ids):
-            raise DataError(f"endpoint {ep.url}: not an OpenAI-compatible server (GET /v1/models answered "
-                            f"{_detail(r)[:120]})")
-        return ids
 
     def _chat_body(self, messages: list[dict], max_tokens: int | None, token_ids: bool) -> dict:
         body: dict = {"model": self.model, "messages": messages, **self.sampling}

@@ -39,6 +39,8 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
+from dflash.server_api import ServerError, base_url, chosen_model, model_cards
+
 #: the counters vLLM's SpecDecodingProm registers (prometheus_client exposes a counter as <name>_total)
 VLLM_DRAFTS = "vllm:spec_decode_num_drafts"
 VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -57,8 +59,9 @@ _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
-class ServedError(ValueError):
-    """A server that cannot be measured; the message is one line."""
+class ServedError(ServerError):
+    """A server that cannot be measured; the message is one line. (The refusals of dflash.server_api are
+    ServerErrors: callers catch that base.)"""
 
 
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -195,22 +198,9 @@ def _json(body: bytes, what: str):
 async def probe(client, url: str, model: str | None) -> Server:
     """Which engine serves at ``url`` and which model to ask for, refused in one line: unreachable, not
     OpenAI-compatible, an unknown model, an engine that is neither vLLM nor SGLang."""
-    url = url.rstrip("/").removesuffix("/v1")
-    status, body = await _get(client, f"{url}/v1/models")
-    if status != 200:
-        raise ServedError(f"{url}/v1/models: HTTP {status}, so not an OpenAI-compatible server")
-    listing = _json(body, f"{url}/v1/models")
-    cards = listing.get("data") if isinstance(listing, dict) else None
-    if not isinstance(cards, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str) for c in cards):
-        raise ServedError(f"{url}/v1/models: no model list ('data'), so not an OpenAI-compatible server")
-    names = [c["id"] for c in cards]
-    if model is None:
-        if len(names) != 1:
-            raise ServedError(f"{url} serves {len(names)} models ({', '.join(names) or 'none'}): name one with "
-                              "--served-model")
-        model = names[0]
-    elif model not in names:
-        raise ServedError(f"unknown model {model!r} at {url}: it serves {', '.join(names) or 'none'}")
+    url = base_url(url)
+    cards = await model_cards(client, url)  # ServerError, which ServedError extends: one line either way
+    model = chosen_model([c["id"] for c in cards], model, url, "--served-model")
     owner = next(str(c.get("owned_by", "")) for c in cards if c["id"] == model).lower()
     engine = "vllm" if "vllm" in owner else "sglang" if "sglang" in owner else None
     if engine is None:  # a proxy may rename the owner: the metrics page still says which engine it is
