@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.commands import CliError
+from dflash.telemetry.wire.sockets import pid_alive
 
 #: the table's name in the tune directory, and the best settings' file beside it
 BEST_NAME = "best.toml"
@@ -120,7 +121,7 @@ def _stop_leftover(table: dict[str, Any], tune_dir: Path) -> None:
         except OSError:
             return
         for _ in range(400):  # its checkpoint and socket close take a moment; then the group is gone
-            if not Path(f"/proc/{pid}").exists():
+            if not pid_alive(pid):
                 break
             time.sleep(0.05)
         else:

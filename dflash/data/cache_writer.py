@@ -13,7 +13,6 @@ backend's arithmetic (``quantize_fp8``).
 
 from __future__ import annotations
 
-import os
 import queue
 import shutil
 import threading
@@ -40,6 +39,7 @@ from dflash.data.cache_format import (
     write_sample,
 )
 from dflash.data.formats import Sample
+from dflash.telemetry.wire.sockets import pid_alive
 from dflash.telemetry.wire.table import clock
 from dflash.words import plural
 
@@ -121,21 +121,11 @@ def _drop_stale_temporaries(hidden_dir: Path, log: Callable[[str], None]) -> Non
             pid = int(p.name.rsplit(".", 2)[-2])
         except ValueError:
             continue
-        if not _alive(pid):
+        if not pid_alive(pid):
             p.unlink(missing_ok=True)
             dropped += 1
     if dropped:
         log(f"cache: removed {plural(dropped, 'temporary file')} a stopped writer left")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
 
 
 def check_disk(out: Path, need: int, how: str, log: Callable[[str], None]) -> None:

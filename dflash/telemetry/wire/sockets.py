@@ -33,15 +33,19 @@ class SocketName(NamedTuple):
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host (EPERM: it exists but is not ours).
-    Shared because both sides judge socket files by the pid in their name."""
+    """Whether a process with this pid exists on this host (EPERM: it exists but is not ours) and has not
+    exited: a zombie (exited, not yet reaped by its parent) runs nothing and holds no socket. Shared
+    because both sides judge socket files by the pid in their name."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # Linux: the state follows the parenthesised command name, which may itself hold ") "
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def default_socket_dir() -> Path:
