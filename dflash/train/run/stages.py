@@ -238,11 +238,13 @@ class BatchSource:
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(rows), width), dtype=torch.long)
         loss = torch.zeros((len(rows), width), dtype=torch.bool)
-        for i, r in enumerate(rows):  # a row may be a list or a numpy array (a token store's)
+        for i, r in enumerate(rows):
+            # a row may be a list or a token store's read-only memory-mapped array: numpy copies either
+            # straight into the batch's slots (torch would wrap a read-only array and warn about it)
             n = len(r.input_ids)
-            ids[i, :n] = torch.as_tensor(r.input_ids)
+            ids[i, :n].numpy()[:] = r.input_ids
             attn[i, :n] = 1
-            loss[i, :n] = torch.as_tensor(r.loss_mask) != 0
+            loss[i, :n].numpy()[:] = np.asarray(r.loss_mask) != 0
         plan = None
         if self.block_size is not None and self.num_anchors is not None:
             plan = plan_blocks(ids, loss, self.block_size, self.num_anchors, self.anchor_generator(index))
