@@ -49,6 +49,21 @@ async def test_the_80x24_header_keeps_every_number_whole_and_says_the_tau_is_sim
         assert "sim tau 2.97" in header, header
 
 
+@pytest.mark.parametrize("width", [80, 88])
+async def test_a_narrow_header_with_mfu_drops_the_training_clock_whole_rather_than_cut(width: int) -> None:
+    frames = synthetic.frames(80, workers=8, gpus=1)
+    for f in frames:
+        if hasattr(f, "gauges"):
+            f.gauges.update({"mfu": 0.412, "tflops": 407.0, "max_time_s": 300.0})
+    app = app_of(frames)
+    async with app.run_test(size=(width, 24)) as pilot:
+        await settle(pilot)
+        header = lines_of(app)[1]
+        assert "MFU 41.2%" in header and "ETA " in header, header
+        # the clock goes whole (`trained 0:40/5:00` does not fit), never `trained 0:4`
+        assert "trained" not in header and re.search(r"sim tau \d\.\d\d\s*$", header), header
+
+
 async def test_the_160x50_table_shows_whole_columns_and_no_empty_rows() -> None:
     app = app_of(synthetic.frames(80, workers=3, gpus=2, categories=6))
     async with app.run_test(size=(160, 50)) as pilot:

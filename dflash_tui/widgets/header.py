@@ -45,11 +45,13 @@ def header_text(state: RunState, width: int = 200) -> Text:
     if sampling is not None:  # a process watched from outside: no steps, tokens or loss to show
         return t.append_text(sampling_text(sampling, width))
     # the sparkline is the first part that can go: a narrow terminal keeps every number whole instead
-    # (`trained 0:57/5:00`, not `trained 0:57/5:0`); then the model TFLOP/s beside the MFU, and then the
-    # objective's terms beside the loss, the total staying
+    # (`trained 0:57/5:00`, not `trained 0:57/5:0`); then the model TFLOP/s beside the MFU, then the
+    # objective's terms beside the loss, the total staying, and last the training clock whole (the ETA
+    # stays): never a number cut at the edge
     spark = 12 if width >= 100 else 6
-    for spark_w, tflops, terms in ((spark, True, True), (0, True, True), (0, False, True), (0, False, False)):
-        line = progress_line(state, spark_w, terms, tflops)
+    for spark_w, tflops, terms, clock in ((spark, True, True, True), (0, True, True, True), (0, False, True, True),
+                                          (0, False, False, True), (0, False, False, False)):
+        line = progress_line(state, spark_w, terms, tflops, clock)
         if line.cell_len <= width - 2:  # the header's padding
             break
     t.append_text(line)
@@ -86,11 +88,12 @@ def sampling_text(sm: Sampling, width: int = 200) -> Text:
     return t
 
 
-def progress_line(state: RunState, spark_w: int, terms: bool = True, tflops: bool = True) -> Text:
+def progress_line(state: RunState, spark_w: int, terms: bool = True, tflops: bool = True,
+                  clock: bool = True) -> Text:
     """`step 320/1,000 32% ETA 1:25  tok/s 30.1K ▁▂▃  MFU 41.2% 407 TFLOP/s  loss 3.99  sim tau 2.97
     trained 0:40/5:00`: the tau here is the simulated one (teacher-forced on training batches), so it says
     so. ``terms``: the objective's terms after the loss (terms_text); ``tflops``: the model TFLOP/s after
-    the MFU (mfu_text)."""
+    the MFU (mfu_text); ``clock``: the training clock at the end."""
     t = Text()
     step = state.step
     t.append("step ", style="dim").append(f"{step:,}" if step is not None else fmt.NA, style="bold")
@@ -111,7 +114,8 @@ def progress_line(state: RunState, spark_w: int, terms: bool = True, tflops: boo
     if terms:
         t.append_text(terms_text(state.loss_terms))
     t.append("  sim tau ", style="dim").append(fmt.number(state.tau_value), style="bold")
-    t.append_text(tail)
+    if clock:
+        t.append_text(tail)
     return t
 
 
