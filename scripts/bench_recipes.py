@@ -1,8 +1,12 @@
 """Benchmark: which recipe accepts most: the tiny recipe trained for the same wall time under each
-objective and optimizer.
+drafter, objective and optimizer.
 
 Each recipe is configs/tiny-cpu.toml (`make train`) with one combination of `--loss` (ce, kl),
-`--position-weight` (exp, dpace; D-PACE needs ce) and `--optimizer` (adamw, muon), trained by a real
+`--position-weight` (exp, dpace; D-PACE needs ce) and `--optimizer` (adamw, muon), named
+`loss-weight-optimizer`, for a DFlash drafter; a name prefixed `dspark:` or `dflash2:` is the same for
+that `--drafter-type`, with its own recipe where it has one (DSpark: block 7, decay 4, its CE + total
+variation + confidence objective; DFlash2: its selector term), everything else as `make train`. Each is
+trained by a real
 `dflash train` process for `--train-seconds` of training time (evaluations excluded), then evaluated
 by a real `dflash eval` (held-out demo prompts, greedy, with the lossless check): tau and the
 acceptance of each draft slot. Recipes are interleaved within each seed (seed 0: every recipe, then
@@ -10,7 +14,7 @@ seed 1: every recipe, ...), so a slow spell of the machine hits all of them alik
 processes put on the machine is reported beside the table.
 
     python scripts/bench_recipes.py [--json] [--quick] [--train-seconds 300] [--seeds 2] [--prompts 16]
-        [--tokens 96] [--recipes ce-exp-adamw,kl-exp-muon]
+        [--tokens 96] [--recipes ce-exp-adamw,kl-exp-muon,dspark:ce-exp-muon]
 
 `--quick` is a smoke run (two steps per recipe, one prompt of 8 tokens): its figures mean nothing.
 """
@@ -31,17 +35,28 @@ BIN = Path(sys.executable).parent
 CONFIG = REPO / "configs" / "tiny-cpu.toml"
 #: every combination that makes sense: D-PACE weighs by the drafter's probability of the label, which
 #: only the cross-entropy computes (dflash refuses kl with dpace)
-RECIPES = ["ce-exp-adamw", "ce-dpace-adamw", "kl-exp-adamw", "ce-exp-muon", "ce-dpace-muon", "kl-exp-muon"]
+_DFLASH = ["ce-exp-adamw", "ce-dpace-adamw", "kl-exp-adamw", "ce-exp-muon", "ce-dpace-muon", "kl-exp-muon"]
+#: the other drafter types beside DFlash's rows: DSpark's objective is written for ce (kl is refused)
+_OTHERS = {"dspark": ["ce-exp-adamw", "ce-dpace-adamw", "ce-exp-muon", "ce-dpace-muon"],
+           "dflash2": ["ce-exp-adamw", "ce-dpace-adamw", "ce-exp-muon", "ce-dpace-muon"]}
+RECIPES = _DFLASH + [f"{drafter}:{r}" for drafter, rows in _OTHERS.items() for r in rows]
+
+
+def parse_recipe(recipe: str) -> tuple[str, str, str, str]:
+    """(drafter type, loss, position weight, optimizer) of a recipe name, `[drafter:]loss-weight-optimizer`."""
+    drafter, _, rest = recipe.rpartition(":")
+    loss, weight, optimizer = rest.split("-")
+    return drafter or "dflash", loss, weight, optimizer
 
 
 def train(run_dir: Path, recipe: str, seed: int, seconds: float | None, steps: int | None) -> None:
-    """`make train`'s recipe under `recipe` (loss-weight-optimizer) for `seconds` of training (or
-    `steps`), without its own evaluation or telemetry."""
-    loss, weight, optimizer = recipe.split("-")
+    """`make train`'s recipe under `recipe` ([drafter:]loss-weight-optimizer) for `seconds` of training
+    (or `steps`), without its own evaluation or telemetry."""
+    drafter, loss, weight, optimizer = parse_recipe(recipe)
     limit = ["--max-time", str(seconds)] if steps is None else ["--max-steps", str(steps)]
     cmd = [str(BIN / "dflash"), "train", "--config", str(CONFIG), "--run-dir", str(run_dir), "--seed", str(seed),
-           "--loss", loss, "--position-weight", weight, "--optimizer", optimizer, "--eval-prompts", "0",
-           "--no-telemetry", "--checkpoint-every", "1e9", *limit]
+           "--drafter-type", drafter, "--loss", loss, "--position-weight", weight, "--optimizer", optimizer,
+           "--eval-prompts", "0", "--no-telemetry", "--checkpoint-every", "1e9", *limit]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"bench_recipes: training {recipe} (seed {seed}) failed:\n{r.stderr[-2000:]}")
@@ -78,7 +93,7 @@ def summarise(runs: list[dict]) -> dict:
 
 def table(results: dict[str, dict]) -> str:
     """The results as the README's markdown table, best tau first."""
-    lines = ["| recipe (loss-weight-optimizer) | tau (mean) | tau per seed | acceptance slot 1/2/3 "
+    lines = ["| recipe ([drafter:]loss-weight-optimizer) | tau (mean) | tau per seed | acceptance slot 1/2/3 "
              "| tokens/s | steps |",
              "|---|---|---|---|---|---|"]
     for name, s in sorted(results.items(), key=lambda kv: -kv[1]["tau"]):
@@ -95,7 +110,8 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=2, help="seeds per recipe (default 2)")
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts per evaluation (default 16)")
     p.add_argument("--tokens", type=int, default=96, help="new tokens per prompt (default 96)")
-    p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated loss-weight-optimizer recipes")
+    p.add_argument("--recipes", default=",".join(RECIPES),
+                   help="comma-separated [drafter:]loss-weight-optimizer recipes (default: all)")
     args = p.parse_args()
     steps = 2 if args.quick else None
     if args.quick:
@@ -108,7 +124,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, ForeignLoad() as load:
         for seed in range(args.seeds):
             for recipe in recipes:  # interleaved: every recipe once per seed
-                run_dir = Path(tmp) / f"{recipe}-{seed}"
+                run_dir = Path(tmp) / f"{recipe.replace(':', '-')}-{seed}"
                 train(run_dir, recipe, seed, args.train_seconds, steps)
                 e = evaluate(run_dir, args.prompts, args.tokens)
                 runs[recipe].append({**trained(run_dir), "tau": e["tau"], "acceptance": e["per_position_acceptance"],

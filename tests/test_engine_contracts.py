@@ -163,3 +163,73 @@ def test_export_command_checks_and_prints_serve_commands(tmp_path, capsys):
     assert "holds no config.json" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "c.pt")]) == 2
     assert "give --out DIR" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# DSpark's heads (vLLM's qwen3_dspark.py, SGLang's models/dspark.py; rules in engine_contracts.py)
+# --------------------------------------------------------------------------------------------------
+def dspark(fmt):
+    from dflash.model.dspark import DSparkConfig
+    from dflash.model.dspark_formats import config_json
+
+    cfg = DSparkConfig(**{**BASE, "block_size": 7}, markov_rank=16)
+    return cfg, config_json(cfg, fmt, torch.bfloat16)
+
+
+def test_dspark_exports_read_as_trained_and_speculators_refused_by_sglang():
+    """The default (DeepSpec) format loads in both; SpecForge's keeps the settings inside dflash_config,
+    where SGLang reads them and vLLM does not; speculators' SGLang refuses by its convention."""
+    from dflash.eval.engine_contracts import check_dspark
+
+    cfg, d = dspark("deepspec")
+    assert check_dspark(d, cfg) == []
+    cfg, d = dspark("specforge")
+    assert check_dspark(d, cfg, ("sglang",)) == []
+    assert [str(x) for x in check_dspark(d, cfg, ("vllm",))] == [
+        "vllm: loading is refused (AttributeError: the config has no markov_rank (vLLM reads it from the top level)) "
+        "as served, a drafter that loads as trained"]
+    cfg, d = dspark("speculators")
+    assert check_dspark(d, cfg, ("vllm",)) == []
+    got = [str(x) for x in check_dspark(d, cfg, ("sglang",))]
+    assert len(got) == 1 and got[0].startswith("sglang: loading is refused (ValueError: a speculators-convention "
+                                               "DSpark checkpoint"), got
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda d: d.pop("markov_rank"), ["vllm: loading is refused (AttributeError: the config has no markov_rank",
+                                      "sglang: loading is refused (ValueError: DSpark requires markov_rank > 0"]),
+    (lambda d: d.update(draft_vocab_size=32), ["vllm: draft_vocab_size is 32 as served, 60 as trained"]),
+    (lambda d: d.pop("enable_confidence_head"),
+     ["vllm: enable_confidence_head is False as served, True as trained"]),
+    (lambda d: d.pop("confidence_head_with_markov"),
+     ["vllm: loading is refused (ValueError: confidence_head.proj.weight is [1, hidden + markov_rank]"]),
+    (lambda d: d.update(dspark_draft_topk=8), ["vllm: dspark_draft_topk is 8 as served, None as trained"]),
+    (lambda d: d.update(markov_rank=0), ["vllm: markov_rank is 0 as served, 16 as trained",
+                                         "sglang: loading is refused (ValueError: DSpark requires markov_rank > 0"]),
+    (lambda d: d.update(markov_head_type="bigram"),
+     ["sglang: loading is refused (ValueError: unsupported DSpark markov_head_type 'bigram')"]),
+    (lambda d: d.update(enable_confidence_head=False),
+     ["vllm: enable_confidence_head is False as served, True as trained",
+      "sglang: enable_confidence_head is False as served, True as trained"]),
+], ids=["no-rank", "vocab", "no-confidence-flag", "no-markov-input", "topk", "rank-0", "head-type",
+        "confidence-off"])
+def test_each_dspark_drift_is_one_line(edit, says):
+    from dflash.eval.engine_contracts import check_dspark
+
+    cfg, d = dspark("deepspec")
+    edit(d)
+    got = [str(x) for x in check_dspark(d, cfg)]
+    assert len(got) == len(says) and all(g.startswith(s) for g, s in zip(got, says, strict=True)), got
+
+
+def test_export_check_of_a_dspark_export(tmp_path, capsys):
+    cfg, d = dspark("deepspec")
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert main(["export", "--check", "all", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "engine check: vllm reads the DSpark heads as trained" in out and "sglang reads" in out
+    d["dspark_draft_topk"] = 8
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert main(["export", "--check", "vllm", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == ("dflash export: MISMATCH vllm: dspark_draft_topk is 8 as served, None as "
+                                       "trained\n")

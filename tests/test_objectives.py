@@ -5,6 +5,7 @@ hand-computed block, extra terms from the drafter's forward, the registry's refu
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -276,14 +277,68 @@ def test_muon_takes_the_linear_matrices_and_adamw_the_rest():
                         target_layer_ids=[1, 2], mask_token_id=V - 1, block_size=B)
     model = torch.nn.ModuleDict({"drafter": DFlashDrafter(cfg), "codebook": torch.nn.Embedding(6, H),
                                  "row": torch.nn.Linear(H, 1)})
-    muon, rest = split_for_muon(model)
+    muon, tables, rest = split_for_muon(model)
     linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features > 1}
     assert {id(p) for p in muon} == linear and linear
-    assert id(model["codebook"].weight) in {id(p) for p in rest} and id(model["row"].weight) in {id(p) for p in rest}
-    assert all(p.dim() < 2 for p in rest if p is not model["codebook"].weight and p is not model["row"].weight)
-    assert len(muon) + len(rest) == len(list(model.parameters()))
+    assert [id(p) for p in tables] == [id(model["codebook"].weight)]
+    assert id(model["row"].weight) in {id(p) for p in rest}
+    assert all(p.dim() < 2 for p in rest if p is not model["row"].weight)
+    assert len(muon) + len(tables) + len(rest) == len(list(model.parameters()))
     opt = build_optimizer(model, OptimSettings(optimizer="muon", lr=1e-3), torch.device("cpu"))
     assert isinstance(opt, Optimizers) and set(opt.named) == {"muon", "adamw"}
-    assert {g["lr_scale"] for g in opt.named["muon"].param_groups} == {10.0}
-    assert {g["lr_scale"] for g in opt.named["adamw"].param_groups} == {1.0}
+    # --muon-lr defaults to --lr (the update is RMS-matched to AdamW's); everything at one rate
+    assert {g["lr_scale"] for g in opt.param_groups} == {1.0}
+    assert {g["lr"] for g in opt.param_groups} == {1e-3}
     assert exp_weights(4, 2.0).tolist() == pytest.approx([1.0, math.exp(-0.5), math.exp(-1.0)])
+
+
+def test_the_vocabulary_tables_take_muons_rate_from_adamw():
+    """DSpark's Markov factors and DFlash2's codebooks are vocabulary-indexed tables: AdamW's, in a group
+    at --muon-lr (what Muon would have given them), while the other AdamW parameters stay at --lr."""
+    from dflash.model.dflash2 import DFlash2Config, build_drafter
+    from dflash.model.dspark import DSparkConfig
+
+    base = dict(hidden_size=H, intermediate_size=32, num_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=8, vocab_size=V, num_target_layers=4, target_layer_ids=[1, 2], mask_token_id=V - 1,
+                block_size=B)
+    spark = build_drafter(DSparkConfig(**base, markov_rank=4))
+    flash2 = build_drafter(DFlash2Config(**base, selector_rank=3))
+    for model, tables in [(spark, [spark.markov_head.markov_w1.weight, spark.markov_head.markov_w2.weight]),
+                          (flash2, [flash2.candidate_selector.predecessor_codebook,
+                                    flash2.candidate_selector.successor_codebook])]:
+        opt = build_optimizer(model, OptimSettings(optimizer="muon", lr=1e-3, muon_lr=4e-3), torch.device("cpu"))
+        at = {id(p): (name, g["lr"], g["lr_scale"]) for name, o in opt.named.items() for g in o.param_groups
+              for p in g["params"]}
+        assert all(at[id(p)] == ("adamw", 4e-3, 4.0) for p in tables), [at[id(p)] for p in tables]
+        others = [v for k, v in at.items() if k not in {id(p) for p in tables}]
+        assert {v for v in others if v[0] == "adamw"} == {("adamw", 1e-3, 1.0)}
+        assert {v for v in others if v[0] == "muon"} == {("muon", 4e-3, 4.0)}
+    # the confidence head's [1, H + r] row is a vector to AdamW, not a table
+    assert all(p is not spark.confidence_head.proj.weight for p in split_for_muon(spark)[1])
+
+
+def test_without_torchs_muon_adamw_still_trains_and_muon_is_refused_in_one_line(tmp_path):
+    """torch's Muon is private (torch.optim._muon): a torch without it must not break AdamW runs. The
+    child process makes that torch (the module unimportable, torch.optim.Muon gone) and runs the CLI."""
+    import subprocess
+    import sys
+
+    child = ("import sys, torch.optim\n"
+             "sys.modules['torch.optim._muon'] = None\n"  # a None entry makes the import raise ImportError
+             "del torch.optim.Muon\n"
+             "from dflash.cli import main\n"
+             "sys.exit(main(sys.argv[1:]))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the child is one more process on a shared machine
+    base = [sys.executable, "-c", child, "train", "--max-steps", "2", "--no-telemetry", "--eval-prompts", "0",
+            "--drafter-layers", "1"]
+    adamw = subprocess.run([*base, "--run-dir", str(tmp_path / "adamw")], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert adamw.returncode == 0, adamw.stderr[-2000:]
+    assert "done: 2 steps" in adamw.stdout and list((tmp_path / "adamw").glob("**/step-00000002.pt"))
+    muon = subprocess.run([*base, "--optimizer", "muon", "--run-dir", str(tmp_path / "muon")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    errors = [line for line in muon.stderr.splitlines() if "error" in line]
+    assert muon.returncode == 2 and errors == [
+        f"dflash train: error: optimizer: --optimizer muon needs torch.optim.Muon (torch 2.9 or later), and this "
+        f"torch ({torch.__version__}) has none; use --optimizer adamw"], muon.stderr
+    assert not (tmp_path / "muon").exists()

@@ -291,3 +291,75 @@ def serve_commands(export_dir: str | Path, cfg: DrafterConfig, target: str, d: d
         "sglang": (f"python -m sglang.launch_server --model-path {shlex.quote(target)} --speculative-algorithm DFLASH "
                    f"--speculative-draft-model-path {path} --speculative-num-draft-tokens {cfg.block_size}"),
     }
+
+
+# --------------------------------------------------------------------------------------------------
+# DSpark's heads
+# --------------------------------------------------------------------------------------------------
+#: the DSpark settings vLLM's Qwen3 DSpark model reads from the config's top level, in report order
+DSPARK_SETTINGS = ("markov_rank", "draft_vocab_size", "enable_confidence_head", "confidence_head_with_markov",
+                   "dspark_draft_topk")
+
+
+def dspark_trained(cfg) -> dict:
+    """DSpark's head settings as the drafter trained them: a full-vocabulary Markov head of its rank, a
+    confidence head on [h ; Markov embedding], the Markov bias over the whole vocabulary (no top-k)."""
+    return {"markov_rank": cfg.markov_rank, "draft_vocab_size": cfg.vocab_size, "enable_confidence_head": True,
+            "confidence_head_with_markov": True, "dspark_draft_topk": None}
+
+
+def vllm_dspark(d: dict) -> tuple[dict, str | None]:
+    """(the head settings, what loading raises) as vLLM's ``qwen3_dspark.py`` reads config ``d``:
+    ``markov_rank`` required; ``draft_vocab_size`` else ``vocab_size``; ``enable_confidence_head`` and
+    ``confidence_head_with_markov`` default false (a head without the Markov input is [1, H], which a
+    [1, H + r] trained weight does not fit); ``dspark_draft_topk`` default none (set: the Markov bias
+    only on the top-k base candidates)."""
+    if d.get("markov_rank") is None:
+        return {}, "AttributeError: the config has no markov_rank (vLLM reads it from the top level)"
+    got = {"markov_rank": int(d["markov_rank"]),
+           "draft_vocab_size": int(d.get("draft_vocab_size") or d.get("vocab_size") or 0),
+           "enable_confidence_head": bool(d.get("enable_confidence_head", False)),
+           "confidence_head_with_markov": bool(d.get("confidence_head_with_markov", False)),
+           "dspark_draft_topk": d.get("dspark_draft_topk")}
+    if got["enable_confidence_head"] and not got["confidence_head_with_markov"]:
+        return got, ("ValueError: confidence_head.proj.weight is [1, hidden + markov_rank] in the file, [1, hidden] "
+                     "in vLLM's head (confidence_head_with_markov is false)")
+    return got, None
+
+
+def sglang_dspark(d: dict) -> tuple[dict, str | None]:
+    """(the head settings, what loading raises) as SGLang's ``models/dspark.py`` reads config ``d`` (its
+    ``dflash_config`` first, then the top level): a speculators-convention file
+    (``speculators_model_type: "dspark"``: slot j predicts anchor + j) is refused, as is a
+    ``markov_rank`` of 0 or a head type other than vanilla, gated or rnn; the confidence head is on
+    unless the config says otherwise, with the Markov input where the rank is above 0."""
+    dc = d.get("dflash_config") or {}
+
+    def pick(name, default=None):
+        return dc.get(name, d.get(name, default))
+
+    if d.get("speculators_model_type") == "dspark":
+        return {}, ("ValueError: a speculators-convention DSpark checkpoint (slot j predicts anchor + j) is refused "
+                    "by SGLang's DSpark drafter; export --format deepspec for SGLang")
+    rank = int(pick("markov_rank", 0) or 0)
+    if rank <= 0:
+        return {}, f"ValueError: DSpark requires markov_rank > 0, got {rank}"
+    kind = str(pick("markov_head_type", "vanilla")).lower()
+    if kind not in ("vanilla", "gated", "rnn"):
+        return {}, f"ValueError: unsupported DSpark markov_head_type {kind!r}"
+    return {"markov_rank": rank, "enable_confidence_head": bool(pick("enable_confidence_head", True)),
+            "confidence_head_with_markov": bool(pick("confidence_head_with_markov", rank > 0))}, None
+
+
+def check_dspark(d: dict, trained, engines: tuple[str, ...] = ENGINES) -> list[Disagreement]:
+    """The disagreements between a DSpark export's config.json ``d`` and the heads of the drafter
+    ``trained`` (a DSparkConfig), engine by engine: a refusal alone, else each setting read otherwise."""
+    truth = dspark_trained(trained)
+    out: list[Disagreement] = []
+    for engine in engines:
+        got, refused = {"vllm": vllm_dspark, "sglang": sglang_dspark}[engine](d)
+        if refused:
+            out.append(Disagreement("loading", engine, f"refused ({refused})", "a drafter that loads"))
+            continue
+        out += [Disagreement(k, engine, v, truth[k]) for k, v in got.items() if v != truth[k]]
+    return out

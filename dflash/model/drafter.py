@@ -36,6 +36,9 @@ from dflash.model.rope import Rotary, apply_rope
 
 # Loss-decay gamma per block size, as the DFlash paper trains them; other sizes interpolate.
 _GAMMA_BY_BLOCK = {8: 4.0, 10: 5.0, 16: 7.0}
+#: an attribute set (True) on a linear layer whose weight is a vocabulary-indexed table, not a hidden map:
+#: Muon leaves it to AdamW (dflash/objectives/optim.py)
+NOT_FOR_MUON = "not_for_muon"
 
 
 def default_gamma(block_size: int) -> float:

@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.drafter import NOT_FOR_MUON, DFlashDrafter, DrafterConfig
 
 #: the published recipe: rank 256, block 7, decay 4 (exp(-(k-1)/4) over the 7 drafting slots)
 DEFAULT_RANK, DEFAULT_BLOCK, DEFAULT_GAMMA = 256, 7, 4.0
@@ -106,6 +106,8 @@ class MarkovHead(nn.Module):
         # factors have a gradient from the first step (a zero factor would hold the other still).
         nn.init.normal_(self.markov_w1.weight, std=0.01)
         nn.init.normal_(self.markov_w2.weight, std=cfg.initializer_range)
+        # a table scored per vocabulary entry, not a hidden map: Muon leaves it to AdamW (at Muon's rate)
+        setattr(self.markov_w2, NOT_FOR_MUON, True)
 
     def embed(self, prev: torch.Tensor) -> torch.Tensor:
         return self.markov_w1(prev)

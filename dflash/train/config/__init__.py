@@ -194,7 +194,8 @@ class OptimSettings:
                              "rest (norms, biases; default adamw)", metavar="adamw|muon")
     lr: float = setting(6e-4, "peak learning rate (default 6e-4)")
     muon_lr: float | None = setting(None, "with --optimizer muon: the Muon matrices' peak learning rate, on the "
-                                    "same schedule (default 10 x --lr)")
+                                    "same schedule; AdamW's vocabulary tables (codebooks, Markov head) take it too "
+                                    "(default --lr: the update is RMS-matched to AdamW's)")
     min_lr_ratio: float = setting(0.0, "the cosine schedule's floor, as a fraction of lr")
     warmup_ratio: float = setting(0.04, "fraction of the run spent warming up (default 0.04)")
     weight_decay: float = setting(0.0, "AdamW weight decay")
@@ -383,7 +384,7 @@ class TrainConfig:
     def check_objective(self) -> None:
         """Names the objective and optimizer registries know, and their ranges."""
         from dflash.objectives import check
-        from dflash.objectives.optim import OPTIMIZERS
+        from dflash.objectives.optim import OPTIMIZERS, MuonUnavailable, guarded_muon
 
         try:
             check(self.objective.loss, self.objective.position_weight)
@@ -396,6 +397,11 @@ class TrainConfig:
                               f"{', '.join(OPTIMIZERS)}")
         if self.optim.muon_lr is not None and self.optim.muon_lr <= 0:
             raise ConfigError(f"muon_lr must be positive, got {self.optim.muon_lr}")
+        if self.optim.optimizer == "muon":
+            try:  # torch's Muon is private: asked for here, before the run starts, and only for Muon
+                guarded_muon()
+            except MuonUnavailable as e:
+                raise ConfigError(str(e)) from None
 
 
 def check_device(dev: str) -> None:
