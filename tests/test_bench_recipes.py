@@ -1,5 +1,5 @@
 """The recipe benchmark still trains and evaluates every recipe it names, DSpark's and DFlash2's too (a
-smoke run: its numbers mean nothing; the lead runs the full one on a quiet machine)."""
+smoke run: its numbers mean nothing; the full one runs on a quiet machine, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
