@@ -1,5 +1,5 @@
 """The DFlash2 benchmark still runs and reports every figure docs/dflash2.md needs (a smoke run: its
-numbers mean nothing; the lead runs the full one on a quiet machine)."""
+numbers mean nothing; the full one runs on a quiet machine, docs/benchmarks.md)."""
 
 from __future__ import annotations
 

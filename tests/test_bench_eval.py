@@ -1,5 +1,5 @@
 """The evaluation benchmark still runs and reports every figure the README needs (a smoke run: its
-numbers mean nothing; the lead runs the full one on a quiet machine)."""
+numbers mean nothing; the full one runs on a quiet machine, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
