@@ -12,6 +12,7 @@ sampling settings.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -91,8 +92,11 @@ class Conversation:
                            request_thinking(self.reasoning))
 
     def answer(self, a: Answer) -> None:
+        reasoning, text = (a.reasoning, a.text) if a.reasoning else split_reasoning(a.text)
+        if reasoning and self.reasoning != "keep":
+            # the row keeps the answer without its reasoning: the ids of the whole answer are not its text
+            a = dataclasses.replace(a, token_ids=None)
         if self.chat:
-            reasoning, text = (a.reasoning, a.text) if a.reasoning else split_reasoning(a.text)
             m = {"role": "assistant", "content": text.strip() if reasoning else text}
             if reasoning and self.reasoning == "keep":
                 m["reasoning_content"] = reasoning.strip()
