@@ -295,7 +295,9 @@ def _splice_answers(ids: list[int], offsets: list, mask: list[int], text: str, s
             t1 += 1
         if t0 < t or (t0 < t1 and offsets[t0][0] != begin) or (t1 > t0 and offsets[t1 - 1][1] > end):
             raise _IdsMismatch("the answer does not start and end on token boundaries of the rendered chat")
-        if tail and ids[t1:t1 + len(tail)] != tail:
+        # The server's stop token is the template's end of turn, or the model's EOS (a server stops at either;
+        # the store keeps the template's, which closes the turn in the text path too); another is a mismatch.
+        if tail and ids[t1:t1 + len(tail)] != tail and set(tail) != {tokenizer.eos_token_id}:
             raise _IdsMismatch(f"the server ended the turn with {tail}, the template with {ids[t1:t1 + len(tail)]}")
         out_ids += ids[t:t0] + body
         out_mask += mask[t:t0] + [1] * len(body)
