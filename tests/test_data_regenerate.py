@@ -83,7 +83,7 @@ def test_server_gives_the_in_process_tokens_turn_by_turn(served: str, tmp_path: 
 
 @pytest.mark.slow  # needs the session's transformers serve
 def test_kill_9_then_resume_equals_an_uninterrupted_run(served: str, tmp_path: Path) -> None:
-    data = _rows(tmp_path, 40)
+    data = _rows(tmp_path, 24)
     assert _regen(data, tmp_path / "whole.jsonl", "--endpoint", served, "--concurrency", "2") == 0
     out = tmp_path / "killed.jsonl"
     cmd = [sys.executable, "-m", "dflash", "data", "regenerate", "--target", "tiny", "--data", str(data),
@@ -91,11 +91,11 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(served: str, tmp_path: P
            "--concurrency", "2"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wait_until(lambda: out.exists() and out.read_text().count("\n") >= 8, timeout=120, what="8 rows written",
+    wait_until(lambda: out.exists() and out.read_text().count("\n") >= 6, timeout=120, what="6 rows written",
                proc=proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert 8 <= out.read_text().count("\n") < 40  # killed mid-run
+    assert 6 <= out.read_text().count("\n") < 24  # killed mid-run
     with out.open("a") as f:
         f.write('{"prompt": "a row torn by the kill')  # an append the kill cut short
     assert subprocess.run([*cmd, "--resume"], cwd=REPO, env=env, capture_output=True).returncode == 0
