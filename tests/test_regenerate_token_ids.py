@@ -70,6 +70,8 @@ def test_prepare_stores_the_servers_ids_and_names_rows_whose_ids_are_not_their_t
         {"messages": chat, "regen": {"line": 3, "token_ids": [served[0], wrong]}},  # turn 2's ids: other text
         {"messages": chat},  # no ids: the text, and nothing said
         {"prompt": "Say", "response": "Hello", "regen": {"line": 5, "token_ids": [wrong]}},
+        # ids that are the rendering's text but take in the template's header: not the target's to own
+        {"messages": chat[:2], "regen": {"line": 6, "token_ids": [_ids(tok, "assistant\nHello")]}},
     ]
     store, said = _store_rows(tmp_path, rows, tok)
     by_line = {int(line): store[i] for i, line in enumerate(store.lines)}
@@ -85,14 +87,15 @@ def test_prepare_stores_the_servers_ids_and_names_rows_whose_ids_are_not_their_t
         assert all(mask[at:at + len(body)]) and ids[at + len(body)] == im_end and mask[at + len(body)] == 1
     assert sum(by_line[1].loss_mask) == len(served[0]) - 1 + len(served[1]) + 2  # answers and both ends of turn
     assert list(by_line[2].input_ids) == _ids(tok, "Say") + _one_char_ids(tok, "Hello")
-    # rows 3 and 5: their ids are not their text, so the text is stored, and the summary says so
+    # rows 3, 5 and 6: their ids are not their answers' text, so the text is stored, and the summary says so
     assert list(by_line[3].input_ids) == plain.input_ids and list(by_line[4].input_ids) == plain.input_ids
     assert list(by_line[5].input_ids) == _ids(tok, "Say") + _ids(tok, "Hello")
     (summary,) = [s for s in said if s.startswith("prepare: ") and "rows," in s]
     assert "2 rows take the server's token ids" in summary, summary
-    assert "2 rows' token ids disagree with their text, re-tokenized instead (lines 3, 5: the ids decode to " \
-           "other text than the row's answer)" in summary, summary
-    assert store.manifest["counts"]["ids_fallback"]["lines"] == [3, 5]
+    assert "3 rows' token ids disagree with their text, re-tokenized instead (lines 3, 5, 6: the ids decode " \
+           "to other text than the row's answer)" in summary, summary
+    assert store.manifest["counts"]["ids_fallback"]["lines"] == [3, 5, 6]
+    assert list(by_line[6].input_ids) == encode_row({"messages": chat[:2]}, tok, "chat").input_ids
 
 
 def test_regenerate_asks_for_vllms_token_ids_and_prepare_trains_on_them(served: str, tmp_path: Path, tok,

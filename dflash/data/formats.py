@@ -275,17 +275,20 @@ def _splice_answers(ids: list[int], offsets: list, mask: list[int], text: str, s
                     answers: list[list[int]], tokenizer, special: set[int]) -> tuple[list[int], list[int]]:
     """The rendered conversation's tokens with each assistant turn's tokens replaced by the server's ids
     for it, which are all the drafter's to learn (the target wrote each). The ids may begin before the
-    span the text path masks (a `<think>` the target wrote and the template renders) but must decode to
-    the rendering right up to the span's end."""
+    span the text path masks with the `<think>` opener the target wrote and the template renders, and
+    must decode to the rendering right up to the span's end."""
     if len(answers) != len(spans):
         raise _IdsMismatch(f"{len(answers)} turns of token ids for {len(spans)} assistant turns")
     out_ids: list[int] = []
     out_mask: list[int] = []
     t = 0  # the next rendered token not yet copied
+    done = 0  # the rendered text's characters up to the previous answer's end
     for (start, end, _), answer in zip(spans, answers, strict=True):
         body, tail, said = _answer_ids(answer, tokenizer, special)
         begin = end - len(said)
-        if begin > start or text[begin:end] != said:
+        # Before the span only what the target writes ahead of its reasoning may be in its ids: the
+        # template renders the `<think>` opener it wrote (headers and other turns are the template's).
+        if not done <= begin <= start or text[begin:end] != said or text[begin:start].strip() not in ("", "<think>"):
             raise _IdsMismatch("the ids decode to other text than the row's answer")
         t0 = t
         while t0 < len(ids) and offsets[t0][1] <= begin and offsets[t0][0] < begin:
@@ -293,7 +296,7 @@ def _splice_answers(ids: list[int], offsets: list, mask: list[int], text: str, s
         t1 = t0
         while t1 < len(ids) and offsets[t1][0] < end:
             t1 += 1
-        if t0 < t or (t0 < t1 and offsets[t0][0] != begin) or (t1 > t0 and offsets[t1 - 1][1] > end):
+        if (t0 < t1 and offsets[t0][0] != begin) or (t1 > t0 and offsets[t1 - 1][1] > end):
             raise _IdsMismatch("the answer does not start and end on token boundaries of the rendered chat")
         # The server's stop token is the template's end of turn, or the model's EOS (a server stops at either;
         # the store keeps the template's, which closes the turn in the text path too); another is a mismatch.
@@ -301,7 +304,7 @@ def _splice_answers(ids: list[int], offsets: list, mask: list[int], text: str, s
             raise _IdsMismatch(f"the server ended the turn with {tail}, the template with {ids[t1:t1 + len(tail)]}")
         out_ids += ids[t:t0] + body
         out_mask += mask[t:t0] + [1] * len(body)
-        t = t1
+        t, done = t1, end
     return out_ids + ids[t:], out_mask + mask[t:]
 
 
