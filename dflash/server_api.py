@@ -11,8 +11,18 @@ from typing import Any
 MAX_REASON = 200
 
 
+#: answers of a server that is up but not ready yet (vLLM and SGLang open their port once the model is
+#: loaded; a proxy or load balancer in front of one answers these meanwhile)
+NOT_READY_STATUS = frozenset({502, 503, 504})
+
+
 class ServerError(ValueError):
-    """A server that cannot be used as asked; the message is one line naming it."""
+    """A server that cannot be used as asked; the message is one line naming it. `not_ready`: it may yet be
+    (nothing listens yet, or it answers 502/503/504), so a job starting beside it can wait."""
+
+    def __init__(self, message: str, not_ready: bool = False) -> None:
+        super().__init__(message)
+        self.not_ready = not_ready
 
 
 def base_url(url: str) -> str:
@@ -28,7 +38,7 @@ async def model_cards(client: Any, url: str) -> list[dict]:
     try:
         r = await client.get(f"{url}/v1/models")
     except (OSError, httpx.TransportError) as e:
-        raise ServerError(f"{url}: unreachable ({type(e).__name__}: {e})") from None
+        raise ServerError(f"{url}: unreachable ({type(e).__name__}: {e})", not_ready=True) from None
     try:
         cards = json.loads(r.content)["data"] if r.status_code == 200 else None
     except (ValueError, KeyError, TypeError):
@@ -36,7 +46,7 @@ async def model_cards(client: Any, url: str) -> list[dict]:
     if not isinstance(cards, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str) for c in cards):
         text = " ".join(r.text.split())[:MAX_REASON]
         raise ServerError(f"{url}: not an OpenAI-compatible server (GET /v1/models answered HTTP {r.status_code}"
-                          f"{': ' + text if text else ''})")
+                          f"{': ' + text if text else ''})", not_ready=r.status_code in NOT_READY_STATUS)
     return cards
 
 

@@ -11,7 +11,10 @@ On this CPU the server answers one request at a time (`transformers serve` witho
 batching), so concurrency buys nothing here: the figures show the client's overhead against the
 in-process path, not what vLLM or SGLang on a GPU give (docs/data.md has their commands).
 
-    python scripts/bench_regenerate.py [--json] [--quick] [--rows 64] [--max-tokens 32]
+With ``--endpoint URL`` the server runs elsewhere (already serving the tiny target, as the test suite's
+does); ``--server_pid PID`` names its process, whose CPU is then not counted as foreign load.
+
+    python scripts/bench_regenerate.py [--json] [--quick] [--rows 64] [--max-tokens 32] [--endpoint URL]
 """
 
 from __future__ import annotations
@@ -115,23 +118,29 @@ def _run(data: Path, out: Path, max_tokens: int, extra: list[str], tmp: Path) ->
 
 
 def main() -> None:
-    args = bench_args(__doc__, {"rows": (64, "demo prompts regenerated"), "max_tokens": (32, "tokens per answer")},
+    args = bench_args(__doc__, {"rows": (64, "demo prompts regenerated"), "max_tokens": (32, "tokens per answer"),
+                                "endpoint": ("", "a server already serving the tiny target ('': start one here)"),
+                                "server_pid": (0, "that server's process id (0: unknown)")},
                       ("8 rows of 8 tokens: proves the script runs", {"rows": 8, "max_tokens": 8}))
     tmp = Path(tempfile.mkdtemp(prefix="bench-regen-"))
     demo = (ROOT / "dflash" / "data" / "demo.jsonl").read_text().splitlines()[:args.rows]
     data = tmp / "in.jsonl"
     data.write_text("\n".join(demo) + "\n")
     report: dict = {"rows": args.rows, "max_tokens": args.max_tokens}
-    server, url = _serve(tmp)
+    import psutil
+
+    server, url = _serve(tmp) if not args.endpoint else (None, args.endpoint)
+    pid = server.pid if server is not None else args.server_pid
     try:
-        with ForeignLoad(*[__import__("psutil").Process(server.pid)]) as load:
+        with ForeignLoad(*([psutil.Process(pid)] if pid else [])) as load:
             report["in_process"] = _run(data, tmp / "here.jsonl", args.max_tokens, ["--no-telemetry"], tmp)
             for c in (1, 8, 32):
                 report[f"server_c{c}"] = _run(data, tmp / f"c{c}.jsonl", args.max_tokens,
                                               ["--endpoint", url, "--concurrency", str(c)], tmp)
     finally:
-        server.kill()
-        server.wait()
+        if server is not None:
+            server.kill()
+            server.wait()
         shutil.rmtree(tmp, ignore_errors=True)
     report["foreign_load_cores"] = round(load.cores, 2)
     report["busy_machine"] = load.cores > 0.3

@@ -35,6 +35,22 @@ def wait_until(cond: Callable[[], object], timeout: float = 10.0, what: str = "t
         time.sleep(0.02)
 
 
+@pytest.fixture(scope="session")
+def transformers_server() -> Iterator:
+    """One `transformers serve` on the tiny target for the whole session (tests/openai_server.py): each
+    start costs seconds, and the files that need a real OpenAI-compatible server share it."""
+    from openai_server import transformers_serve
+
+    with transformers_serve() as served:
+        yield served
+
+
+@pytest.fixture(scope="session")
+def served(transformers_server) -> str:
+    """The session's `transformers serve`, by its URL."""
+    return transformers_server.url
+
+
 @pytest.fixture
 def run_python() -> Callable[..., str]:
     """`run_python(code, timeout=60)`: run `code` in a fresh interpreter from the repository root and

@@ -1,5 +1,5 @@
 """The regeneration benchmark still runs and reports every figure docs/data.md quotes (a smoke run: its
-numbers mean nothing; the full one runs on a quiet machine)."""
+numbers mean nothing; the full one runs on a quiet machine), against the session's server."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_bench_regenerate_quick_json() -> None:
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_regenerate.py"), "--quick", "--json"],
+def test_bench_regenerate_quick_json(transformers_server) -> None:
+    # the session's transformers serve (the script starts its own without --endpoint: the same code path)
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_regenerate.py"), "--quick", "--json",
+                        "--endpoint", transformers_server.url, "--server_pid", str(transformers_server.pid)],
                        capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(r.stdout)

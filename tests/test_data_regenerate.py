@@ -1,6 +1,6 @@
 """`dflash data regenerate` against a real OpenAI-compatible server: `transformers serve` with the tiny
-target from its directory (nothing downloaded), started once for this file. Faults come from a small
-proxy in front of it (real sockets, real answers, a few refused)."""
+target from its directory (nothing downloaded), started once for the session (conftest's `served`). Faults
+come from a small proxy in front of it (real sockets, real answers, a few refused)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import REPO, screen_text, until, wait_until
+from openai_server import ServerProxy, free_port
 
 from dflash.cli import main
 from dflash.data.formats import DataError, encode_row, iter_rows
@@ -31,43 +28,6 @@ from dflash.telemetry.wire.vocab import Counter
 
 DEMO = REPO / "dflash" / "data" / "demo.jsonl"
 TOKENS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[str]:
-    """`transformers serve` on the tiny target, on the CPU with one thread, in float32 as the in-process
-    path runs it (in float16 the two differ in the last bits, and greedy answers in near-ties)."""
-    exe = shutil.which("transformers", path=str(Path(sys.executable).parent))
-    if exe is None:
-        pytest.skip("transformers' CLI is not installed beside this interpreter")
-    port = _free_port()
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"dflash-serve-{port}.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([exe, "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-                                 "--dtype", "float32", "--log-level", "warning", str(TINY_DIR)],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{url}/v1/models", timeout=1.0).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(ready, timeout=120, what="transformers serve to answer /v1/models", proc=proc,
-                   output=lambda: log.read_text()[-2000:])
-        yield url
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-        log.unlink(missing_ok=True)
 
 
 def _rows(tmp: Path, n: int, chats: int = 0) -> Path:
@@ -93,7 +53,7 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.slow  # starts transformers serve (once for the file)
+@pytest.mark.slow  # needs the session's transformers serve
 def test_server_gives_the_in_process_tokens_turn_by_turn(served: str, tmp_path: Path) -> None:
     data = _rows(tmp_path, 10, chats=3)
     assert _regen(data, tmp_path / "server.jsonl", "--endpoint", served, "--concurrency", "4") == 0
@@ -121,9 +81,9 @@ def test_server_gives_the_in_process_tokens_turn_by_turn(served: str, tmp_path: 
     assert list(iter_rows(tmp_path / "server.jsonl"))  # prepare's reader takes the file
 
 
-@pytest.mark.slow  # starts transformers serve (once for the file)
+@pytest.mark.slow  # needs the session's transformers serve
 def test_kill_9_then_resume_equals_an_uninterrupted_run(served: str, tmp_path: Path) -> None:
-    data = _rows(tmp_path, 40)
+    data = _rows(tmp_path, 24)
     assert _regen(data, tmp_path / "whole.jsonl", "--endpoint", served, "--concurrency", "2") == 0
     out = tmp_path / "killed.jsonl"
     cmd = [sys.executable, "-m", "dflash", "data", "regenerate", "--target", "tiny", "--data", str(data),
@@ -131,58 +91,15 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(served: str, tmp_path: P
            "--concurrency", "2"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wait_until(lambda: out.exists() and out.read_text().count("\n") >= 8, timeout=120, what="8 rows written",
+    wait_until(lambda: out.exists() and out.read_text().count("\n") >= 6, timeout=120, what="6 rows written",
                proc=proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert 8 <= out.read_text().count("\n") < 40  # killed mid-run
+    assert 6 <= out.read_text().count("\n") < 24  # killed mid-run
     with out.open("a") as f:
         f.write('{"prompt": "a row torn by the kill')  # an append the kill cut short
     assert subprocess.run([*cmd, "--resume"], cwd=REPO, env=env, capture_output=True).returncode == 0
     assert out.read_text() == (tmp_path / "whole.jsonl").read_text()
-
-
-class _Proxy:
-    """A proxy in front of the real server that refuses requests as its plan says: `plan` is the status
-    codes to answer, in turn, before forwarding (429, 500, ...); prompts containing `always` always get 500."""
-
-    def __init__(self, upstream: str, plan: list[int], always: str | None = None) -> None:
-        proxy = self
-        self.upstream, self.plan, self.always, self.seen = upstream, list(plan), always, 0
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a) -> None:
-                pass
-
-            def _reply(self, status: int, body: bytes, ctype: str = "application/json") -> None:
-                self.send_response(status)
-                self.send_header("content-type", ctype)
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                r = httpx.get(proxy.upstream + self.path, timeout=60)
-                self._reply(r.status_code, r.content)
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["content-length"]))
-                proxy.seen += 1
-                if proxy.always and proxy.always.encode() in body:
-                    return self._reply(500, b'{"error": "this row always fails"}')
-                if json.loads(body).get("max_tokens") != 1 and proxy.plan:  # the start's probe passes
-                    return self._reply(proxy.plan.pop(0), b'{"error": "busy"}')
-                r = httpx.post(proxy.upstream + self.path, content=body, timeout=60,
-                               headers={"content-type": "application/json"})
-                self._reply(r.status_code, r.content)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def _job(url: str, **kw) -> ServerJob:
@@ -201,13 +118,13 @@ def _run(job: ServerJob, data: Path, out: Path) -> RegenOutput:
     return output
 
 
-@pytest.mark.slow  # starts transformers serve (once for the file)
+@pytest.mark.slow  # needs the session's transformers serve
 def test_refused_requests_are_retried_and_counted_and_a_failing_row_is_recorded(served: str,
                                                                                  tmp_path: Path) -> None:
     data = _rows(tmp_path, 6)
     rows = _lines(data)
     marker = rows[3]["prompt"][:40]
-    proxy = _Proxy(served, [429, 500, 503], always=json.dumps(marker)[1:-1])
+    proxy = ServerProxy(served, [429, 500, 503], always=json.dumps(marker)[1:-1])
     try:
         job = _job(proxy.url, retries=3)
         output = _run(job, data, tmp_path / "out.jsonl")
@@ -221,15 +138,16 @@ def test_refused_requests_are_retried_and_counted_and_a_failing_row_is_recorded(
     assert err["line"] == 4 and "HTTP 500" in err["reason"] and "after 4 tries" in err["reason"]
 
 
-@pytest.mark.slow  # starts transformers serve (once for the file)
+@pytest.mark.slow  # needs the session's transformers serve
 def test_bad_input_is_one_line_each(served: str, tmp_path: Path, capsys) -> None:
     data = _rows(tmp_path, 2)
-    closed = _free_port()
+    closed = free_port()
     bad_tpl = tmp_path / "other"
     shutil.copytree(TINY_DIR, bad_tpl)
     tpl = bad_tpl / "chat_template.jinja"
     tpl.write_text("{{ 'You are a helpful assistant.' }}" + tpl.read_text())
-    for extra, said in ((["--endpoint", f"http://127.0.0.1:{closed}"], "unreachable (ConnectError"),
+    for extra, said in ((["--endpoint", f"http://127.0.0.1:{closed}", "--wait-for-server", "0"],
+                         "unreachable (ConnectError"),
                         (["--endpoint", served, "--model", "nope"], "does not serve model 'nope'"),
                         (["--endpoint", served + "/v1/models/x"], "not an OpenAI-compatible server"),
                         (["--endpoint", served, "--sampling", "{"], "--sampling: not JSON"),
@@ -291,7 +209,7 @@ def test_reasoning_keep_drop_off() -> None:
             assert c.output()["messages"][1] == want, (mode, a)
 
 
-@pytest.mark.slow  # starts transformers serve (once for the file)
+@pytest.mark.slow  # needs the session's transformers serve
 async def test_dflash_top_shows_a_running_job(served: str, tmp_path: Path, sock_dir: Path) -> None:
     """dflash-top attached to a regenerate job: its endpoint and client workers, their categories and a
     regenerate verdict on the screen."""

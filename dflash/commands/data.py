@@ -4,7 +4,9 @@ hidden-states cache."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from dflash.commands import CliError
@@ -59,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "way worth retrying (408/409/425/429/5xx, lost connections); default 5")
     r.add_argument("--backoff", type=float, default=1.0, metavar="S", help="first retry's wait, doubled each time")
     r.add_argument("--timeout", type=float, default=600.0, metavar="S", help="longest a request may take")
+    r.add_argument("--wait-for-server", type=float, default=600.0, metavar="S", help="how long to wait for a server "
+                   "that is still starting (not listening yet, or answering 503) before giving up; default 600, "
+                   "as vLLM loads a large model for minutes; 0: not at all")
     r.add_argument("--batch-size", type=int, default=32, help="in this process: prompts generated together")
     r.add_argument("--device", default=None, help="in this process: cpu, cuda, cuda:N (default: cuda when there "
                    "is one)")
@@ -138,7 +143,7 @@ def _regenerate(args: argparse.Namespace) -> int:
 
     for flag, value, least in (("--concurrency", args.concurrency, 1), ("--max-tokens", args.max_tokens, 1),
                                ("--retries", args.retries, 0), ("--batch-size", args.batch_size, 1),
-                               ("--limit", args.limit, 1)):
+                               ("--limit", args.limit, 1), ("--wait-for-server", args.wait_for_server, 0)):
         if value is not None and value < least:
             raise CliError(f"{flag} must be at least {least}, got {value}")
     data = resolve_data(args.data)
@@ -162,7 +167,8 @@ def _regenerate(args: argparse.Namespace) -> int:
         urls = [u for u in args.endpoint.split(",") if u.strip()]
         job = ServerJob(urls, tokenizer, args.target, args.model, args.reasoning, args.concurrency, args.max_tokens,
                         retries=args.retries, backoff_s=args.backoff, api_key=os.environ.get(args.api_key_env),
-                        timeout_s=args.timeout, log=log, log_every_s=args.log_every)
+                        timeout_s=args.timeout, log=log, log_every_s=args.log_every,
+                        wait_for_server_s=args.wait_for_server)
         asyncio.run(job.connect())
         if sampling is None:
             sampling, left = sampling_defaults(target_dir, extras=job.token_ids)
@@ -173,17 +179,8 @@ def _regenerate(args: argparse.Namespace) -> int:
         log(f"regenerate: {len(urls)} endpoint(s), model {job.model}, {args.concurrency} in flight, sampling "
             f"{json.dumps(sampling)}, token ids {'kept' if job.token_ids else 'not returned by the server'}")
         output = RegenOutput(args.out, settings_of(args, job.model, sampling), args.resume)
-        server = _regen_telemetry(args, job.stats)
-        import threading
-
-        me, name = threading.current_thread(), threading.current_thread().name
-        me.name = "regen-client"  # the client's worker is this thread: its CPU is read by that name
-        try:
+        with _regen_telemetry(args, job.stats, "regen-client"):
             asyncio.run(job.run(data, lines, output))
-        finally:
-            me.name = name
-            if server is not None:
-                server.close()
     else:
         output = _regenerate_here(args, data, lines, sampling or sampling_defaults(target_dir, True)[0], log)
     output.finish()
@@ -199,7 +196,7 @@ def _regenerate_here(args: argparse.Namespace, data: Path, lines: range, samplin
     import torch
 
     from dflash.data.regen_output import RegenOutput
-    from dflash.data.regenerate import regenerate_in_process, settings_of
+    from dflash.data.regenerate import IN_PROCESS_WORKER, regenerate_in_process, settings_of
     from dflash.targets import load_target
     from dflash.targets.hf import slow_kernel_note
 
@@ -210,22 +207,37 @@ def _regenerate_here(args: argparse.Namespace, data: Path, lines: range, samplin
     if note := slow_kernel_note(target.config):
         print(f"target {args.target}: {note}", file=sys.stderr)
     output = RegenOutput(args.out, settings_of(args, f"{args.target} in process", sampling), args.resume)
-    regenerate_in_process(target, data, output, lines, args.max_tokens, args.batch_size, args.reasoning, sampling,
-                          log=log)
+    from dflash.telemetry import ProfileStats
+
+    stats = ProfileStats(enabled=not args.no_telemetry)
+    with _regen_telemetry(args, stats, IN_PROCESS_WORKER):
+        regenerate_in_process(target, data, output, lines, args.max_tokens, args.batch_size, args.reasoning,
+                              sampling, log=log, stats=stats)
     return output
 
 
-def _regen_telemetry(args: argparse.Namespace, stats):
-    """The socket dflash-top attaches to (none with --no-telemetry)."""
+@contextlib.contextmanager
+def _regen_telemetry(args: argparse.Namespace, stats, worker: str) -> Iterator[None]:
+    """The socket dflash-top attaches to (none with --no-telemetry), both ways of regenerating: open while
+    the rows are done, with this thread named for the job's `worker` (its CPU is read by that name)."""
     if args.no_telemetry:
-        return None
+        yield
+        return
+    import threading
+
     from dflash.telemetry import TelemetryServer
 
     server = TelemetryServer(run=f"regenerate-{args.out.stem}", stats=stats, socket_dir=args.socket_dir,
                              interval_s=0.5)
     server.start()
     print(f"telemetry: {server.path}", flush=True)
-    return server
+    me, name = threading.current_thread(), threading.current_thread().name
+    me.name = worker
+    try:
+        yield
+    finally:
+        me.name = name
+        server.close()
 
 
 def _target_dir(target: str) -> Path:

@@ -8,6 +8,15 @@
 * ``{"prompt": "...", "response": "..."}`` — the mask is on the response.
 * ``{"text": "..."}`` — the mask is on everything.
 
+A row `dflash data regenerate` wrote may carry each regenerated answer's token ids as the server returned
+them (``regen.token_ids``, one list per assistant turn, or one for a prompt row's response). Those ids are
+what the target wrote: re-tokenizing the decoded text can give other ids for the same text (a tokenizer's
+merges are not the only way to spell a string), and the drafter should learn the target's. So an answer's
+tokens are the server's, the rest (prompt, headers, the template's end of turn) the template's, as long as
+the ids provably are the row's text: they decode to the rendered answer, start and end on token boundaries
+of the rendering, and any end-of-turn token the server returned is the one the template closes the turn
+with. Otherwise the row falls back to its text, and the Sample says why (prepare counts and names them).
+
 A bad line stops loading with ``file:line: reason``: silently skipping rows hides broken data pipelines.
 """
 
@@ -24,10 +33,22 @@ class DataError(ValueError):
     """Bad data: the message names the file and line."""
 
 
+#: the object a regenerated row carries about how it was made (dflash/data/regen_output.py writes it)
+REGEN_KEY = "regen"
+
+
 @dataclass
 class Sample:
     input_ids: list[int]
     loss_mask: list[int]  # 1 where the drafter is trained to predict (response / assistant tokens)
+    #: the answers' tokens are the server's own (the row carried token ids that match its text)
+    server_ids: bool = False
+    #: why the row's token ids were not used (they disagree with its text); None when it had none or they were
+    ids_fallback: str | None = None
+
+
+class _IdsMismatch(Exception):
+    """A row's server token ids are not its text; the message says how (one line)."""
 
 
 def iter_rows(path: Path) -> Iterator[tuple[int, dict]]:
@@ -224,6 +245,69 @@ def _special_ids(tokenizer) -> set[int]:
     return ids
 
 
+def server_answers(row: dict) -> list[list[int]] | None:
+    """The token ids a regenerated row carries for its answers, or None when it carries none; ids that are
+    not lists of token ids raise _IdsMismatch (the row still trains from its text)."""
+    meta = row.get(REGEN_KEY)
+    if not isinstance(meta, dict) or meta.get("token_ids") is None:
+        return None
+    answers = meta["token_ids"]
+    if not isinstance(answers, list) or not all(
+            isinstance(a, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in a)
+            for a in answers):
+        raise _IdsMismatch("regen.token_ids is not a list of token-id lists")
+    return answers
+
+
+def _answer_ids(answer: list[int], tokenizer, special: set[int]) -> tuple[list[int], list[int], str]:
+    """(the answer's ids, the special tokens it ended with, its text): a server's ids end with the token
+    that stopped it (EOS, end of turn), which the template writes itself."""
+    body = list(answer)
+    tail: list[int] = []
+    while body and body[-1] in special:
+        tail.insert(0, body.pop())
+    if any(i >= len(tokenizer) for i in body):
+        raise _IdsMismatch(f"token id {max(body)} is outside the tokenizer's {len(tokenizer)}")
+    return body, tail, tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _splice_answers(ids: list[int], offsets: list, mask: list[int], text: str, spans: list[tuple[int, int, bool]],
+                    answers: list[list[int]], tokenizer, special: set[int]) -> tuple[list[int], list[int]]:
+    """The rendered conversation's tokens with each assistant turn's tokens replaced by the server's ids
+    for it, which are all the drafter's to learn (the target wrote each). The ids may begin before the
+    span the text path masks with the `<think>` opener the target wrote and the template renders, and
+    must decode to the rendering right up to the span's end."""
+    if len(answers) != len(spans):
+        raise _IdsMismatch(f"{len(answers)} turns of token ids for {len(spans)} assistant turns")
+    out_ids: list[int] = []
+    out_mask: list[int] = []
+    t = 0  # the next rendered token not yet copied
+    done = 0  # the rendered text's characters up to the previous answer's end
+    for (start, end, _), answer in zip(spans, answers, strict=True):
+        body, tail, said = _answer_ids(answer, tokenizer, special)
+        begin = end - len(said)
+        # Before the span only what the target writes ahead of its reasoning may be in its ids: the
+        # template renders the `<think>` opener it wrote (headers and other turns are the template's).
+        if not done <= begin <= start or text[begin:end] != said or text[begin:start].strip() not in ("", "<think>"):
+            raise _IdsMismatch("the ids decode to other text than the row's answer")
+        t0 = t
+        while t0 < len(ids) and offsets[t0][1] <= begin and offsets[t0][0] < begin:
+            t0 += 1
+        t1 = t0
+        while t1 < len(ids) and offsets[t1][0] < end:
+            t1 += 1
+        if (t0 < t1 and offsets[t0][0] != begin) or (t1 > t0 and offsets[t1 - 1][1] > end):
+            raise _IdsMismatch("the answer does not start and end on token boundaries of the rendered chat")
+        # The server's stop token is the template's end of turn, or the model's EOS (a server stops at either;
+        # the store keeps the template's, which closes the turn in the text path too); another is a mismatch.
+        if tail and ids[t1:t1 + len(tail)] != tail and set(tail) != {tokenizer.eos_token_id}:
+            raise _IdsMismatch(f"the server ended the turn with {tail}, the template with {ids[t1:t1 + len(tail)]}")
+        out_ids += ids[t:t0] + body
+        out_mask += mask[t:t0] + [1] * len(body)
+        t, done = t1, end
+    return out_ids + ids[t:], out_mask + mask[t:]
+
+
 def _encode_messages(row: dict, tokenizer, where: str, thinking: str) -> Sample:
     messages = _check_messages(row, where)
     if not getattr(tokenizer, "chat_template", None):
@@ -254,7 +338,30 @@ def _encode_messages(row: dict, tokenizer, where: str, thinking: str) -> Sample:
         # content is the drafter's to predict too: it is how the target stops.
         if ends_turn and t < len(ids) and ids[t] in special and offsets[t][0] == end:
             mask[t] = 1
+    try:
+        answers = server_answers(row)
+        if answers is not None:
+            return Sample(*_splice_answers(list(ids), offsets, mask, text, spans, answers, tokenizer, special),
+                          server_ids=True)
+    except _IdsMismatch as e:
+        return Sample(list(ids), mask, ids_fallback=str(e))
     return Sample(list(ids), mask)
+
+
+def _prompt_row_response(row: dict, response: str, tokenizer) -> tuple[list[int] | None, str | None]:
+    """(the server's ids for a prompt row's response, or None; why its ids were not used, or None)."""
+    try:
+        answers = server_answers(row)
+        if answers is None:
+            return None, None
+        if len(answers) != 1:
+            raise _IdsMismatch(f"{len(answers)} answers of token ids for one response")
+        body, _, said = _answer_ids(answers[0], tokenizer, _special_ids(tokenizer))
+        if said != response:
+            raise _IdsMismatch("the ids decode to other text than the row's answer")
+        return body, None
+    except _IdsMismatch as e:
+        return None, str(e)
 
 
 def _tokens(tokenizer, text: str) -> list[int]:
@@ -271,8 +378,10 @@ def encode_row(row: dict, tokenizer, where: str, thinking: str = "auto") -> Samp
         if "prompt" not in row or "response" not in row:
             raise DataError(f"{where}: a prompt row needs both 'prompt' and 'response'")
         p = _tokens(tokenizer, _text_field(row, "prompt", where))
-        r = _tokens(tokenizer, _text_field(row, "response", where))
-        return Sample(p + r, [0] * len(p) + [1] * len(r))
+        response = _text_field(row, "response", where)
+        served, fallback = _prompt_row_response(row, response, tokenizer)
+        r = served if served is not None else _tokens(tokenizer, response)
+        return Sample(p + r, [0] * len(p) + [1] * len(r), server_ids=served is not None, ids_fallback=fallback)
     if "text" in row:
         t = _tokens(tokenizer, _text_field(row, "text", where))
         return Sample(t, [1] * len(t))

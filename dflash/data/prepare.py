@@ -11,7 +11,10 @@ other ranks of a torchrun job — wait for the manifest, and take over if the lo
 
 Row policy at scale: a row that does not encode (malformed JSON, no assistant turn, a template that fails)
 is skipped and counted by reason, with its first few line numbers, in the manifest and in one summary
-line; zero usable rows is an error.
+line; zero usable rows is an error. A regenerated row's answers are stored as the server's token ids where
+they match its text; rows whose ids disagree with it are trained from the text and counted, with their first
+line numbers, in the same line (never silently: ids that do not decode to a row's text mean the file was
+edited or the server's tokenizer is not the target's).
 """
 
 from __future__ import annotations
@@ -112,7 +115,8 @@ def encode_shard(task: ShardTask, source: Path, root: Path, tokenizer: Any, thin
     Returns the marker."""
     ids_parts, mask_parts, table = [], [], []
     skipped: dict[str, dict] = {}
-    offset = supervised = cut_supervised = cut_rows = reasoning = 0
+    offset = supervised = cut_supervised = cut_rows = reasoning = server_ids = 0
+    fallback: dict = {"count": 0, "lines": [], "reason": ""}
     with source.open("rb") as f:
         f.seek(task.start)
         data = f.read(task.end - task.start)
@@ -130,6 +134,9 @@ def encode_shard(task: ShardTask, source: Path, root: Path, tokenizer: Any, thin
                 raise DataError(f"{where}: not a JSON object")
             s = encode(row, tokenizer, where, thinking)
             reasoning += carries_reasoning(row)
+            server_ids += s.server_ids
+            if s.ids_fallback is not None:
+                _note_fallback(fallback, line, s.ids_fallback)
         except Exception as e:  # noqa: BLE001 - any row that does not encode is skipped and counted
             reason = _reason(e, where)
             if reason in skipped or len(skipped) < MAX_REASONS:
@@ -164,9 +171,18 @@ def encode_shard(task: ShardTask, source: Path, root: Path, tokenizer: Any, thin
         os.replace(tmp, p[kind])
     marker = {"index": task.index, "start": task.start, "end": task.end, "first_line": task.first_line,
               "rows": len(table), "tokens": offset, "supervised": supervised, "cut_rows": cut_rows,
-              "cut_supervised": cut_supervised, "reasoning": reasoning, "skipped": skipped}
+              "cut_supervised": cut_supervised, "reasoning": reasoning, "server_ids": server_ids,
+              "ids_fallback": fallback, "skipped": skipped}
     write_atomic(p["json"], json.dumps(marker))
     return marker
+
+
+def _note_fallback(into: dict, line: int, reason: str) -> None:
+    """Count a row whose token ids were not used: its line among the first few, the first reason kept."""
+    into["count"] += 1
+    if len(into["lines"]) < FIRST_LINES:
+        into["lines"].append(line)
+    into["reason"] = into["reason"] or reason
 
 
 def whole_shard(root: Path, task: ShardTask) -> dict | None:
@@ -335,10 +351,17 @@ def _manifest(stamp: Stamp, markers: list[dict], seconds: float, workers: int) -
             into["count"] += e["count"]
             into["lines"] = sorted(into["lines"] + e["lines"])[:FIRST_LINES]
     total = {k: sum(m.get(k, 0) for m in markers)
-             for k in ("rows", "tokens", "supervised", "cut_rows", "cut_supervised", "reasoning")}
+             for k in ("rows", "tokens", "supervised", "cut_rows", "cut_supervised", "reasoning", "server_ids")}
+    fallback: dict = {"count": 0, "lines": [], "reason": ""}
+    for m in markers:  # in shard order: the first lines and reason are the file's first
+        f = m.get("ids_fallback") or {"count": 0, "lines": [], "reason": ""}
+        fallback["count"] += f["count"]
+        fallback["lines"] = (fallback["lines"] + f["lines"])[:FIRST_LINES]
+        fallback["reason"] = fallback["reason"] or f["reason"]
     return {"format": FORMAT, "version": VERSION, "digest": stamp.digest(), "stamp": stamp.__dict__,
             "shards": [{"rows": m["rows"], "tokens": m["tokens"], "first_line": m["first_line"]} for m in markers],
-            "counts": {**total, "skipped": dict(sorted(skipped.items(), key=lambda kv: -kv[1]["count"]))},
+            "counts": {**total, "ids_fallback": fallback,
+                       "skipped": dict(sorted(skipped.items(), key=lambda kv: -kv[1]["count"]))},
             "seconds": round(seconds, 3), "workers": workers}
 
 
@@ -360,7 +383,18 @@ def summary_line(manifest: dict) -> str:
     return (f"prepare: {c['rows']:,} rows, {c['tokens']:,} tokens in {manifest['seconds']:.1f}s ({rate:,.0f} rows/s); "
             f"limit {limit:,} cuts {c['cut_rows']:,} rows and {share:.1%} of supervised tokens; "
             f"{c.get('reasoning', 0):,} rows carry reasoning (thinking {manifest['stamp']['thinking']}); "
-            f"{_skips_text(c['skipped'])}")
+            f"{_ids_text(c)}{_skips_text(c['skipped'])}")
+
+
+def _ids_text(counts: dict) -> str:
+    """What the summary says about regenerated rows' token ids: nothing for data without them."""
+    used, f = counts.get("server_ids", 0), counts.get("ids_fallback") or {"count": 0}
+    text = f"{used:,} rows take the server's token ids; " if used else ""
+    if f["count"]:
+        lines = ", ".join(map(str, f["lines"])) + (", ..." if f["count"] > len(f["lines"]) else "")
+        text += (f"{f['count']:,} rows' token ids disagree with their text, re-tokenized instead (line"
+                 f"{'s' if len(f['lines']) > 1 else ''} {lines}: {f['reason']}); ")
+    return text
 
 
 # --- finding or making the store a run reads -----------------------------------------------------------

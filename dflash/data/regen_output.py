@@ -5,7 +5,8 @@ Files, beside `<out>`:
 
 * `<out>` — one JSON row per line, in the shapes `dflash data prepare` reads, each with a `regen` object
   (`line`: the input line it answers; `finish`: each regenerated turn's finish reason; `cut`: whether
-  --max-tokens cut one; `token_ids`: each turn's answer ids where the server returned them). Appended in
+  --max-tokens cut one; `token_ids`: each turn's answer ids where the server returned them and the row's
+  text is the whole answer, which `dflash data prepare` trains on in place of re-tokenizing). Appended in
   the order rows finish; sorted by input line once the job is complete.
 * `<out>.errors.jsonl` — rows that failed (after their retries) or were malformed: `{"line", "reason"}`.
   They are not done: a `--resume` tries them again.
@@ -20,10 +21,11 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from dflash.data.formats import DataError
+from dflash.data.formats import REGEN_KEY, DataError
 
-#: the key of the object each output row carries about how it was made
-META = "regen"
+#: the key of the object each output row carries about how it was made (`dflash data prepare` reads its
+#: token_ids)
+META = REGEN_KEY
 
 
 def errors_path(out: Path) -> Path:

@@ -38,6 +38,11 @@ RETRY_STATUS = frozenset({408, 409, 425, 429})
 MAX_BACKOFF_S = 30.0
 #: what a server's error says, at most (it goes into one line of the errors file)
 MAX_REASON = 300
+#: how long a job waits for a server that is still starting (vLLM loads a large model for minutes)
+WAIT_FOR_SERVER_S = 600.0
+#: the longest pause between two looks at a server that is starting, and how often the wait is logged
+MAX_WAIT_PAUSE_S = 5.0
+WAIT_LOG_EVERY_S = 30.0
 #: the request the tokenizer check sends (one token of answer)
 PROBE = [{"role": "user", "content": "Reply with one word: hello."}]
 
@@ -73,7 +78,8 @@ class ServerJob:
     def __init__(self, urls: list[str], tokenizer, target: str, model: str | None, reasoning: str,
                  concurrency: int, max_tokens: int | None, retries: int = 5, backoff_s: float = 1.0,
                  api_key: str | None = None, timeout_s: float = 600.0, stats=None,
-                 log: Callable[[str], None] = print, log_every_s: float = 10.0) -> None:
+                 log: Callable[[str], None] = print, log_every_s: float = 10.0,
+                 wait_for_server_s: float = WAIT_FOR_SERVER_S) -> None:
         from dflash.telemetry import ProfileStats
 
         self.endpoints = [Endpoint(i, base_url(u)) for i, u in enumerate(urls)]
@@ -82,7 +88,7 @@ class ServerJob:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = httpx.Timeout(timeout_s, connect=10.0)
         self.stats = stats if stats is not None else ProfileStats()
-        self.log, self.log_every_s = log, log_every_s
+        self.log, self.log_every_s, self.wait_for_server_s = log, log_every_s, wait_for_server_s
         self.sampling: dict = {}
         #: whether the servers return token ids (vLLM's return_token_ids) and take fields beyond OpenAI's
         self.token_ids = False
@@ -96,12 +102,35 @@ class ServerJob:
         async with httpx.AsyncClient(timeout=self.timeout, headers=self.headers) as client:
             try:
                 for ep in self.endpoints:
-                    names = [c["id"] for c in await model_cards(client, ep.url)]
+                    names = [c["id"] for c in await self._ready_cards(client, ep)]
                     self.model = chosen_model(names, self.model, ep.url, "--model")
             except ServerError as e:
                 raise DataError(f"endpoint {e}") from None
             flags = {await self._probe(client, ep) for ep in self.endpoints}
             self.token_ids = flags == {True}
+
+    async def _ready_cards(self, client: httpx.AsyncClient, ep: Endpoint) -> list[dict]:
+        """`ep`'s model cards once it answers: a server that is not listening yet or answers 502/503/504 is
+        still loading its model (vLLM takes minutes), so it is asked again, with a growing pause, until
+        `wait_for_server_s` have passed; anything else is refused at once."""
+        deadline = time.monotonic() + self.wait_for_server_s
+        pause, said = 0.1, 0.0
+        while True:
+            try:
+                return await model_cards(client, ep.url)
+            except ServerError as e:
+                left = deadline - time.monotonic()
+                if not e.not_ready or self.wait_for_server_s <= 0:
+                    raise
+                if left <= 0:
+                    raise ServerError(f"{e} (still not ready after {self.wait_for_server_s:g} s of "
+                                      "--wait-for-server)") from None
+                if time.monotonic() - said >= WAIT_LOG_EVERY_S:
+                    said = time.monotonic()
+                    self.log(f"waiting for {ep.url} (model loading?): {str(e).removeprefix(ep.url + ': ')}; "
+                             f"giving up in {left:.0f} s")
+                await asyncio.sleep(min(pause, left))
+                pause = min(pause * 2, MAX_WAIT_PAUSE_S)
 
     def _chat_body(self, messages: list[dict], max_tokens: int | None, token_ids: bool) -> dict:
         body: dict = {"model": self.model, "messages": messages, **self.sampling}

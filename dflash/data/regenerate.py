@@ -12,6 +12,7 @@ sampling settings.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -91,8 +92,11 @@ class Conversation:
                            request_thinking(self.reasoning))
 
     def answer(self, a: Answer) -> None:
+        reasoning, text = (a.reasoning, a.text) if a.reasoning else split_reasoning(a.text)
+        if reasoning and self.reasoning != "keep":
+            # the row keeps the answer without its reasoning: the ids of the whole answer are not its text
+            a = dataclasses.replace(a, token_ids=None)
         if self.chat:
-            reasoning, text = (a.reasoning, a.text) if a.reasoning else split_reasoning(a.text)
             m = {"role": "assistant", "content": text.strip() if reasoning else text}
             if reasoning and self.reasoning == "keep":
                 m["reasoning_content"] = reasoning.strip()
@@ -229,6 +233,9 @@ def regenerate_rows(target, rows: list[tuple[str, dict]], max_new_tokens: int = 
 
 # --- in this process -------------------------------------------------------------------------------
 
+#: the in-process job's one worker on the telemetry wire (and its thread's name, whose CPU is read by it)
+IN_PROCESS_WORKER = "regen-target"
+
 
 def generate_batch(target, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations of token-id prompts (left-padded into one batch), without the prompts."""
@@ -271,12 +278,32 @@ def generate_finished(target, prompts: list[list[int]], max_new_tokens: int,
 
 def regenerate_in_process(target, data: Path, output: RegenOutput, lines: range, max_new_tokens: int,
                           batch_size: int, reasoning: str, sampling: dict | None = None,
-                          log: Callable[[str], None] = print) -> None:
+                          log: Callable[[str], None] = print, stats=None) -> None:
     """Answer every row of `lines` not yet done with the target here: a chunk of rows at a time, each of
     their turns batched with prompts of like length (less padding), the chunk appended durably once all
-    its conversations are answered."""
+    its conversations are answered. `stats` (a ProfileStats): the job's time on the telemetry wire, on one
+    worker (this thread): the target's `generate` against the durable `row_write`, counters rows and tokens,
+    as the endpoint path publishes them."""
+    from dflash.telemetry import ProfileStats
+    from dflash.telemetry.wire.vocab import GENERATE, ROW_WRITE, Counter, Gauge, Role
+
+    stats = stats if stats is not None else ProfileStats(enabled=False)
+    w = stats.worker(IN_PROCESS_WORKER, Role.TARGET)
     tok = target.tokenizer
     chunk: list[Conversation] = []
+    total = len(lines)
+
+    def append(rows: list[dict]) -> None:
+        with w.span(ROW_WRITE):
+            output.append(rows)
+        stats.count(Counter.ROWS, len(rows))
+        stats.count(Counter.CUT_ROWS, sum(1 for r in rows if r[META].get("cut")))
+        stats.gauge(Gauge.PROGRESS, min(1.0, (len(output.done) + output.failed) / max(1, total)))
+
+    def fail(line: int, reason: str) -> None:
+        with w.span(ROW_WRITE):
+            output.error(line, reason)
+        stats.count(Counter.ROW_ERRORS)
 
     def flush() -> None:
         while any(not c.done for c in chunk):
@@ -284,10 +311,12 @@ def regenerate_in_process(target, data: Path, output: RegenOutput, lines: range,
             for start in range(0, len(todo), batch_size):
                 batch = todo[start:start + batch_size]
                 prompts = [c.prompt_ids(tok, f"{data}:{c.line}") for c in batch]
-                for c, (ids, finish) in zip(batch, generate_finished(target, prompts, max_new_tokens, sampling),
-                                            strict=True):
+                with w.span(GENERATE):
+                    answers = generate_finished(target, prompts, max_new_tokens, sampling)
+                for c, (ids, finish) in zip(batch, answers, strict=True):
                     c.answer(Answer(tok.decode(ids, skip_special_tokens=True), finish=finish, token_ids=ids))
-        output.append([c.output() for c in chunk])
+                stats.count(Counter.TOKENS, sum(len(ids) for ids, _ in answers))
+        append([c.output() for c in chunk])
         chunk.clear()
         log(f"regenerate: {len(output.done)} rows done, {output.failed} failed")
 
@@ -295,16 +324,16 @@ def regenerate_in_process(target, data: Path, output: RegenOutput, lines: range,
         if line in output.done:
             continue
         if bad is not None:
-            output.error(line, bad)
+            fail(line, bad)
         elif passes_through(row):
-            output.append([{**row, META: {"line": line, "passed": "tool calls"}}])
+            append([{**row, META: {"line": line, "passed": "tool calls"}}])
         else:
             try:
                 chunk.append(Conversation(line, row, reasoning))
                 chunk[-1].prompt_ids(tok, f"{data}:{line}")  # a template that cannot render it is named now
             except DataError as e:
                 chunk.pop()
-                output.error(line, str(e).split(": ", 1)[-1])
+                fail(line, str(e).split(": ", 1)[-1])
         if len(chunk) >= batch_size * 8:
             flush()
     if chunk:

@@ -32,7 +32,10 @@ OBJECTIVE_CATEGORIES = ("verifier_logits", SELECTOR)
 #: the client's worker, its own work (building requests, reading answers, tokenizing) and the durable
 #: writes of finished rows
 SERVER_REQUEST, CLIENT_WORK, ROW_WRITE = "server_request", "client_work", "row_write"
-REGEN_CATEGORIES = (SERVER_REQUEST, CLIENT_WORK, ROW_WRITE)
+#: the in-process regenerate job's (no --endpoint): the target writing a batch's answers, on its one worker
+#: beside row_write
+GENERATE = "generate"
+REGEN_CATEGORIES = (SERVER_REQUEST, CLIENT_WORK, ROW_WRITE, GENERATE)
 #: the regenerate client's busy categories (what its one thread does that is not waiting for a server)
 CLIENT_BUSY = (CLIENT_WORK, ROW_WRITE)
 #: what only a sampled view (`dflash-top --pid`, stacks read from outside) tells apart: a thread in a
