@@ -131,3 +131,104 @@ class CudaSyncLog:
         if self._warnings is not None:
             self._warnings.__exit__(*exc)
             self._warnings = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Speculative sampling's distribution test: what tests/test_eval_sampling.py runs on the CPU and
+# scripts/gpu_check.py's eval_temperature on CUDA, at the same significance
+# --------------------------------------------------------------------------------------------------
+
+#: the settings of the test: a temperature and top-k that leave TOP_K ** TOKENS continuations of PROMPT,
+#: none of them likely enough to dominate, each drawn SAMPLES times in expectation of a fair count
+SAMPLING_TEMPERATURE, SAMPLING_TOP_K, SAMPLING_TOKENS, SAMPLING_SAMPLES = 2.0, 3, 3, 300
+SAMPLING_PROMPT = [3, 5, 1, 4]
+
+
+def sampling_drafter(target, kind: str):
+    """A one-layer drafter of ``kind`` (dflash, dflash2, dspark) for ``target`` (block 4) whose own
+    proposals move the draft: a fresh DFlash2 selector is plain top-1 and a fresh DSpark Markov bias is
+    ~1e-3 a logit, so their weights are drawn larger, seeded. In eval mode, on the target's device."""
+    import torch
+
+    from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash.model.dspark import DSparkConfig, DSparkDrafter
+
+    torch.manual_seed(3)
+    cfg = DrafterConfig.for_target(target.config, num_layers=1, block_size=4, target_layer_ids=target.layer_ids,
+                                   mask_token_id=target.default_mask_token_id())
+    if kind == "dflash":
+        d = DFlashDrafter(cfg)
+    elif kind == "dspark":
+        d = DSparkDrafter(DSparkConfig(**cfg.__dict__, markov_rank=4))
+        with torch.no_grad():
+            d.markov_head.markov_w1.weight.normal_(std=1.0)
+            d.markov_head.markov_w2.weight.normal_(std=1.0)
+    else:
+        d = DFlash2Drafter(DFlash2Config(**cfg.__dict__, selector_rank=4, selector_top_k=SAMPLING_TOP_K))
+        with torch.no_grad():
+            d.candidate_selector.successor_codebook.normal_(std=2.0)
+            d.candidate_selector.predecessor_codebook.normal_(std=2.0)
+            d.candidate_selector.hidden_projection.weight.normal_(std=0.5)
+    return d.to(target.device).eval()
+
+
+def exact_continuations(target) -> dict[tuple[int, ...], float]:
+    """The target's own probability of every SAMPLING_TOKENS-token continuation of SAMPLING_PROMPT under
+    the test's temperature and top-k, by enumerating them (one forward per prefix)."""
+    import torch
+
+    from dflash.eval.sampling import sampling_probs
+
+    out: dict[tuple[int, ...], float] = {(): 1.0}
+    with torch.inference_mode():
+        for _ in range(SAMPLING_TOKENS):
+            nxt = {}
+            for prefix, p in out.items():
+                ids = torch.tensor([SAMPLING_PROMPT + list(prefix)], device=target.device)
+                probs = sampling_probs(target.model(input_ids=ids).logits[0, -1], SAMPLING_TEMPERATURE, 1.0,
+                                       SAMPLING_TOP_K).cpu()
+                for tok in probs.nonzero()[:, 0].tolist():
+                    nxt[prefix + (tok,)] = p * float(probs[tok])
+            out = nxt
+    return out
+
+
+def speculative_counts(drafter, target,
+                       samples: int = SAMPLING_SAMPLES) -> tuple[dict[tuple[int, ...], int], list[int]]:
+    """How often each continuation came out of ``samples`` seeded speculative decodes (each seed's
+    generator on the target's device, where the verifier draws), and every round's accepted drafts."""
+    import torch
+
+    from dflash.eval.speculative import Sampling, speculative_generate
+
+    counts: dict[tuple[int, ...], int] = {}
+    accepted: list[int] = []
+    for seed in range(samples):
+        g = torch.Generator(device=target.device).manual_seed(seed)
+        s = Sampling(SAMPLING_TEMPERATURE, 1.0, SAMPLING_TOP_K, g)
+        res = speculative_generate(drafter, target, SAMPLING_PROMPT, SAMPLING_TOKENS, stop_token_ids=[], sampling=s)
+        key = tuple(res.tokens)
+        counts[key] = counts.get(key, 0) + 1
+        accepted += res.accepted
+    return counts, accepted
+
+
+#: one-sided 0.1%: the standard normal quantile the chi-square critical value is approximated from
+CHI_SQUARE_Z = 3.09
+
+
+def chi_square(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...], float],
+               n: int) -> tuple[float, float]:
+    """(Pearson's statistic, its 0.1% critical value): cells expected fewer than 5 times pooled; the
+    quantile by Wilson-Hilferty's cube-root normal approximation."""
+    import math
+
+    big = [k for k, p in expected.items() if p * n >= 5]
+    rest = [k for k in expected if k not in big]
+    cells = [(counts.get(k, 0), expected[k] * n) for k in big]
+    if rest:
+        cells.append((sum(counts.get(k, 0) for k in rest), sum(expected[k] for k in rest) * n))
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    df = len(cells) - 1
+    return stat, df * (1 - 2 / (9 * df) + CHI_SQUARE_Z * math.sqrt(2 / (9 * df))) ** 3

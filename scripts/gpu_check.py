@@ -24,9 +24,9 @@ one per run) that every child shares: the compile-heavy checks then load kernels
 them cold.
 
 Checks (see docs/gpu.md; ``--plan`` lists them with their budgets): prewarm, flex_uneven,
-host_gap, sync_free, thread_device, device_shares, flex_vs_sdpa, memory_recipe, throughput,
-checkpoint_1b, side_stream_copy, cuda_spans, ddp_resume, compile_count, verdicts, launch_bound,
-eval_lossless, mask_build, nvml.
+host_gap, sync_free, thread_device, device_shares, flex_vs_sdpa, memory_recipe, dflash2_vocab,
+throughput, fp8_cache_cuda, eval_temperature, muon_real_shape, dspark, eval_lossless, checkpoint_1b,
+side_stream_copy, cuda_spans, ddp_resume, compile_count, verdicts, launch_bound, mask_build, nvml.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 TOTAL_BUDGET_S = 420.0
 # Each forked child's own start (its CUDA context and first allocation) before its check's clock
 # starts: outside each check's budget, inside the total (the budgets and allowances sum to <= the total).
-START_ALLOWANCE_S = 2.0
+START_ALLOWANCE_S = 1.0
 # --cpu-smoke proves the script, not the GPU's timings: its per-check time limits are the GPU budgets
 # times this (a CPU shared with other work starts a child process in seconds, not one)
 SMOKE_SLACK = 10.0
@@ -114,11 +114,12 @@ def make_target(ctx: Ctx, shape: dict, layers: int | None = None, device: str | 
 
 
 def make_parts(ctx: Ctx, target, drafter_layers: int, seq_len: int, num_anchors: int, batch_size: int,
-               samples: int = 16, target_device: str | None = None):
+               samples: int = 16, target_device: str | None = None, **recipe):
     """Real stages around ``target``, made by the trainer's own build(): a BatchSource over random token
     sequences (second half is the response), a TargetStage and a DrafterStage with the recipe's optimizer.
     On a GPU build() fits the batch and anchors to its memory: the returned cfg holds what will run
-    (``ran(cfg)``), which every figure must be computed from, not what was asked."""
+    (``ran(cfg)``), which every figure must be computed from, not what was asked. ``recipe``: other
+    settings (``drafter_type="dflash2"``, ...)."""
     import torch
 
     from dflash.data import Sample
@@ -132,7 +133,8 @@ def make_parts(ctx: Ctx, target, drafter_layers: int, seq_len: int, num_anchors:
     rows = [Sample(torch.randint(0, vocab - 1, (seq_len,), generator=g).tolist(),
                    [0] * (seq_len // 2) + [1] * (seq_len - seq_len // 2)) for _ in range(samples)]
     cfg = updated(TrainConfig(), num_anchors=num_anchors, batch_size=batch_size, max_steps=10**6, eval_prompts=0,
-                  drafter_layers=drafter_layers, target_devices=[str(target.device)], drafter_device=ctx.device)
+                  drafter_layers=drafter_layers, target_devices=[str(target.device)], drafter_device=ctx.device,
+                  **recipe)
     parts = build(cfg, Dist(), target, samples=rows, log=lambda line: None)
     return parts.source, parts.targets[0], parts.drafter, cfg, parts.stats
 
@@ -325,13 +327,13 @@ def _flex_against_sdpa(ctx: Ctx, target, dstage, seq: int, n: int, pad: int, see
             "ok": loss_rel < 1e-2 and grad_rel < 5e-2}
 
 
-@check(budget_s=15)
+@check(budget_s=11)
 def check_flex_vs_sdpa(ctx: Ctx) -> dict:
     """Loss and gradients of the packed-block drafter under compiled FlexAttention (block mask from
     tile metadata) vs SDPA (dense mask), in bf16 autocast. CPU: forward only (no flex backward there)."""
     from dflash.model import masks
 
-    target = make_target(ctx, TINY if ctx.smoke else {**QWEN3_8B, "vocab_size": 32768}, layers=2 if ctx.smoke else 8)
+    target = make_target(ctx, TINY if ctx.smoke else {**QWEN3_8B, "vocab_size": 32768}, layers=2 if ctx.smoke else 4)
     seq, n = (96, 6) if ctx.smoke else (1024, 48)
     _, _, dstage, _, _ = make_parts(ctx, target, 1 if ctx.smoke else 2, seq, n, 2)
     r = _flex_against_sdpa(ctx, target, dstage, seq, n, pad=5, seed=3)
@@ -339,7 +341,7 @@ def check_flex_vs_sdpa(ctx: Ctx) -> dict:
     return {"ok": ok, **r, "backward_compared": ctx.cuda, "flex_fallback": masks._flex_failed}
 
 
-@check(budget_s=25)
+@check(budget_s=18)
 def check_flex_uneven(ctx: Ctx) -> dict:
     """Flex vs SDPA, forward and backward in bf16, where tiles and shapes do not line up: anchor counts
     not a multiple of 8, lengths not a multiple of 128, padded rows; and no fallback to SDPA."""
@@ -389,7 +391,7 @@ def check_compile_count(ctx: Ctx) -> dict:
             "seconds_per_shape": times, "flex_fallback": masks._flex_failed}
 
 
-@check(budget_s=5)
+@check(budget_s=2)
 def check_mask_build(ctx: Ctx) -> dict:
     """The recipe-size block mask (512 anchors x 16, 4096 tokens, batch 2): build time, peak memory
     (vs the dense mask's bytes) and, on CUDA, no host sync while building."""
@@ -427,7 +429,7 @@ def check_mask_build(ctx: Ctx) -> dict:
     return out
 
 
-@check(budget_s=12)
+@check(budget_s=7)
 def check_side_stream_copy(ctx: Ctx) -> dict:
     """Hidden states handed from target to drafter through the side-stream copy (CPU target -> GPU
     drafter: pinned, non-blocking; GPU -> same GPU) equal a direct forward, checksum for checksum,
@@ -461,7 +463,7 @@ def check_side_stream_copy(ctx: Ctx) -> dict:
             "sanitizer": ctx.cuda}
 
 
-@check(budget_s=8)
+@check(budget_s=2)
 def check_cuda_spans(ctx: Ctx) -> dict:
     """CUDA spans from a worker thread on its own stream resolve to device times via query(), and
     after the GPU is idle one drain leaves nothing pending."""
@@ -517,7 +519,7 @@ def _verdict(ctx: Ctx, target_layers: int, drafter_layers: int, anchors: int, sh
     return {"verdict": b.verdict, "reason": b.reason}
 
 
-@check(budget_s=15)
+@check(budget_s=13)
 def check_verdicts(ctx: Ctx) -> dict:
     """The bottleneck verdict on a target-heavy run (deep target, one small drafter layer, few
     anchors) and a drafter-heavy one (shallow target, deep drafter, many anchors)."""
@@ -613,7 +615,7 @@ def _churn(seconds: float) -> dict:
             "keys": "num_device_alloc" in torch.cuda.memory_stats(), "high": rate >= CHURN_HIGH}
 
 
-@check(budget_s=7)
+@check(budget_s=6)
 def check_launch_bound(ctx: Ctx) -> dict:
     """Launch-bound, provoked: many tiny kernels from a target thread keep it busy while its GPU idles
     between them, and the published verdict (NVML's kernel time over 3 s) says launch-bound; then the
@@ -626,7 +628,7 @@ def check_launch_bound(ctx: Ctx) -> dict:
     return {"ok": out["verdict"] == "launch-bound" and out["churn"]["high"], **out}
 
 
-@check(budget_s=8)
+@check(budget_s=4)
 def check_nvml(ctx: Ctx) -> dict:
     """NVML sample of this GPU under load: fields present, the GPU found as this process's cuda:0 by
     UUID, and GPM SM-active / tensor-active where the GPU supports it."""
@@ -755,29 +757,6 @@ def check_ddp_resume(ctx: Ctx) -> dict:
             "ddp": type(second.drafter.forward_module).__name__}
 
 
-@check(budget_s=8)
-def check_eval_lossless(ctx: Ctx) -> dict:
-    """`dflash eval`'s decode loop with a bf16 drafter and bf16 target: speculative output equals the
-    target's own greedy output (no real divergence; near-ties listed apart where eval reports them)."""
-    import torch
-
-    from dflash.data import load_prompts
-    from dflash.eval.speculative import evaluate
-    from dflash.model.drafter import DFlashDrafter, DrafterConfig
-    from dflash.targets import load_target
-
-    target = load_target("tiny", device=ctx.device, dtype=torch.bfloat16)
-    dcfg = DrafterConfig.for_target(target.config, num_layers=1, target_layer_ids=target.layer_ids,
-                                    mask_token_id=target.default_mask_token_id())
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(dcfg).to(ctx.device).to(torch.bfloat16)
-    prompts = load_prompts("demo", target.tokenizer, limit=2 if ctx.smoke else 8)
-    r = evaluate(drafter, target, prompts, max_new_tokens=16 if ctx.smoke else 64)
-    return {"ok": bool(r.lossless), "lossless": r.lossless, "mismatched_prompts": r.mismatched_prompts,
-            "near_tie_prompts": getattr(r, "near_tie_prompts", None),  # (reported where eval tells them apart)
-            "tau": r.tau, "prompts": r.num_prompts}
-
-
 def device_peak(ctx: Ctx) -> float | None:
     """The GPU's dense bf16 peak, FLOP/s, from the trainer's own table (None on the host or a GPU not in
     it: no MFU then)."""
@@ -788,7 +767,7 @@ def device_peak(ctx: Ctx) -> float | None:
     return devices_peak([torch.device(ctx.device)])[0]
 
 
-@check(budget_s=40)
+@check(budget_s=36)
 def check_throughput(ctx: Ctx) -> dict:
     """Qwen3-8B-shaped target (random weights), the recipe drafter (5 layers, 512 anchors, block 16),
     4096-token sequences: tokens/s pipelined vs --pipeline off, and MFU against the GPU's dense bf16 peak,
@@ -800,7 +779,7 @@ def check_throughput(ctx: Ctx) -> dict:
     seq, n, bsz = (128, 8, 2) if ctx.smoke else (4096, 512, int(os.environ.get("GPU_CHECK_BATCH", "2")))
     target = make_target(ctx, shape, layers=2 if ctx.smoke else layers)
     parts = make_parts(ctx, target, 1 if ctx.smoke else 5, seq, n, bsz, samples=8)
-    warm, steps = (1, 3) if ctx.smoke else (3, 12)
+    warm, steps = (1, 3) if ctx.smoke else (3, 10)
     out: dict = {"target_layers": target.num_layers, "seq_len": seq, **ran(parts[3], bsz, n)}
     bsz = out["batch"]  # the rates are of the batch that ran
     peak = device_peak(ctx)
@@ -871,7 +850,7 @@ def _device_ms(window, worker: str, cats: tuple[str, ...]) -> tuple[float, float
     return share, secs
 
 
-@check(budget_s=30)
+@check(budget_s=16)
 def check_device_shares(ctx: Ctx) -> dict:
     """Target and drafter on one GPU, each worker on its own stream: the two stages' device shares sum
     to at most 1.05, and each stage's device ms per step pipelined matches that stage alone (sync mode:
@@ -885,10 +864,10 @@ def check_device_shares(ctx: Ctx) -> dict:
     stats = parts[-1]
     out: dict = {}
     for mode in (False, True):
-        run_pipeline(*parts, steps=3, pipeline=mode)  # warm-up (compilation, allocator)
+        run_pipeline(*parts, steps=2, pipeline=mode)  # warm-up (compilation, allocator)
         _sync(ctx)
         stats.drain()
-        steps = 12
+        steps = 8
         run_pipeline(*parts, steps=steps, pipeline=mode)
         _sync(ctx)
         w = stats.drain()
@@ -1062,11 +1041,359 @@ def check_thread_device(ctx: Ctx) -> dict:
     return {"ok": code == 0 and not wrong, "expected": dev, "bindings": bound, "wrong": wrong}
 
 
+# --------------------------------------------------------------------------------------------------
+# What the DSpark, data and memory-plan changes added: DFlash2 at a real vocabulary, the FP8 cache into a
+# CUDA drafter, sampled verification, Muon at the real shape, DSpark, and rollback under a trained drafter
+# --------------------------------------------------------------------------------------------------
+
+#: a step's measured peak may exceed the memory plan's prediction by this share at most: the plan fills
+#: HEADROOM (90%) of the free memory and leaves the rest for what it cannot see, so a peak above the plan
+#: by more than 1 / 0.9 - 1 = 11% eats into memory the plan promised was free
+PLAN_MARGIN = 1 / 0.9 - 1
+
+
+def _peak_against_plan(ctx: Ctx, dstage, target, cfg, run) -> dict:
+    """The memory plan's prediction for the batch and anchors that ran (dflash.train.device.memory.plan_step:
+    what the steps add to the allocated memory) against what ``run()`` (the steps) really added at its
+    peak, with the allocator's retries over those steps; on the CPU the plan only (nothing is measured)."""
+    import torch
+
+    from dflash.train.device.memory import GIB, plan_step
+
+    fit, model = plan_step(dstage, target, [target.device], seq_len=cfg.data.max_seq_len,
+                           batch_size=cfg.data.batch_size, num_anchors=cfg.model.num_anchors,
+                           hs_queue_size=cfg.pipeline.hs_queue_size, free=1 << 60)  # (nothing shrinks)
+    out = {"plan_gib": round(fit.need / GIB, 3), "plan_fixed_gib": round(fit.fixed / GIB, 3),
+           "plan_per_sample_gib": round(fit.per_sample / GIB, 3),
+           "activation_kb_per_query_token_layer": round(model.per_query_token_layer / 1e3, 1)}
+    if ctx.cuda:
+        _sync(ctx)
+        torch.cuda.reset_peak_memory_stats()
+        base, retries = torch.cuda.memory_allocated(), torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    run()
+    if ctx.cuda:
+        _sync(ctx)
+        added = torch.cuda.max_memory_allocated() - base
+        out.update(measured_gib=round(added / GIB, 3), measured_over_plan=round(added / fit.need, 3),
+                   margin=round(PLAN_MARGIN, 3),
+                   alloc_retries=int(torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries))
+    return out
+
+
+@check(budget_s=15)
+def check_dflash2_vocab(ctx: Ctx) -> dict:
+    """DFlash2 (drafter type dflash2: the candidate selector) at Qwen3's vocabulary of 151,936, where its
+    LM-head and selector passes really run in chunks (dflash/objectives/head.py, chunk_rows): pipelined
+    steps of the real stages beside a 2-layer Qwen3-8B-shaped target on the same GPU, their measured
+    peak against the memory plan's prediction for the batch that ran, the allocator's retries and the
+    step time. Fails (CUDA) when the peak exceeds the plan by more than PLAN_MARGIN, on any allocator
+    retry, or when the head was not chunked."""
+    import math
+
+    from dflash.objectives.head import chunk_rows
+
+    vocab = QWEN3_8B["vocab_size"]
+    shape = {**TINY, "vocab_size": vocab} if ctx.smoke else QWEN3_8B
+    seq, n, bsz = (160, 16, 2) if ctx.smoke else (2048, 256, 4)
+    target = make_target(ctx, shape, layers=2)
+    source, tstage, dstage, cfg, stats = make_parts(ctx, target, 1 if ctx.smoke else 2, seq, n, bsz, samples=8,
+                                                    drafter_type="dflash2")
+    out: dict = {"vocab": vocab, "seq_len": seq, **ran(cfg, bsz, n), "drafter": type(dstage.drafter).__name__}
+    bs = dstage.drafter.config.block_size
+    rows = out["batch"] * out["anchors"] * (bs - 1)
+    out.update(head_rows=rows, chunk_rows=chunk_rows(vocab), chunks=math.ceil(rows / chunk_rows(vocab)))
+    steps = 3 if ctx.smoke else 5
+    stamps: list[float] = []
+
+    def run() -> None:
+        stamps.extend(run_pipeline(source, tstage, dstage, cfg, stats, steps=steps, pipeline=True, timeout_s=120))
+
+    out.update(_peak_against_plan(ctx, dstage, target, cfg, run))
+    out["step_s"] = round((stamps[-1] - stamps[0]) / (steps - 1), 4)  # the first step allocates; not timed
+    if not ctx.cuda:
+        return {"ok": None if out["chunks"] > 1 else False, **out,
+                "note": "ran on CPU at vocabulary 151,936 (chunked); the peak against the plan needs CUDA"}
+    ok = out["measured_over_plan"] <= 1 + PLAN_MARGIN and out["alloc_retries"] == 0 and out["chunks"] > 1
+    return {"ok": ok, **out}
+
+
+@check(budget_s=8)
+def check_fp8_cache_cuda(ctx: Ctx) -> dict:
+    """The FP8 hidden-state cache into a CUDA drafter: `dflash data cache --dtype fp8 --fp8-scales tap` writes
+    16 rows of the demo data on the host (the tiny target, on the CPU); the trainer's own stages read them
+    back (reader threads dequantise into page-locked bf16, the side stream copies them to the GPU) and the
+    states on the device equal the CPU's dequantisation of the same files bit for bit; then the whole
+    trainer trains from the cache with every sync recorded by thread. Fails when a state differs, a worker
+    thread synchronised in the steady steps (CUDA), or the training did not finish."""
+    import torch
+
+    from dflash.cli import main as cli
+    from dflash.data.cache_format import dequantize_fp8, read_stored, sample_path
+    from dflash.targets import make_target as target_for
+    from dflash.testing import CudaSyncLog, run_steady
+    from dflash.train.config.schema import make_config, updated
+    from dflash.train.distributed import Dist
+    from dflash.train.run.build import build
+
+    root, rows = ctx.tmp / "fp8-cache", 16
+    code = cli(["data", "cache", "--target", "tiny", "--data", "demo", "--out", str(root), "--max-samples", str(rows),
+                "--dtype", "fp8", "--fp8-scales", "tap", "--batch-size", "8", "--no-telemetry"])
+    if code != 0:
+        return {"ok": False, "error": f"dflash data cache exited {code}"}
+    dev = "cuda" if ctx.cuda else "cpu"
+    cfg = make_config({}, dict(target="tiny", hidden_states=str(root), run_dir=str(ctx.tmp / "fp8-run"), batch_size=4,
+                               num_anchors=8, max_steps=10**6, drafter_layers=1, target_devices=[dev],
+                               drafter_device=dev, max_seq_len=256, eval_prompts=0, telemetry=False))
+    target = target_for(cfg, dev)
+    try:
+        parts = build(cfg, Dist(), target, log=lambda line: None)
+        stage, source, layout = parts.targets[0], parts.source, target.layout
+        diffs, compared = [], 0
+        for i in range(3):
+            batch = source(i)
+            hb = stage(batch)
+            if hb.ready is not None:
+                torch.cuda.current_stream().wait_event(hb.ready)
+            got = hb.hidden.cpu()
+            for r, p in enumerate(batch.sample_ids):
+                q, _ids, scales = read_stored(sample_path(root, target.file_rows[p]))
+                want = dequantize_fp8(q, scales, target.dtype)[:, list(layout.slots)].flatten(1)
+                n = min(want.shape[0], got.shape[1])
+                diffs.append(int((got[r, :n] != want[:n]).sum()))
+                compared += want[:n].numel()
+    finally:
+        target.close()
+    out: dict = {"rows": rows, "scales": "per tap", "dtype_on_device": str(hb.hidden.dtype).removeprefix("torch."),
+                 "device": str(hb.hidden.device), "values_compared": compared, "values_differing": sum(diffs)}
+    warm, steady = (2, 3) if ctx.smoke else (4, 12)
+    log = CudaSyncLog()
+    try:
+        run_steady(updated(cfg, run_dir=str(ctx.tmp / "fp8-train")), warm, steady, lambda: log)
+        out["sync_debug"] = _worker_syncs(log)
+    except RuntimeError as e:
+        out["sync_debug"] = _where(str(e))
+    out["steady_steps"] = steady
+    ok = sum(diffs) == 0 and compared > 0 and out["sync_debug"] == "no sync"
+    if not ctx.cuda:
+        return {"ok": None if ok else False, **out, "note": "ran on CPU: the device copy and the sync assertion "
+                "need CUDA"}
+    return {"ok": ok, **out}
+
+
+def _sampling_target(ctx: Ctx):
+    """The distribution test's target: a random 2-layer Qwen3 of 8 tokens with sharpened logits, both
+    layers tapped, in float32 (the test's precision) on the check's device."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash.targets.hf import HFTarget
+
+    cfg = Qwen3Config(vocab_size=8, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, eos_token_id=1,
+                      bos_token_id=None, pad_token_id=2)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # (a random init is near uniform: sharpened, the spread comes from the temperature)
+        model.get_output_embeddings().weight.mul_(8.0)
+    return HFTarget(model.to(ctx.device).eval().requires_grad_(False), None, [0, 1])
+
+
+@check(budget_s=11)
+def check_eval_temperature(ctx: Ctx) -> dict:
+    """Speculative sampling on the device is distributed as the target's own sampling: the CPU suite's test
+    (tests/test_eval_sampling.py, its pieces in dflash.testing) run where the verifier draws on CUDA, with
+    generators on the GPU: the first 3 tokens of 300 seeded decodes at temperature 2, top-k 3, for a
+    DFlash2 and a DSpark drafter, against the exact distribution by Pearson's chi-square at 0.1%. Fails
+    when a statistic reaches its critical value, or when drafts were never kept or never rejected (one of
+    the two paths did not run)."""
+    from dflash.testing import (
+        SAMPLING_SAMPLES,
+        SAMPLING_TOKENS,
+        SAMPLING_TOP_K,
+        chi_square,
+        exact_continuations,
+        sampling_drafter,
+        speculative_counts,
+    )
+
+    target = _sampling_target(ctx)
+    expected = exact_continuations(target)
+    out: dict = {"continuations": len(expected), "samples": SAMPLING_SAMPLES, "significance": 0.001}
+    ok = len(expected) == SAMPLING_TOP_K ** SAMPLING_TOKENS
+    for kind in ("dflash2", "dspark"):
+        t0 = time.perf_counter()
+        counts, accepted = speculative_counts(sampling_drafter(target, kind), target)
+        stat, critical = chi_square(counts, expected, SAMPLING_SAMPLES)
+        both = any(accepted) and not all(accepted)
+        out[kind] = {"chi_square": round(stat, 2), "critical": round(critical, 2), "rounds": len(accepted),
+                     "rounds_with_a_kept_draft": sum(a > 0 for a in accepted),
+                     "seconds": round(time.perf_counter() - t0, 2)}
+        ok = ok and stat < critical and both
+    return {"ok": ok, **out, "device": str(target.device)}
+
+
+@check(budget_s=6)
+def check_muon_real_shape(ctx: Ctx) -> dict:
+    """A Muon step (the trainer's optimizer through its public builder, dflash.objectives.optim.build_optimizer,
+    with its learning rates given, not defaulted) on the 8B drafter's real shapes: 5 layers at hidden 4,096,
+    intermediate 12,288, in bf16, with the trainer's device-side skip flag set: device time per step on the
+    thread's own stream (CUDA events), no host sync in the timed steps (sync debug mode "error"), and the
+    memory the steps add (gradients, Muon's momentum, AdamW's moments for the rest, Newton-Schulz's
+    temporaries) against what the memory plan counts for the first step (first_step_bytes). Fails on a
+    sync, a peak above the plan, or weights that did not move."""
+    import torch
+    from transformers import Qwen3Config
+
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
+    from dflash.objectives.optim import build_optimizer
+    from dflash.train.config import OptimSettings
+    from dflash.train.device.memory import GIB, first_step_bytes
+
+    shape = TINY if ctx.smoke else QWEN3_8B
+    tcfg = Qwen3Config(**shape)
+    dcfg = DrafterConfig.for_target(tcfg, num_layers=5, target_layer_ids=default_target_layer_ids(
+        tcfg.num_hidden_layers, 5), mask_token_id=0)
+    dev = torch.device(ctx.device)
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    torch.manual_seed(0)
+    with torch.device(dev):
+        drafter = DFlashDrafter(dcfg).to(dtype)
+    params = sum(p.numel() for p in drafter.parameters())
+    _sync(ctx)
+    base = torch.cuda.memory_allocated() if ctx.cuda else 0
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    # explicit rates: what this check proves does not hang on the defaults of the day
+    opt = build_optimizer(drafter, OptimSettings(optimizer="muon", lr=6e-4, muon_lr=6e-3), dev)
+    opt.found_inf = torch.zeros((), device=dev)  # the trainer's skip flag (health/nonfinite.py), 0: take the step
+    g = torch.Generator(device=dev).manual_seed(1)
+    for p in drafter.parameters():
+        p.grad = torch.randn(p.shape, generator=g, device=dev, dtype=p.dtype) * 1e-2
+    before = next(p for p in drafter.parameters() if p.ndim == 2).detach().clone()
+    opt.step()  # the first step makes the optimizer's state
+    steps = 2 if ctx.smoke else 5
+    side = torch.cuda.Stream(dev) if ctx.cuda else None
+    out: dict = {"hidden": shape["hidden_size"], "intermediate": shape["intermediate_size"], "layers": 5,
+                 "dtype": str(dtype).removeprefix("torch."), "params": params,
+                 "optimizers": sorted(getattr(opt, "named", {"single": opt}))}
+    t0 = time.perf_counter()
+    if side is not None:
+        _sync(ctx)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if side is not None:
+                start.record()
+            for _ in range(steps):
+                opt.step()
+            if side is not None:
+                end.record()
+        out["sync"] = "no sync"
+    except RuntimeError as e:
+        out["sync"] = _where(traceback.format_exc()) if "synchroniz" in str(e) else f"{type(e).__name__}: {e}"[:300]
+    finally:
+        if side is not None:
+            torch.cuda.set_sync_debug_mode(0)
+    _sync(ctx)
+    out["host_s_per_step"] = round((time.perf_counter() - t0) / steps, 4)
+    moved = float((next(p for p in drafter.parameters() if p.ndim == 2).detach() - before).abs().max())
+    out["max_change"] = moved
+    if not ctx.cuda:
+        return {"ok": None if moved > 0 else False, **out, "note": "ran on CPU at tiny shapes: time, sync and "
+                "memory need CUDA"}
+    plan, added = first_step_bytes(drafter), torch.cuda.max_memory_allocated() - base
+    out.update(device_ms_per_step=round(start.elapsed_time(end) / steps, 2), plan_gib=round(plan / GIB, 2),
+               measured_gib=round(added / GIB, 2), measured_over_plan=round(added / plan, 3))
+    return {"ok": out["sync"] == "no sync" and added <= plan and moved > 0, **out}
+
+
+def _train_tiny(ctx: Ctx, name: str, warm: int, steady: int, **recipe):
+    """The whole trainer on the built-in tiny target and the demo data (``recipe``: other settings) for
+    warm + steady steps, every sync of the steady ones recorded by thread: (the finished Trainer, 'no
+    sync' or where a worker synchronised)."""
+    from dflash.testing import CudaSyncLog, run_steady
+    from dflash.train.config.schema import make_config
+
+    dev = "cuda" if ctx.cuda else "cpu"
+    cfg = make_config({}, dict(target="tiny", data="demo", run_dir=str(ctx.tmp / name), batch_size=4,
+                               num_anchors=16, max_steps=1, drafter_layers=1, target_devices=[dev],
+                               drafter_device=dev, max_seq_len=256, **recipe))
+    log = CudaSyncLog()
+    trainer = run_steady(cfg, warm, steady, lambda: log)
+    return trainer, _worker_syncs(log)
+
+
+def _speculative(ctx: Ctx, trainer, prompts: int, tokens: int):
+    """The trained drafter (a bf16 copy on CUDA, as `dflash eval` loads an export) decoding the demo
+    prompts greedily against the tiny target, with the lossless check."""
+    import copy
+
+    import torch
+
+    from dflash.data import load_prompts
+    from dflash.eval.speculative import evaluate
+    from dflash.targets import load_target
+
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    target = load_target("tiny", device=ctx.device, dtype=dtype)
+    drafter = copy.deepcopy(trainer.drafter.drafter).to(ctx.device, dtype).eval()
+    return evaluate(drafter, target, load_prompts("demo", target.tokenizer, limit=prompts), max_new_tokens=tokens)
+
+
+@check(budget_s=9)
+def check_dspark(ctx: Ctx) -> dict:
+    """DSpark (drafter type dspark: the Markov head drafting left to right from the anchor's slot) trains on
+    the device through the whole trainer, every sync of the steady steps recorded by thread, and its
+    semi-autoregressive draft is lossless under greedy verification. Fails on a worker's sync (CUDA), a
+    training that did not finish, or a decode that differs from the target's own."""
+    warm, steady = (2, 3) if ctx.smoke else (4, 16)
+    trainer, syncs = _train_tiny(ctx, "dspark", warm, steady, drafter_type="dspark")
+    r = _speculative(ctx, trainer, 2 if ctx.smoke else 3, 16 if ctx.smoke else 24)
+    out = {"drafter": type(trainer.drafter.drafter).__name__, "steps": trainer.state.step, "sync_debug": syncs,
+           "lossless": r.lossless, "mismatched_prompts": r.mismatched_prompts, "tau": r.tau, "prompts": r.num_prompts}
+    ok = bool(r.lossless) and trainer.state.step == warm + steady
+    if not ctx.cuda:
+        return {"ok": ok or False, **out}
+    return {"ok": ok and syncs == "no sync", **out}
+
+
+#: a trained drafter must exercise the verifier's rollback this often for eval_lossless to pass on CUDA: rounds
+#: that kept some drafts and rejected the rest (the cache cut inside the block, not at the anchor)
+MIN_PARTIAL_ROUNDS = 20
+
+
+@check(budget_s=22)
+def check_eval_lossless(ctx: Ctx) -> dict:
+    """`dflash eval`'s decode loop with a drafter trained on the device (the whole trainer on the tiny
+    target and the demo data; a random one accepts almost nothing, so the verifier's rollback past kept
+    drafts barely runs), in bf16 against the bf16 target: the speculative output equals the target's own
+    greedy output, and the rounds are counted: kept and rejected draft positions, and rounds that kept some
+    drafts and rejected the rest (each a rollback to a position inside the block). Fails when any prompt
+    differs, or (CUDA) when fewer than MIN_PARTIAL_ROUNDS rounds rolled back inside the block."""
+    warm, steady = (10, 10) if ctx.smoke else (50, 350)
+    trainer, _ = _train_tiny(ctx, "eval-trained", warm, steady)
+    r = _speculative(ctx, trainer, 2 if ctx.smoke else 8, 32 if ctx.smoke else 48)
+    hist = r.acceptance_histogram
+    n = len(hist) - 1 if len(hist) > 1 else 0  # drafts per block: the last bin is "all kept"
+    kept = sum(k * c for k, c in enumerate(hist))
+    rejected = sum((n - k) * c for k, c in enumerate(hist))
+    partial = sum(hist[1:n])
+    out = {"trained_steps": trainer.state.step, "lossless": r.lossless, "mismatched_prompts": r.mismatched_prompts,
+           "near_tie_prompts": getattr(r, "near_tie_prompts", None), "tau": r.tau, "prompts": r.num_prompts,
+           "rounds": sum(hist), "kept_positions": kept, "rejected_positions": rejected, "partial_rounds": partial,
+           "min_partial_rounds": MIN_PARTIAL_ROUNDS, "acceptance_histogram": hist}
+    if not ctx.cuda:
+        return {"ok": bool(r.lossless), **out, "note": "on CPU a short training; the rollback count is held on CUDA"}
+    return {"ok": bool(r.lossless) and partial >= MIN_PARTIAL_ROUNDS, **out}
+
 #: the checks by importance, which is their running order: a run cut short has answered what matters most
 IMPORTANCE = (
     "prewarm", "flex_uneven", "host_gap", "sync_free", "thread_device", "device_shares",
-    "flex_vs_sdpa", "memory_recipe", "throughput", "checkpoint_1b", "side_stream_copy",
-    "cuda_spans", "ddp_resume", "compile_count", "verdicts", "launch_bound", "eval_lossless", "mask_build", "nvml",
+    "flex_vs_sdpa", "memory_recipe", "dflash2_vocab", "throughput", "fp8_cache_cuda", "eval_temperature",
+    "muon_real_shape", "dspark", "eval_lossless", "checkpoint_1b", "side_stream_copy",
+    "cuda_spans", "ddp_resume", "compile_count", "verdicts", "launch_bound", "mask_build", "nvml",
 )
 CHECKS = {name: _REGISTERED[name] for name in IMPORTANCE}
 assert len(CHECKS) == len(_REGISTERED), "a registered check is missing from IMPORTANCE"

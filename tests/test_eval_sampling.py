@@ -15,14 +15,23 @@ from test_model_helpers import make_target_dir, one_thread  # noqa: F401 (autous
 from dflash.cli import main
 from dflash.eval import speculative
 from dflash.eval.sampling import draw, rejection_sample, sampling_probs
-from dflash.eval.speculative import Sampling, evaluate, speculative_generate
-from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.dspark import DSparkConfig, DSparkDrafter
+from dflash.eval.speculative import Sampling, evaluate
 from dflash.targets import load_target
+from dflash.testing import (
+    SAMPLING_PROMPT,
+    SAMPLING_SAMPLES,
+    SAMPLING_TEMPERATURE,
+    SAMPLING_TOKENS,
+    SAMPLING_TOP_K,
+    chi_square,
+    exact_continuations,
+    sampling_drafter,
+    speculative_counts,
+)
 
-VOCAB, TEMPERATURE, TOP_K, TOKENS, SAMPLES = 8, 2.0, 3, 3, 300
-PROMPT = [3, 5, 1, 4]
+VOCAB = 8
+TEMPERATURE, TOP_K, SAMPLES = SAMPLING_TEMPERATURE, SAMPLING_TOP_K, SAMPLING_SAMPLES
+PROMPT = SAMPLING_PROMPT
 
 
 @pytest.fixture(scope="module")
@@ -31,71 +40,14 @@ def target(tmp_path_factory):
                        layer_ids=[0, 1])
 
 
-def drafter(target, kind: str):
-    torch.manual_seed(3)
-    cfg = DrafterConfig.for_target(target.config, num_layers=1, block_size=4, target_layer_ids=target.layer_ids,
-                                   mask_token_id=target.default_mask_token_id())
-    if kind == "dflash":
-        return DFlashDrafter(cfg).eval()
-    if kind == "dspark":
-        d = DSparkDrafter(DSparkConfig(**cfg.__dict__, markov_rank=4))
-        with torch.no_grad():  # a Markov bias that moves the draft (a fresh one is ~1e-3 per logit)
-            d.markov_head.markov_w1.weight.normal_(std=1.0)
-            d.markov_head.markov_w2.weight.normal_(std=1.0)
-        return d.eval()
-    d = DFlash2Drafter(DFlash2Config(**cfg.__dict__, selector_rank=4, selector_top_k=TOP_K))
-    with torch.no_grad():  # a selector that re-ranks (a fresh one is plain top-1)
-        d.candidate_selector.successor_codebook.normal_(std=2.0)
-        d.candidate_selector.predecessor_codebook.normal_(std=2.0)
-        d.candidate_selector.hidden_projection.weight.normal_(std=0.5)
-    return d.eval()
-
-
-@torch.inference_mode()
-def exact(target) -> dict[tuple[int, ...], float]:
-    """The target's own probability of every first-TOKENS continuation under the sampling settings."""
-    out: dict[tuple[int, ...], float] = {(): 1.0}
-    for _ in range(TOKENS):
-        nxt = {}
-        for prefix, p in out.items():
-            logits = target.model(input_ids=torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
-            probs = sampling_probs(logits, TEMPERATURE, 1.0, TOP_K)
-            for tok in probs.nonzero()[:, 0].tolist():
-                nxt[prefix + (tok,)] = p * float(probs[tok])
-        out = nxt
-    return out
-
-
-def chi_square(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...], float],
-               n: int) -> tuple[float, float]:
-    """(Pearson's statistic, its 0.1% critical value): cells expected fewer than 5 times pooled."""
-    big = [k for k, p in expected.items() if p * n >= 5]
-    rest = [k for k in expected if k not in big]
-    cells = [(counts.get(k, 0), expected[k] * n) for k in big]
-    if rest:
-        cells.append((sum(counts.get(k, 0) for k in rest), sum(expected[k] for k in rest) * n))
-    stat = sum((o - e) ** 2 / e for o, e in cells)
-    df = len(cells) - 1
-    z = 3.09  # one-sided 0.1%; Wilson-Hilferty's cube-root normal approximation of the chi-square quantile
-    return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def speculative_counts(drafter_, target) -> tuple[dict[tuple[int, ...], int], list[int]]:
-    counts: dict[tuple[int, ...], int] = {}
-    accepted: list[int] = []
-    for seed in range(SAMPLES):
-        s = Sampling(TEMPERATURE, 1.0, TOP_K, torch.Generator().manual_seed(seed))
-        res = speculative_generate(drafter_, target, PROMPT, TOKENS, stop_token_ids=[], sampling=s)
-        key = tuple(res.tokens)
-        counts[key] = counts.get(key, 0) + 1
-        accepted += res.accepted
-    return counts, accepted
+drafter = sampling_drafter
+exact = exact_continuations
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark"])
 def test_speculative_sampling_is_distributed_as_the_targets_own(target, kind):
     expected = exact(target)
-    assert max(expected.values()) < 0.5 and len(expected) == TOP_K ** TOKENS  # a spread, not one answer
+    assert max(expected.values()) < 0.5 and len(expected) == TOP_K ** SAMPLING_TOKENS  # a spread, not one answer
     counts, accepted = speculative_counts(drafter(target, kind), target)
     assert any(accepted) and not all(accepted)  # drafts were kept and rejected: both paths ran
     stat, critical = chi_square(counts, expected, SAMPLES)

@@ -201,6 +201,22 @@ def describe(fit: Fit, model: ActivationModel, block: int, device: torch.device,
             f"{model.per_query_token_layer / 1e3:.0f} KB per query token per drafter layer (measured at start)")
 
 
+def plan_step(stage: Any, target: Any, target_devices: list[torch.device], *, seq_len: int, batch_size: int,
+              num_anchors: int, hs_queue_size: int, free: int) -> tuple[Fit, ActivationModel]:
+    """The memory plan of a step of ``stage`` (a DrafterStage) fed by ``target``: the asked batch and
+    anchors fitted to ``free`` bytes, and the activation model it was fitted with. ``Fit.need`` is what
+    the plan says the steps add to the device's allocated memory (scripts/gpu_check.py holds a measured
+    peak to it)."""
+    # hidden-state batches on the drafter's device at once: the one in use and the reorder window after it
+    # (the queue's and one per target: the pipeline bounds it), and the one a target on the same device
+    # is producing
+    in_flight = 1 + reorder_window(hs_queue_size, len(target_devices)) + (stage.device in target_devices)
+    # the taps, and the target's final state after them for an objective that needs the verifier
+    width = (len(target.layer_ids) + (stage.verifier_head is not None)) * target.hidden_size
+    return fit_to_device(stage, width, target.dtype, in_flight, seq_len=seq_len, batch_size=batch_size,
+                         num_anchors=num_anchors, free=free)
+
+
 def size_to_device(stage: Any, target: Any, target_devices: list[torch.device], dist: Any,
                    log: Callable[[str], None], *, seq_len: int, batch_size: int, num_anchors: int,
                    hs_queue_size: int, free: int | None = None) -> tuple[int, int]:
@@ -212,14 +228,8 @@ def size_to_device(stage: Any, target: Any, target_devices: list[torch.device], 
         if stage.device.type != "cuda":
             return batch_size, num_anchors
         free = free_bytes(stage.device)
-    # hidden-state batches on the drafter's device at once: the one in use and the reorder window after it
-    # (the queue's and one per target: the pipeline bounds it), and the one a target on the same device
-    # is producing
-    in_flight = 1 + reorder_window(hs_queue_size, len(target_devices)) + (stage.device in target_devices)
-    # the taps, and the target's final state after them for an objective that needs the verifier
-    width = (len(target.layer_ids) + (stage.verifier_head is not None)) * target.hidden_size
-    fit, model = fit_to_device(stage, width, target.dtype, in_flight, seq_len=seq_len, batch_size=batch_size,
-                               num_anchors=num_anchors, free=free)
+    fit, model = plan_step(stage, target, target_devices, seq_len=seq_len, batch_size=batch_size,
+                           num_anchors=num_anchors, hs_queue_size=hs_queue_size, free=free)
     chosen = (fit.batch, fit.anchors)
     if dist.enabled:
         chosen = min(distributed.gather(dist, chosen))
