@@ -29,7 +29,9 @@ def bench_args(doc: str, options: dict[str, tuple[object, str]], quick: tuple[st
     p = bench_parser(doc)
     p.add_argument("--quick", action="store_true", help=quick[0])
     for name, (default, text) in options.items():
-        p.add_argument(f"--{name}", type=type(default), default=default, help=f"{text} (default {default})")
+        # `--max-tokens` as the docs write it; the setting's own name (`--max_tokens`) still reads
+        flags = dict.fromkeys((f"--{name.replace('_', '-')}", f"--{name}"))
+        p.add_argument(*flags, dest=name, type=type(default), default=default, help=f"{text} (default {default})")
     args = p.parse_args()
     if args.quick:
         vars(args).update(quick[1])
