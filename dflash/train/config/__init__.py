@@ -151,9 +151,10 @@ class ObjectiveSettings:
 
     loss: str = setting("ce", "ce: cross-entropy to the data's next tokens; kl: KL to the verifier's (target's) "
                         "distribution at each slot (default ce)", metavar="ce|kl")
-    position_weight: str = setting("exp", "exp: slot k weighs exp(-(k-1)/gamma); dpace: by its share of the "
-                                   "expected accepted length, from the drafter's confidence (needs --loss ce; "
-                                   "default exp)", metavar="exp|dpace")
+    # D-PACE is the default where it can be (the recipe table in docs/objectives.md: it accepts most)
+    position_weight: str | None = setting(None, "exp: slot k weighs exp(-(k-1)/gamma); dpace: by its share of "
+                                          "the expected accepted length, from the drafter's confidence (needs "
+                                          "--loss ce; default dpace with ce, exp with kl)", metavar="exp|dpace")
     dpace_alpha: float = setting(0.5, "D-PACE's confidence smoothing, in (0, 1] (default 0.5)")
     # a DFlash2 drafter's selector term (dflash/objectives/selector.py)
     selector_loss_weight: float = setting(1.0, "dflash2: weight of the selector's loss once ramped in (default 1)")
@@ -188,10 +189,11 @@ class DataSettings:
 
 @dataclass
 class OptimSettings:
-    """optimisation (the recipe: AdamW 6e-4, cosine, 4% warmup, clip 1.0)"""
+    """optimisation (the recipe: Muon for the matrices, AdamW for the rest, 6e-4, cosine, 4% warmup, clip 1)"""
 
-    optimizer: str = setting("adamw", "adamw, or muon: Muon for the drafter's weight matrices and AdamW for the "
-                             "rest (norms, biases; default adamw)", metavar="adamw|muon")
+    optimizer: str = setting("muon", "muon: Muon for the drafter's weight matrices and AdamW for the rest "
+                             "(norms, biases, vocabulary tables); or adamw for all (default muon)",
+                             metavar="adamw|muon")
     lr: float = setting(6e-4, "peak learning rate (default 6e-4)")
     muon_lr: float | None = setting(None, "with --optimizer muon: the Muon matrices' peak learning rate, on the "
                                     "same schedule; AdamW's vocabulary tables (codebooks, Markov head) take it too "
@@ -386,6 +388,8 @@ class TrainConfig:
         from dflash.objectives import check
         from dflash.objectives.optim import OPTIMIZERS, MuonUnavailable, guarded_muon
 
+        if self.objective.position_weight is None:  # the default follows the loss: D-PACE needs ce's confidence
+            self.objective.position_weight = "dpace" if self.objective.loss == "ce" else "exp"
         try:
             check(self.objective.loss, self.objective.position_weight)
         except ValueError as e:
