@@ -117,7 +117,7 @@ def test_the_terms_equal_a_direct_dense_computation_value_and_gradient(monkeypat
     g, ids, loss_mask, anchors, keep = batch()
     target_hidden = torch.randn(2, T, 2 * H, generator=g)
     verifier = torch.randn(2, T, H, generator=g)
-    objective = for_drafter(ObjectiveSettings(), drafter)
+    objective = for_drafter(ObjectiveSettings(position_weight="exp"), drafter)  # DSpark's own exp(-(k-1)/4)
     assert objective.describe() == "0.1 x ce + 0.9 x tv + confidence"
     assert objective.needs_verifier
     out = objective.on_batch(drafter, embed, lm_head, ids, target_hidden, loss_mask,

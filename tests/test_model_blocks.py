@@ -34,8 +34,9 @@ def make_parts(seed: int = 0, layers: int = 2, block: int = B):
 
 
 def dflash_loss(drafter, embed, head, ids, hidden, loss_mask, **kw):
-    """The default objective (CE, exponential position weights) with the plan built from loss_mask."""
-    return build(ObjectiveSettings(), drafter.config.gamma).on_batch(drafter, embed, head, ids, hidden, loss_mask,
+    """CE with exponential position weights (what these hand computations weigh by) with the plan built
+    from loss_mask."""
+    return build(ObjectiveSettings(position_weight="exp"), drafter.config.gamma).on_batch(drafter, embed, head, ids, hidden, loss_mask,
                                                                      **kw)
 
 

@@ -59,8 +59,17 @@ def losses() -> list[str]:
     return sorted(n for n, c in TERMS.items() if c.predicts_tokens)
 
 
-def check(loss: str, position_weight: str, extra: Mapping[str, float] | None = None) -> None:
+def weighting_for(loss: str, position_weight: str | None) -> str:
+    """The position weighting a run uses: the one asked for, else D-PACE where the loss computes the
+    confidence it needs (ce), exp otherwise (the default recipe, docs/objectives.md)."""
+    if position_weight is not None:
+        return position_weight
+    return "dpace" if loss == "ce" else "exp"
+
+
+def check(loss: str, position_weight: str | None, extra: Mapping[str, float] | None = None) -> None:
     """One line (ValueError) for names that are not registered, or a weighting the loss cannot feed."""
+    position_weight = weighting_for(loss, position_weight)
     if loss not in losses():
         raise ValueError(f"loss: unknown objective {loss!r}; choose from {', '.join(losses())}")
     if position_weight not in POSITION_WEIGHTS:
@@ -84,7 +93,8 @@ def build(settings: Any, gamma: float, extra: Mapping[str, float] | None = None,
     if "tv" in (extra or {}) and settings.loss != "ce":
         raise ValueError(f"a DSpark drafter trains its token term as cross-entropy (beside total variation to "
                          f"the target): use --loss ce, not {settings.loss}")
-    weighting = ExpDecay(gamma) if settings.position_weight == "exp" else DPace(settings.dpace_alpha)
+    exp = weighting_for(settings.loss, settings.position_weight) == "exp"
+    weighting = ExpDecay(gamma) if exp else DPace(settings.dpace_alpha)
     token = TERMS[settings.loss](weighting, token_weight)  # type: ignore[call-arg]
     return Objective([token, *(TERMS[n].made(w, settings) for n, w in (extra or {}).items())])
 
