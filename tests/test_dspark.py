@@ -170,9 +170,9 @@ def test_a_dspark_run_trains_evaluates_losslessly_exports_and_is_read_back(setup
         assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / fmt), "--dtype", "keep", *flags]) == 0
         text = capsys.readouterr().out
         assert f"to {tmp_path / fmt}" in text
-        # the engines that load the format read its heads as trained (engine_contracts.check_dspark)
+        # the engines that load the format read it as trained, heads and backbone (engine_contracts.check_dspark)
         loads = {"deepspec": ("vllm", "sglang"), "speculators": ("vllm",), "specforge": ("sglang",)}[fmt]
-        assert all(f"engine check: {e} reads the DSpark heads as trained" in text for e in loads), text
+        assert all(f"engine check: {e} reads the DSpark drafter as trained" in text for e in loads), text
         back = load_exported(tmp_path / fmt)
         assert all(torch.equal(v, trained.state_dict()[k]) for k, v in back.state_dict().items()), fmt
         for temperature in ("0", "0.8"):

@@ -227,9 +227,71 @@ def test_export_check_of_a_dspark_export(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(d))
     assert main(["export", "--check", "all", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "engine check: vllm reads the DSpark heads as trained" in out and "sglang reads" in out
+    assert "engine check: vllm reads the DSpark drafter as trained" in out and "sglang reads" in out
     d["dspark_draft_topk"] = 8
     (tmp_path / "config.json").write_text(json.dumps(d))
     assert main(["export", "--check", "vllm", str(tmp_path)]) == 1
     assert capsys.readouterr().err == ("dflash export: MISMATCH vllm: dspark_draft_topk is 8 as served, None as "
                                        "trained\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# DSpark's backbone (vLLM's DSpark model reads it as its DFlash model does; SGLang's DSpark parser puts
+# its dspark_ keys and the top-level mask first): rules in engine_contracts.py
+# --------------------------------------------------------------------------------------------------
+LOADS = {"deepspec": ("vllm", "sglang"), "speculators": ("vllm",), "specforge": ("sglang",)}
+
+
+@pytest.mark.parametrize("fmt", sorted(LOADS))
+def test_dspark_backbone_of_each_format_read_as_trained(fmt):
+    from dflash.eval.engine_contracts import check_dspark, sglang_dspark_backbone, vllm_dspark_backbone
+
+    cfg, d = dspark(fmt)
+    assert check_dspark(d, cfg, LOADS[fmt]) == []
+    # the engines' own numbers, not only their agreement with ours
+    if "vllm" in LOADS[fmt]:
+        v = vllm_dspark_backbone(d)
+        assert (v.target_layer_ids, v.mask_token, len(v.layers)) == ([1, 5, 9], 59, 2)
+    if "sglang" in LOADS[fmt]:
+        s = sglang_dspark_backbone(d)
+        assert (s.target_layer_ids, s.block_size, s.mask_token) == ([1, 5, 9], 7, 59)
+
+
+@pytest.mark.parametrize("fmt, edit, says", [
+    ("deepspec", lambda d: d.update(dspark_target_layer_ids=[2, 6, 10]),
+     ["sglang: tap layers (target_layer_ids) is [2, 6, 10] as served, [1, 5, 9] as trained"]),
+    ("deepspec", lambda d: d.update(eagle_aux_hidden_state_layer_ids=[1, 5, 9]),
+     ["vllm: tap layers (target_layer_ids) is [0, 4, 8] as served, [1, 5, 9] as trained"]),
+    ("deepspec", lambda d: d["dflash_config"].update(target_layer_ids=[2, 6, 10]),
+     ["vllm: tap layers (target_layer_ids) is [2, 6, 10] as served, [1, 5, 9] as trained",
+      "sglang: tap layers (target_layer_ids) is [2, 6, 10] as served, [1, 5, 9] as trained"]),
+    ("deepspec", lambda d: (d.pop("block_size"), d["dflash_config"].pop("block_size")),
+     ["sglang: block size is not stated (the engine's default) as served, 7 as trained"]),
+    ("deepspec", lambda d: d.update(dspark_block_size=8), ["sglang: block size is 8 as served, 7 as trained"]),
+    ("deepspec", lambda d: d.update(mask_token_id=58), ["sglang: mask token is 58 as served, 59 as trained"]),
+    ("deepspec", lambda d: d.update(dspark_noise_token_id=3), ["sglang: mask token is 3 as served, 59 as trained"]),
+    ("deepspec", lambda d: (d.pop("mask_token_id"), d["dflash_config"].pop("mask_token_id")),
+     ["vllm: mask token is not stated (the engine's default) as served, 59 as trained",
+      "sglang: loading is refused (ValueError: DSpark requires mask_token_id"]),
+    ("deepspec", lambda d: d.update(is_causal=True),
+     ['vllm: layer attention (layers [0, 1]) is ["full, causal", "full, causal"] as served']),
+    ("deepspec", lambda d: d["dflash_config"].update(use_swa=True, swa_window_size=16),
+     ['vllm: layer attention (layers [0, 1]) is ["sliding 16, bidirectional", "sliding 16, bidirectional"]']),
+    ("deepspec", lambda d: d.update(num_hidden_layers=3, layer_types=["full_attention"] * 3),
+     ["vllm: num_hidden_layers is 3 as served, 2 as trained", "sglang: num_hidden_layers is 3 as served, 2"]),
+    ("speculators", lambda d: d.update(aux_hidden_state_layer_ids=[1, 5, 9]),
+     ["vllm: tap layers (target_layer_ids) is [0, 4, 8] as served, [1, 5, 9] as trained"]),
+    ("specforge", lambda d: d["dflash_config"].update(target_layer_ids=[2, 6, 10]),
+     ["sglang: tap layers (target_layer_ids) is [2, 6, 10] as served, [1, 5, 9] as trained"]),
+    ("specforge", lambda d: d["dflash_config"].pop("block_size"),
+     []),  # the top-level block_size is read second
+], ids=["sglang-dspark-taps", "vllm-aux-off-by-one", "taps-shifted", "no-block", "dspark-block", "top-mask-first",
+        "noise-token", "no-mask", "causal", "use-swa", "depth", "speculators-aux", "specforge-taps",
+        "specforge-top-block"])
+def test_each_dspark_backbone_drift_is_one_line(fmt, edit, says):
+    from dflash.eval.engine_contracts import check_dspark
+
+    cfg, d = dspark(fmt)
+    edit(d)
+    got = [str(x) for x in check_dspark(d, cfg, LOADS[fmt])]
+    assert len(got) == len(says) and all(g.startswith(s) for g, s in zip(got, says, strict=True)), got

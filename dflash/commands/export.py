@@ -140,8 +140,8 @@ def _report(d: dict, trained, engines: tuple[str, ...], out: Path, target: str) 
 
 
 def _report_dspark(d: dict, trained, engines: tuple[str, ...]) -> int:
-    """A DSpark export: one line per engine that reads its heads otherwise than they trained (stderr);
-    1 where any does. The backbone's keys are not resolved for DSpark yet, and the output says so."""
+    """A DSpark export: one line per key an engine reads otherwise than the drafter trained, heads and
+    backbone (stderr); 1 where any does."""
     from dflash.eval.engine_contracts import check_dspark
 
     problems = check_dspark(d, trained, engines)
@@ -149,8 +149,9 @@ def _report_dspark(d: dict, trained, engines: tuple[str, ...]) -> int:
         print(f"dflash export: MISMATCH {p}", file=sys.stderr)
     for e in engines:
         if not any(p.engine == e for p in problems):
-            print(f"engine check: {e} reads the DSpark heads as trained (markov_rank, draft vocabulary, confidence "
-                  "head and its Markov input, no Markov top-k); the backbone's keys are not checked for DSpark yet")
+            print(f"engine check: {e} reads the DSpark drafter as trained (markov_rank, draft vocabulary, confidence "
+                  "head and its Markov input, no Markov top-k; tap layers, " + ("" if e == "vllm" else "block, ")
+                  + "layer attention, mask token)")
     return 1 if problems else 0
 
 

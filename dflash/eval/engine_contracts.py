@@ -36,6 +36,19 @@ the token named ``mask_token`` (default ``<|MASK|>``) looked up in the tokenizer
 from ``dflash_config`` only, each pair together or neither (absent: 0, no convolution / no selector);
 ``output_multiplier`` and ``final_logit_softcapping`` from ``dflash_config``. SGLang's parser does not
 read ``input_embedding_scale`` or layer causality, so neither is compared for it.
+
+A DSpark drafter's backbone is read by the same rules with these changes. vLLM (``qwen3_dspark.py``)
+builds its Qwen3 DSpark model on its DFlash Qwen3 model, so taps, layer attention, mask and switches are
+read as above (``dspark_target_layer_ids`` is in the tap order above); its block is the command line's,
+so no config key is compared for it. A speculators-convention file reaches it through vLLM's
+speculators adapter: the layers from ``transformer_layer_config``, ``aux_hidden_state_layer_ids`` as the
+aux ids as given, ``dflash_config`` holding ``mask_token_id`` and those ids - 1. SGLang (``models/dspark.py``
+through ``dspark_config.parse_dspark_draft_config``, which starts from the DFlash parser above): the
+top-level ``dspark_target_layer_ids`` (dflash's count, a non-empty list) before every other tap key,
+``dspark_block_size`` before ``block_size`` (DSpark's block is the drafts per round, which is what
+SGLang's gamma counts; ``--speculative-num-draft-tokens`` is that + 1 and a difference only warns), and
+the mask id from ``dspark_noise_token_id``, then ``dspark_config``, ``text_config``, the top level, and
+only then ``dflash_config``; without one the drafter is refused (no token is looked up by name).
 """
 
 from __future__ import annotations
@@ -351,9 +364,72 @@ def sglang_dspark(d: dict) -> tuple[dict, str | None]:
             "confidence_head_with_markov": bool(pick("confidence_head_with_markov", rank > 0))}, None
 
 
+# --------------------------------------------------------------------------------------------------
+# DSpark's backbone
+# --------------------------------------------------------------------------------------------------
+def speculators_as_vllm(d: dict) -> dict:
+    """A speculators-convention DSpark config.json as vLLM's speculators adapter hands it to its DSpark
+    model: the layers from ``transformer_layer_config``, ``aux_hidden_state_layer_ids`` as the aux ids
+    as given, ``dflash_config`` holding the mask id and those ids - 1, the head settings at the top."""
+    out = dict(d.get("transformer_layer_config") or {})
+    aux = d.get("aux_hidden_state_layer_ids")
+    out.update({k: d[k] for k in (*DSPARK_SETTINGS, "markov_head_type") if k in d})
+    out["eagle_aux_hidden_state_layer_ids"] = aux
+    out["dflash_config"] = {"mask_token_id": d.get("mask_token_id"),
+                            "target_layer_ids": None if aux is None else [int(i) - 1 for i in aux]}
+    return out
+
+
+def vllm_dspark_backbone(d: dict) -> Contract:
+    """The backbone as vLLM's Qwen3 DSpark model reads it: its DFlash Qwen3 model's rules, unchanged
+    (aux layers, layer attention, mask, switches); the block comes from the command line, so no config
+    key is held against it."""
+    c = vllm_contract(speculators_as_vllm(d) if d.get("speculators_model_type") == "dspark" else d, None)
+    c.architecture = None  # the format's name, checked with the heads
+    return c
+
+
+def sglang_dspark_backbone(d: dict) -> Contract:
+    """The backbone as SGLang's DSpark config parser reads it: its DFlash parser's reading, then the
+    ``dspark_``-prefixed top-level keys first (``dspark_target_layer_ids`` as dflash counts them,
+    ``dspark_block_size``, ``dspark_noise_token_id`` for the mask); the mask id from ``dspark_config``,
+    ``text_config``, the top level, and only then ``dflash_config``, and without one the drafter is
+    refused (no token is looked up by name); the block is the drafts per round, which DSpark's block is."""
+    c = sglang_contract(d)
+    c.architecture = None
+    taps = d.get("dspark_target_layer_ids")
+    if taps is not None:
+        if not (isinstance(taps, (list, tuple)) and taps):
+            c.refused = c.refused or f"ValueError: dspark_target_layer_ids must be a non-empty list, got {taps!r}"
+        else:
+            c.target_layer_ids = [int(x) for x in taps]
+    if d.get("dspark_block_size") is not None:
+        c.block_size = int(d["dspark_block_size"])
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
+    ds = d.get("dspark_config") if isinstance(d.get("dspark_config"), dict) else {}
+    dc = d.get("dflash_config") or {}
+    for where in (d.get("dspark_noise_token_id"), ds.get("mask_token_id"), text.get("mask_token_id"),
+                  d.get("mask_token_id"), dc.get("mask_token_id")):
+        if where is not None:
+            c.mask_token = int(where)
+            break
+    else:
+        c.refused = c.refused or "ValueError: DSpark requires mask_token_id to be set in the draft model config"
+    return c
+
+
+def dspark_backbone_truth(cfg) -> Contract:
+    """What a DSpark drafter's backbone trained on, as the engines' DSpark readings state it: no
+    architecture (the format's, checked with the heads), no DFlash2 keys."""
+    truth = trained_contract(cfg)
+    truth.architecture = None
+    return truth
+
+
 def check_dspark(d: dict, trained, engines: tuple[str, ...] = ENGINES) -> list[Disagreement]:
-    """The disagreements between a DSpark export's config.json ``d`` and the heads of the drafter
-    ``trained`` (a DSparkConfig), engine by engine: a refusal alone, else each setting read otherwise."""
+    """The disagreements between a DSpark export's config.json ``d`` and the drafter ``trained`` (a
+    DSparkConfig), engine by engine: a refusal alone, else each head setting and then each backbone key
+    read otherwise (the backbone through ``compare``, as for DFlash)."""
     truth = dspark_trained(trained)
     out: list[Disagreement] = []
     for engine in engines:
@@ -362,4 +438,9 @@ def check_dspark(d: dict, trained, engines: tuple[str, ...] = ENGINES) -> list[D
             out.append(Disagreement("loading", engine, f"refused ({refused})", "a drafter that loads"))
             continue
         out += [Disagreement(k, engine, v, truth[k]) for k, v in got.items() if v != truth[k]]
+        backbone = dspark_backbone_truth(trained)
+        if engine == "vllm":
+            backbone.block_size = None  # vLLM's block is the command line's, not a config key
+        served = {"vllm": vllm_dspark_backbone, "sglang": sglang_dspark_backbone}[engine](d)
+        out += compare(engine, served, backbone)
     return out
