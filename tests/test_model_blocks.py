@@ -36,8 +36,8 @@ def make_parts(seed: int = 0, layers: int = 2, block: int = B):
 def dflash_loss(drafter, embed, head, ids, hidden, loss_mask, **kw):
     """CE with exponential position weights (what these hand computations weigh by) with the plan built
     from loss_mask."""
-    return build(ObjectiveSettings(position_weight="exp"), drafter.config.gamma).on_batch(drafter, embed, head, ids, hidden, loss_mask,
-                                                                     **kw)
+    objective = build(ObjectiveSettings(position_weight="exp"), drafter.config.gamma)
+    return objective.on_batch(drafter, embed, head, ids, hidden, loss_mask, **kw)
 
 
 def batch(bsz: int = 2, seed: int = 1):
