@@ -102,6 +102,21 @@ def train_following(writer: str, writer_args: list[str], dst: Path, log: Path, t
             p.wait()
 
 
+def start_regenerate(args: list[str]) -> tuple[subprocess.Popen, Path]:
+    """A real `dflash data regenerate` job with ``args``, and its telemetry socket as it announces it
+    (`telemetry: PATH`, read off its output before anything else is waited on)."""
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "data", "regenerate", *args], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = ""
+    while not line.startswith("telemetry: "):
+        line = proc.stdout.readline()
+        if not line:
+            proc.kill()
+            raise AssertionError("the job ended before it opened its telemetry socket")
+    return proc, Path(line.split(": ", 1)[1].strip())
+
+
 def bench_quick(script: str, timeout: float = 600) -> dict:
     """The JSON report of `scripts/<script> --quick --json`, run from the repository root (a smoke run
     of a benchmark: its figures mean nothing); a non-zero exit fails with the script's stderr."""

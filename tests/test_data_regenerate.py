@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO, screen_text, until, wait_until
+from conftest import REPO, screen_text, start_regenerate, until, wait_until
 from openai_server import ServerProxy, free_port
 
 from dflash.cli import main
@@ -216,17 +216,11 @@ async def test_dflash_top_shows_a_running_job(served: str, tmp_path: Path, sock_
     from dflash_tui.app import DFlashTop
 
     data = _rows(tmp_path, 200)
-    proc = subprocess.Popen([sys.executable, "-m", "dflash", "data", "regenerate", "--target", "tiny", "--data",
-                             str(data), "--out", str(tmp_path / "o.jsonl"), "--max-tokens", "48", "--endpoint",
-                             served, "--concurrency", "4", "--socket-dir", str(sock_dir)], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, socket_path = start_regenerate(["--target", "tiny", "--data", str(data), "--out", str(tmp_path / "o.jsonl"),
+                                          "--max-tokens", "48", "--endpoint", served, "--concurrency", "4",
+                                          "--socket-dir", str(sock_dir)])
     try:
-        line = ""
-        while not line.startswith("telemetry: "):
-            line = proc.stdout.readline()
-            assert line, "the job ended before it opened its telemetry socket"
-        app = DFlashTop(Path(line.split(": ", 1)[1].strip()))
+        app = DFlashTop(socket_path)
         async with app.run_test(size=(140, 44)) as pilot:
             def shown() -> bool:
                 text = screen_text(app)

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
-from conftest import REPO, LineClient, wait_until
+from conftest import REPO, LineClient, start_regenerate, wait_until
 from openai_server import ServerProxy, free_port
 
 from dflash.cli import main
@@ -182,17 +179,11 @@ def test_the_in_process_job_speaks_telemetry(tmp_path: Path, sock_dir: Path) -> 
     writes) and its rows and tokens on the same wire as the endpoint path."""
     data = tmp_path / "in.jsonl"
     data.write_text("\n".join(DEMO.read_text().splitlines()[:400]) + "\n")
-    proc = subprocess.Popen([sys.executable, "-m", "dflash", "data", "regenerate", "--target", "tiny", "--data",
-                             str(data), "--out", str(tmp_path / "o.jsonl"), "--max-tokens", "24", "--batch-size", "1",
-                             "--device", "cpu", "--socket-dir", str(sock_dir)], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, socket_path = start_regenerate(["--target", "tiny", "--data", str(data), "--out", str(tmp_path / "o.jsonl"),
+                                          "--max-tokens", "24", "--batch-size", "1", "--device", "cpu",
+                                          "--socket-dir", str(sock_dir)])
     try:
-        line = ""
-        while not line.startswith("telemetry: "):
-            line = proc.stdout.readline()
-            assert line, "the job ended before it opened its telemetry socket"
-        client = LineClient(Path(line.split(": ", 1)[1].strip()))
+        client = LineClient(socket_path)
         seen: list[protocol.Snapshot] = []
 
         def published() -> bool:
